@@ -1,0 +1,27 @@
+# `make demo` runs the main job end to end on embedded defaults; `make test` runs the whole suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint compose-check clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m cli.main demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+compose-check:
+	docker-compose -f docker-compose.yml config -q
+
+clean:
+	rm -rf $(VENV) .convoq

@@ -1,0 +1,31 @@
+"""The producer API. It writes rows and publishes messages; it never loads a model."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+
+from api.routes import health, jobs
+from jobs.db import make_engine, make_sessions
+from jobs.settings import Settings, get_settings
+from worker.celery_app import create_celery
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    if not settings.api_keys:
+        log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
+    app = FastAPI(
+        title="convoq",
+        version="0.1.0",
+        description="Queue-fed batch inference for Qwen3 models. Priority 0..9, 9 is the most urgent.",
+    )
+    app.state.settings = settings
+    app.state.sessions = make_sessions(make_engine(settings.database_url))
+    app.state.celery = create_celery(settings)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    return app

@@ -1,0 +1,90 @@
+"""The producer client: submit jobs, read them, wait for them. Sync and async, same pydantic models."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import httpx
+
+from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut
+
+
+class ConvoqError(RuntimeError):
+    def __init__(self, status_code: int, detail: object) -> None:
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+def _check(response: httpx.Response) -> dict:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail")
+        except ValueError:
+            detail = response.text
+        raise ConvoqError(response.status_code, detail)
+    return response.json()
+
+
+def _headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+class Client:
+    def __init__(self, base_url: str, api_key: str, timeout: float = 30.0) -> None:
+        self.http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout)
+
+    def submit(self, job: JobIn) -> JobAccepted:
+        return JobAccepted.model_validate(_check(self.http.post("/v1/jobs", json=job.model_dump(mode="json"))))
+
+    def get(self, job_id: UUID | str, wait: float = 0.0) -> JobOut:
+        response = self.http.get(f"/v1/jobs/{job_id}", params={"wait": wait}, timeout=wait + 30.0)
+        return JobOut.model_validate(_check(response))
+
+    def wait(self, job_id: UUID | str, timeout: float = 300.0, poll: float = 30.0) -> JobOut:
+        """Long-poll until the job is terminal or `timeout` passes (then the last state is returned)."""
+        remaining = timeout
+        while True:
+            job = self.get(job_id, wait=min(poll, max(remaining, 0.0)))
+            remaining -= poll
+            if job.status in TERMINAL or remaining <= 0:
+                return job
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, base_url: str, api_key: str, timeout: float = 30.0) -> None:
+        self.http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout)
+
+    async def submit(self, job: JobIn) -> JobAccepted:
+        response = await self.http.post("/v1/jobs", json=job.model_dump(mode="json"))
+        return JobAccepted.model_validate(_check(response))
+
+    async def get(self, job_id: UUID | str, wait: float = 0.0) -> JobOut:
+        response = await self.http.get(f"/v1/jobs/{job_id}", params={"wait": wait}, timeout=wait + 30.0)
+        return JobOut.model_validate(_check(response))
+
+    async def wait(self, job_id: UUID | str, timeout: float = 300.0, poll: float = 30.0) -> JobOut:
+        remaining = timeout
+        while True:
+            job = await self.get(job_id, wait=min(poll, max(remaining, 0.0)))
+            remaining -= poll
+            if job.status in TERMINAL or remaining <= 0:
+                return job
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,132 @@
+"""Throughput and overhead of the whole service path with the tiny model.
+
+    python -m bench.pipeline --jobs 200 --json
+
+Starts its own API and worker (real processes) against the configured broker and database
+(CONVOQ_BROKER_URL, CONVOQ_DATABASE_URL), pushes short jobs through HTTP, and reads the timings rows back.
+Overhead is what the service adds around the engine: end-to-end time minus time inside the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+from tqdm import tqdm
+
+from api.client import AsyncClient
+from cli.stack import Stack
+from engine.tiny import build_tiny_model
+from jobs.migrate import upgrade
+from jobs.schemas import TERMINAL, JobIn, JobStatus
+from jobs.settings import DATA_DIR, Settings
+from jobs.tables import Job, Timing
+
+KEY = "bench-key"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def submit_all(url: str, jobs: list[JobIn], concurrency: int) -> list[str]:
+    async with AsyncClient(url, KEY) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(job: JobIn) -> str:
+            async with gate:
+                return str((await client.submit(job)).id)
+
+        return await asyncio.gather(*(one(j) for j in jobs))
+
+
+def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> float:
+    """Poll the database until every job is terminal; returns when the last one finished."""
+    query = sa.select(sa.func.count()).where(Job.id.in_([uuid.UUID(i) for i in ids]), Job.status.in_(TERMINAL))
+    deadline = time.monotonic() + timeout
+    with tqdm(total=len(ids), desc="jobs", file=sys.stderr) as bar:
+        while True:
+            with engine.connect() as conn:
+                done = conn.execute(query).scalar_one()
+            bar.update(done - bar.n)
+            if done >= len(ids):
+                return time.monotonic()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{done}/{len(ids)} jobs finished within {timeout}s")
+            time.sleep(0.02)
+
+
+def run(n_jobs: int, max_new_tokens: int, concurrency: int) -> dict:
+    settings = Settings()
+    model = DATA_DIR / "models" / "tiny"
+    if not model.exists():
+        build_tiny_model(model)
+    upgrade(settings.database_url)
+    db = sa.create_engine(settings.database_url)
+    env = {
+        "CONVOQ_DATABASE_URL": settings.database_url,
+        "CONVOQ_BROKER_URL": settings.broker_url,
+        "CONVOQ_MODEL": str(model),
+        "CONVOQ_API_KEYS": KEY,
+        "CONVOQ_WORKER_CONCURRENCY": str(max(n_jobs, 64)),
+        "CONVOQ_MAX_BATCH_SIZE": str(max(n_jobs, 16)),
+    }
+    jobs = [JobIn(messages=[{"role": "user", "content": f"Where is my order {i}? It is late."}], priority=i % 10,
+                  sampling={"max_new_tokens": max_new_tokens}) for i in range(n_jobs)]
+    with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-bench-"))) as stack:
+        stack.start_api()
+        stack.start_worker()
+        # warm-up: the first batch and the connection pools, outside the measurement
+        wait_done(db, asyncio.run(submit_all(stack.api_url, jobs[:8], concurrency)), 120)
+        start = time.monotonic()
+        ids = asyncio.run(submit_all(stack.api_url, jobs, concurrency))
+        submitted = time.monotonic()
+        end = wait_done(db, ids, 600)
+    mine = [uuid.UUID(i) for i in ids]
+    with db.connect() as conn:
+        succeeded = conn.execute(
+            sa.select(sa.func.count()).where(Job.id.in_(mine), Job.status == JobStatus.succeeded)
+        ).scalar_one()
+        timings = conn.execute(
+            sa.select(Timing.queue_wait_ms, Timing.end_to_end_ms, Timing.engine_ms).where(Timing.job_id.in_(mine))
+        ).all()
+    db.dispose()
+    waits = [t.queue_wait_ms for t in timings]
+    overhead = [t.end_to_end_ms - t.engine_ms for t in timings]
+    return {
+        "jobs": n_jobs,
+        "succeeded": succeeded,
+        "jobs_per_s": round(n_jobs / (end - start), 1),
+        "submit_per_s": round(n_jobs / (submitted - start), 1),
+        "queue_wait_p50_ms": round(percentile(waits, 0.5), 1),
+        "queue_wait_p95_ms": round(percentile(waits, 0.95), 1),
+        "overhead_p50_ms": round(statistics.median(overhead), 1),
+        "overhead_p95_ms": round(percentile(overhead, 0.95), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight while submitting")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    args = parser.parse_args()
+    result = run(args.jobs, args.max_new_tokens, args.concurrency)
+    if not args.json:
+        for k, v in result.items():
+            print(f"{k:>20}: {v}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

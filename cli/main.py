@@ -1,0 +1,124 @@
+"""The `convoq` command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from jobs.settings import get_settings
+
+app = typer.Typer(help="convoq: queue-fed batch inference for Qwen3 models.", no_args_is_help=True)
+
+
+@app.command()
+def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
+    """Run the producer API (it never loads a model)."""
+    import uvicorn
+
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
+
+
+@app.command()
+def worker(
+    concurrency: Annotated[int | None, typer.Option(help="Celery threads feeding the engine")] = None,
+    queues: Annotated[str | None, typer.Option(help="comma-separated, most urgent first")] = None,
+    loglevel: str = "info",
+) -> None:
+    """Run a worker: one engine on this process's device, fed by many Celery threads."""
+    from worker.celery_app import app as celery
+
+    settings = get_settings()
+    celery.worker_main([
+        "worker",
+        "--pool=threads",
+        f"--concurrency={concurrency or settings.worker_concurrency}",
+        # interactive first: on equal broker priority BRPOP serves the first listed queue
+        f"--queues={queues or settings.interactive_queue + ',' + settings.bulk_queue}",
+        "--task-events",
+        "--without-mingle",
+        "--without-gossip",
+        f"--loglevel={loglevel}",
+        "--hostname=convoq@%h",
+    ])
+
+
+@app.command()
+def flower(port: Annotated[int | None, typer.Option()] = None) -> None:
+    """Run Flower on our Celery app, behind basic auth from CONVOQ_FLOWER_USER / CONVOQ_FLOWER_PASSWORD."""
+    from worker.celery_app import app as celery
+
+    settings = get_settings()
+    if not settings.flower_password.get_secret_value():
+        typer.echo("set CONVOQ_FLOWER_PASSWORD (and CONVOQ_FLOWER_USER): Flower shows every job", err=True)
+        raise typer.Exit(2)
+    celery.start([
+        "flower",
+        f"--port={port or settings.flower_port}",
+        f"--basic-auth={settings.flower_user}:{settings.flower_password.get_secret_value()}",
+    ])
+
+
+@app.command()
+def migrate(revision: str = "head", down: bool = False) -> None:
+    """Bring the database schema to `revision` (alembic upgrade head), or down to it with --down."""
+    from jobs.migrate import downgrade, upgrade
+
+    url = get_settings().database_url
+    (downgrade if down else upgrade)(url, "base" if down and revision == "head" else revision)
+    typer.echo(f"database at {revision if not down else 'downgraded'}")
+
+
+@app.command("tiny-model")
+def tiny_model(path: Path, preset: str = "tiny", seed: int = 0) -> None:
+    """Write a small random Qwen3 checkpoint folder (loads like a real Qwen/Qwen3-* folder)."""
+    from engine.tiny import build_tiny_model
+
+    typer.echo(str(build_tiny_model(path, preset=preset, seed=seed)))
+
+
+@app.command()
+def submit(
+    text: Annotated[str, typer.Argument(help="the user message (or transcript with --kind summarize)")],
+    url: str = "http://127.0.0.1:8000",
+    api_key: Annotated[str, typer.Option(envvar="CONVOQ_API_KEY")] = "",
+    kind: str = "chat",
+    priority: int = 5,
+    max_new_tokens: int = 64,
+    wait: Annotated[float, typer.Option(help="seconds to wait for the result")] = 60.0,
+) -> None:
+    """Submit one job over the HTTP API and print it as JSON once it finishes."""
+    from api.client import Client, ConvoqError
+    from jobs.schemas import JobIn
+
+    try:
+        job = JobIn(messages=[{"role": "user", "content": text}], kind=kind, priority=priority,
+                    sampling={"max_new_tokens": max_new_tokens})
+    except ValueError as exc:
+        typer.echo(f"invalid job: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    with Client(url, api_key) as client:
+        try:
+            accepted = client.submit(job)
+            out = client.wait(accepted.id, timeout=wait) if wait > 0 else client.get(accepted.id)
+        except ConvoqError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(1) from exc
+    typer.echo(json.dumps(out.model_dump(mode="json"), indent=2))
+    if out.status == "failed":
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(jobs: int = 20) -> None:
+    """Run the main job end to end on embedded defaults and print what happened."""
+    from cli.demo import run_demo
+
+    sys.exit(run_demo(jobs))
+
+
+if __name__ == "__main__":
+    app()

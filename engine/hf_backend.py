@@ -1,0 +1,143 @@
+"""The reference backend: transformers' own `generate` on static, left-padded batches.
+
+It stays as the yardstick for correctness and speed of `LLMEngine`. Each step takes the most urgent waiting
+requests that can share one `generate` call (same sampling settings), pads them to the longest prompt and
+runs them to the longest output, which is exactly the waste our own engine exists to remove.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+from engine.interface import Completion, Request, RequestError, Timings
+from engine.text import finish_text
+
+
+class _Clock(LogitsProcessor):
+    """Called once per generated token: the first call marks the end of prefill."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.first is None:
+            self.first = time.monotonic()
+        return scores
+
+
+def load_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class HFEngine:
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 16):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype(dtype, device))
+        self.model.to(device).eval()
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.max_model_len = int(self.model.config.max_position_embeddings)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._order = itertools.count()
+        self._batches = 0
+
+    def add_request(self, request: Request) -> None:
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestError(f"prompt has {n} tokens; the model's context is {self.max_model_len}")
+        heapq.heappush(self._waiting, (-request.priority, request.arrival, next(self._order), request))
+
+    def abort_request(self, request_id: str) -> Completion | None:
+        for i, (_, _, _, request) in enumerate(self._waiting):
+            if request.request_id == request_id:
+                self._waiting.pop(i)
+                heapq.heapify(self._waiting)
+                return Completion(request_id, [], "", len(request.prompt_ids), "cancelled")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting)
+
+    def stats(self) -> dict[str, float]:
+        return {"waiting": len(self._waiting), "running": 0, "batches": self._batches}
+
+    def step(self) -> list[Completion]:
+        batch = self._take_batch()
+        start = time.monotonic()
+        clock = _Clock()
+        s = batch[0].sampling
+        longest = max(len(r.prompt_ids) for r in batch)
+        budget = [min(r.sampling.max_new_tokens, self.max_model_len - len(r.prompt_ids)) for r in batch]
+        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for i, r in enumerate(batch):
+            input_ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, longest - len(r.prompt_ids):] = 1
+        if s.seed is not None:
+            torch.manual_seed(s.seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=max(budget),
+                do_sample=s.temperature > 0,
+                temperature=s.temperature if s.temperature > 0 else None,
+                top_p=s.top_p if s.temperature > 0 else None,
+                top_k=(s.top_k or None) if s.temperature > 0 else None,
+                eos_token_id=None if s.ignore_eos else sorted(self.eos_ids),
+                pad_token_id=self.pad_id,
+                logits_processor=LogitsProcessorList([clock]),
+            )
+        end = time.monotonic()
+        self._batches += 1
+        first = clock.first or end
+        completions = []
+        for i, r in enumerate(batch):
+            generated = out[i, longest:longest + budget[i]].tolist()
+            ids, text, ended = finish_text(
+                self.tokenizer, generated, r.sampling.stop, set() if s.ignore_eos else self.eos_ids
+            )
+            timings = Timings(
+                queue_wait_ms=(start - r.arrival) * 1e3,
+                ttft_ms=(first - r.arrival) * 1e3,
+                prefill_ms=(first - start) * 1e3,
+                decode_ms=(end - first) * 1e3,
+                batch_size=len(batch),
+                batch_id=self._batches,
+            )
+            completions.append(Completion(r.request_id, ids, text, len(r.prompt_ids),
+                                          "stop" if ended else "length", None, timings))
+        return completions
+
+    def _take_batch(self) -> list[Request]:
+        """The most urgent request plus the next most urgent ones that can share its `generate` call."""
+        head = heapq.heappop(self._waiting)
+        key = self._group_key(head[3])
+        batch, kept = [head], []
+        while self._waiting and len(batch) < self.max_batch_size:
+            item = heapq.heappop(self._waiting)
+            (batch if self._group_key(item[3]) == key else kept).append(item)
+        for item in kept:
+            heapq.heappush(self._waiting, item)
+        return [item[3] for item in batch]
+
+    @staticmethod
+    def _group_key(request: Request) -> tuple:
+        s = request.sampling
+        if s.temperature <= 0:
+            return ("greedy", s.ignore_eos)
+        # a seeded request runs alone so that its random draws do not depend on its batch-mates
+        return ("sample", s.temperature, s.top_p, s.top_k, s.ignore_eos, s.seed, request.request_id if s.seed is not None else None)

@@ -1,0 +1,87 @@
+"""What a backend takes in and gives back: the contract between the worker and any engine.
+
+Both backends (the `hf` reference and our own `LLMEngine`) implement `StepEngine`; `engine.runner.Runner`
+wraps either in the one thread that owns the model and hands out futures.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks generate exactly max_new_tokens
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # 0..9, 9 is the most urgent
+    conversation_id: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Timings:
+    """Milliseconds, measured by the engine thread; `arrival` of the request is time zero."""
+
+    queue_wait_ms: float = 0.0  # arrival -> first scheduled
+    ttft_ms: float = 0.0  # arrival -> first generated token
+    prefill_ms: float = 0.0  # time spent in steps that prefilled this request
+    decode_ms: float = 0.0  # first token -> last token
+    prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache (GPU)
+    host_tokens_reused: int = 0  # of those, tokens brought back from the host tier
+    batch_size: int = 0  # largest number of sequences in one step with this request
+    batch_id: int = -1  # the engine's step number when the request was first scheduled
+    preemptions: int = 0
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason in ("stop", "length")
+
+
+class RequestError(ValueError):
+    """A request that can never run (e.g. its prompt exceeds the model's context): fails alone."""
+
+
+class StepEngine(Protocol):
+    """A model plus its scheduler, driven from a single thread (see `engine.runner.Runner`)."""
+
+    tokenizer: object
+    max_model_len: int
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises `RequestError` if it can never run."""
+
+    def abort_request(self, request_id: str) -> Completion | None:
+        """Drop a request wherever it is; returns its `cancelled` completion if it was known."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[Completion]:
+        """Run one scheduling step; returns the requests that finished in it."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for metrics (running, waiting, kv usage, ...)."""

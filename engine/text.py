@@ -1,0 +1,40 @@
+"""Text in and out of token ids: chat templates, decoding, stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of a chat, ending with the assistant's turn opener (the model's chat template)."""
+    enc = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in messages],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    # transformers 5 returns a BatchEncoding, older versions a plain list
+    return list(enc["input_ids"] if isinstance(enc, Mapping) else enc)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string, and whether one was found (the stop itself is dropped)."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def finish_text(tokenizer, token_ids: list[int], stops: Sequence[str], eos_ids: set[int]) -> tuple[list[int], str, bool]:
+    """Generated ids and text trimmed at EOS or the first stop string; the bool says whether either hit."""
+    ended = False
+    for i, t in enumerate(token_ids):
+        if t in eos_ids:
+            token_ids, ended = token_ids[:i], True
+            break
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    text, stopped = cut_at_stop(text, stops)
+    if stopped:
+        # keep the shortest prefix of tokens whose text already contains the stop string
+        for n in range(1, len(token_ids) + 1):
+            if cut_at_stop(tokenizer.decode(token_ids[:n], skip_special_tokens=True), stops)[1]:
+                token_ids = token_ids[:n]
+                break
+    return token_ids, text, ended or stopped

@@ -1,0 +1,33 @@
+"""Database engine and sessions, plus the one idempotent write everything else builds on."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def make_engine(url: str, pool_size: int = 16) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn, _record) -> None:
+            # WAL lets the API read while the worker writes; foreign keys are off by default in SQLite
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA synchronous=NORMAL")
+
+        return engine
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+
+
+def make_sessions(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def insert_ignore(session: Session, table, rows: dict | list[dict]) -> None:
+    """INSERT ... ON CONFLICT DO NOTHING: at-least-once delivery may write the same row twice."""
+    dialect = session.get_bind().dialect.name
+    insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
+    session.execute(insert(table).values(rows).on_conflict_do_nothing())

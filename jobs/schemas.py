@@ -1,0 +1,109 @@
+"""The job contract, shared by the API, the client and the worker (pydantic v2).
+
+Priority runs 0..9 with **9 the most urgent**; the worker maps it to the broker's own order (`jobs.queues`).
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Annotated, Literal
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+MAX_MESSAGES = 256
+MAX_CONTENT_CHARS = 200_000
+MAX_NEW_TOKENS = 4096
+
+
+class JobStatus(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]
+
+
+class Sampling(Strict):
+    max_new_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1000, description="0 means off")
+    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+
+Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
+
+
+class JobIn(Strict):
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    kind: Literal["chat", "summarize"] = "chat"
+    priority: int = Field(5, ge=0, le=9, description="0..9, 9 is the most urgent")
+    conversation_id: Key | None = None
+    idempotency_key: Key | None = None
+    sampling: Sampling = Field(default_factory=Sampling)
+
+    @model_validator(mode="after")
+    def _chat_ends_with_user(self) -> JobIn:
+        if self.kind == "chat" and self.messages[-1].role != "user":
+            raise ValueError("a chat job's last message must have role 'user'")
+        return self
+
+
+class JobAccepted(BaseModel):
+    id: UUID
+    status: JobStatus
+    created: bool = Field(description="false when the idempotency key matched an existing job")
+
+
+class ResultOut(BaseModel):
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+class TimingsOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    queue_wait_ms: float
+    ttft_ms: float
+    prefill_ms: float
+    decode_ms: float
+    engine_ms: float
+    end_to_end_ms: float
+    tokens_per_s: float
+    batch_id: str | None
+    batch_size: int
+    prompt_tokens_reused: int
+    host_tokens_reused: int
+
+
+class JobOut(BaseModel):
+    id: UUID
+    status: JobStatus
+    kind: str
+    priority: int
+    conversation_id: str | None
+    attempts: int
+    error: str | None
+    worker: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    result: ResultOut | None = None
+    timings: TimingsOut | None = None

@@ -1,0 +1,124 @@
+"""Shared fixtures: tiny Qwen3 checkpoints, throwaway Redis and PostgreSQL, the service as real processes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from engine.tiny import build_tiny_model
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Checkpoint folders by preset name: `tiny` (tied), `tiny-untied` (untied, GQA 1), `tiny-swa` (windows)."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_tiny_model(root / name, preset=name) for name in ("tiny", "tiny-untied", "tiny-swa")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> Path:
+    return tiny_models["tiny"]
+
+
+# --- real servers -------------------------------------------------------------------------------------------
+# Throwaway Redis and PostgreSQL started from the installed binaries, unless CONVOQ_TEST_REDIS_URL /
+# CONVOQ_TEST_DATABASE_URL point at servers to use instead (the database URL must allow CREATE DATABASE).
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    from cli.servers import RedisServer, ServerUnavailable
+
+    if os.environ.get("CONVOQ_TEST_REDIS_URL"):
+        yield None
+        return
+    try:
+        server = RedisServer().start()
+    except ServerUnavailable as exc:
+        pytest.exit(f"cannot start a test Redis: {exc}; or set CONVOQ_TEST_REDIS_URL", returncode=3)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server) -> str:
+    return os.environ.get("CONVOQ_TEST_REDIS_URL") or redis_server.url
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    from cli.servers import PostgresServer, ServerUnavailable
+
+    if os.environ.get("CONVOQ_TEST_DATABASE_URL"):
+        yield os.environ["CONVOQ_TEST_DATABASE_URL"]
+        return
+    try:
+        server = PostgresServer().start()
+    except ServerUnavailable as exc:
+        pytest.exit(f"cannot start a test PostgreSQL: {exc}; or set CONVOQ_TEST_DATABASE_URL", returncode=3)
+    yield server.url
+    server.stop()
+
+
+def _new_database(admin_url: str) -> str:
+    """A new empty database on the test server; its URL."""
+    import sqlalchemy as sa
+
+    name = f"convoq_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return str(sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False))
+
+
+@pytest.fixture
+def empty_database(postgres_url) -> str:
+    return _new_database(postgres_url)
+
+
+@pytest.fixture
+def database(empty_database) -> str:
+    """A freshly migrated database of its own for this test."""
+    from jobs.migrate import upgrade
+
+    upgrade(empty_database)
+    return empty_database
+
+
+@pytest.fixture
+def broker(redis_url) -> str:
+    """The test Redis, emptied: no messages left by an earlier test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    client.close()
+    return redis_url
+
+
+@pytest.fixture
+def service_env(database, broker, tiny_model) -> dict[str, str]:
+    return {
+        "CONVOQ_DATABASE_URL": database,
+        "CONVOQ_BROKER_URL": broker,
+        "CONVOQ_MODEL": str(tiny_model),
+        "CONVOQ_API_KEYS": API_KEY,
+        "CONVOQ_BACKEND": "hf",
+    }
+
+
+@pytest.fixture
+def stack(service_env, tmp_path):
+    """API + one worker as real processes against the test servers."""
+    from cli.stack import Stack
+
+    with Stack(service_env, tmp_path / "logs") as s:
+        s.start_api()
+        s.start_worker()
+        yield s

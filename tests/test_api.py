@@ -1,0 +1,136 @@
+"""The producer API in-process, against real PostgreSQL and Redis: validation, auth, idempotency."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from jobs.queues import broker_priority
+from jobs.settings import Settings
+from tests.conftest import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GOOD = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 7}
+
+
+@pytest.fixture
+def client(database, broker):
+    settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY)
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def queued_messages(broker_url: str) -> int:
+    r = redis.Redis.from_url(broker_url)
+    return sum(r.llen(k) for k in r.keys("convoq.*") if r.type(k) == b"list")
+
+
+def job_rows(database_url: str) -> int:
+    engine = sa.create_engine(database_url)
+    with engine.connect() as conn:
+        n = conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one()
+    engine.dispose()
+    return n
+
+
+def test_submit_commits_row_and_publishes_with_broker_priority(client, database, broker):
+    r = client.post("/v1/jobs", json=GOOD, headers=AUTH)
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["status"] == "queued" and body["created"] is True
+    job = client.get(f"/v1/jobs/{body['id']}", headers=AUTH).json()
+    assert job["status"] == "queued" and job["priority"] == 7 and job["result"] is None
+    # priority 7 (ours) is broker priority 2: the message sits on the `:2` list of the interactive queue
+    r = redis.Redis.from_url(broker)
+    assert r.llen(f"convoq.interactive:{broker_priority(7)}") == 1
+    assert job_rows(database) == 1
+
+
+def test_summaries_go_to_the_bulk_queue(client, broker):
+    r = client.post("/v1/jobs", json={**GOOD, "kind": "summarize", "priority": 0}, headers=AUTH)
+    assert r.status_code == 202
+    assert redis.Redis.from_url(broker).llen("convoq.bulk:9") == 1
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"priority": 10}, "priority"),
+        ({"priority": -1}, "priority"),
+        ({"priority": "high"}, "priority"),
+        ({"kind": "translate"}, "kind"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": ""}]}, "content"),
+        ({"messages": [{"role": "user"}]}, "content"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages"),
+        ({"sampling": {"max_new_tokens": 0}}, "max_new_tokens"),
+        ({"sampling": {"max_new_tokens": 10**6}}, "max_new_tokens"),
+        ({"sampling": {"temperature": -0.5}}, "temperature"),
+        ({"sampling": {"temperature": 1e9}}, "temperature"),
+        ({"sampling": {"top_p": 0}}, "top_p"),
+        ({"sampling": {"top_k": -3}}, "top_k"),
+        ({"sampling": {"stop": [""]}}, "stop"),
+        ({"sampling": {"seed": -1}}, "seed"),
+        ({"sampling": {"beams": 4}}, "beams"),
+        ({"conversation_id": "has spaces"}, "conversation_id"),
+        ({"idempotency_key": "x" * 500}, "idempotency_key"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
+def test_invalid_fields_get_422_naming_them_and_enqueue_nothing(client, database, broker, patch, field):
+    r = client.post("/v1/jobs", json={**GOOD, **patch}, headers=AUTH)
+    assert r.status_code == 422, r.text
+    assert field in r.text
+    assert queued_messages(broker) == 0
+    assert job_rows(database) == 0
+
+
+def test_malformed_json_is_422(client, broker):
+    r = client.post("/v1/jobs", content=b'{"messages": [', headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 422
+    assert queued_messages(broker) == 0
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}])
+def test_every_v1_route_needs_a_valid_key(client, database, broker, headers):
+    assert client.post("/v1/jobs", json=GOOD, headers=headers).status_code == 401
+    assert client.get("/v1/jobs/00000000-0000-0000-0000-000000000000", headers=headers).status_code == 401
+    assert queued_messages(broker) == 0 and job_rows(database) == 0
+
+
+def test_unknown_job_is_404(client):
+    assert client.get("/v1/jobs/00000000-0000-0000-0000-000000000000", headers=AUTH).status_code == 404
+    assert client.get("/v1/jobs/not-a-uuid", headers=AUTH).status_code == 422
+
+
+def test_idempotency_key_returns_the_same_job_once(client, database, broker):
+    job = {**GOOD, "idempotency_key": "order-42:reply-1"}
+    first = client.post("/v1/jobs", json=job, headers=AUTH)
+    second = client.post("/v1/jobs", json=job, headers=AUTH)
+    assert first.status_code == 202 and second.status_code == 200
+    assert first.json()["id"] == second.json()["id"] and second.json()["created"] is False
+    assert job_rows(database) == 1 and queued_messages(broker) == 1
+
+
+def test_broker_down_keeps_the_job_queued_and_unpublished(database, redis_url):
+    settings = Settings(database_url=database, broker_url="redis://127.0.0.1:1/0", api_keys=API_KEY)
+    with TestClient(create_app(settings)) as c:
+        r = c.post("/v1/jobs", json=GOOD, headers=AUTH)
+        assert r.status_code == 202
+        assert c.get("/healthz").status_code == 503
+    engine = sa.create_engine(database)
+    with engine.connect() as conn:
+        status, published = conn.execute(sa.text("SELECT status, published_at FROM jobs")).one()
+    engine.dispose()
+    assert status == "queued" and published is None
+
+
+def test_healthz_and_openapi(client):
+    assert client.get("/healthz").json() == {"database": "ok", "broker": "ok"}
+    spec = client.get("/openapi.json").json()
+    assert "/v1/jobs" in spec["paths"]
+    assert client.get("/docs").status_code == 200

@@ -1,0 +1,85 @@
+"""The whole path on real processes: HTTP API -> Postgres + Redis -> Celery worker -> engine -> Postgres."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from api.client import Client
+from cli.stack import Stack
+from jobs.schemas import JobIn
+from tests.conftest import API_KEY
+
+pytestmark = pytest.mark.slow
+
+
+def rows(database_url: str, sql: str) -> list:
+    engine = sa.create_engine(database_url)
+    with engine.connect() as conn:
+        out = conn.execute(sa.text(sql)).all()
+    engine.dispose()
+    return out
+
+
+def chat(i: int, priority: int = 5, kind: str = "chat") -> JobIn:
+    return JobIn(messages=[{"role": "user", "content": f"My order #{i} has not arrived yet."}], kind=kind,
+                 priority=priority, sampling={"max_new_tokens": 8})
+
+
+def test_twenty_jobs_end_to_end(stack, database):
+    with Client(stack.api_url, API_KEY) as client:
+        ids = [client.submit(chat(i, priority=i % 10, kind="summarize" if i % 4 == 0 else "chat")).id
+               for i in range(20)]
+        jobs = [client.wait(i, timeout=120) for i in ids]
+    assert [j.status for j in jobs] == ["succeeded"] * 20
+    for job in jobs:
+        assert job.result is not None and job.result.completion_tokens > 0 and job.result.text
+        assert job.timings is not None and job.timings.batch_size >= 1
+        assert job.timings.end_to_end_ms >= job.timings.engine_ms > 0
+        assert job.attempts == 1 and job.worker and job.started_at and job.finished_at
+    assert rows(database, "SELECT count(*) FROM results")[0][0] == 20
+    assert rows(database, "SELECT count(*) FROM timings")[0][0] == 20
+
+
+def test_urgent_jobs_overtake_queued_bulk_work(service_env, database, tmp_path):
+    """40 bulk jobs at priority 1 wait before 5 at priority 9 on the same queue; the 5 still finish first."""
+    env = {**service_env, "CONVOQ_MAX_BATCH_SIZE": "4"}
+    with Stack(env, tmp_path / "logs") as stack:
+        stack.start_api()
+        with Client(stack.api_url, API_KEY) as client:
+            bulk = [client.submit(chat(i, priority=1, kind="summarize")).id for i in range(40)]
+            urgent = [client.submit(chat(i, priority=9, kind="summarize")).id for i in range(5)]
+            stack.start_worker()  # nothing ran before: every message is waiting in Redis
+            done = {i: client.wait(i, timeout=180) for i in bulk + urgent}
+    assert all(j.status == "succeeded" for j in done.values())
+    last_urgent = max(done[i].finished_at for i in urgent)
+    overtaken = sum(done[i].finished_at > last_urgent for i in bulk)
+    assert overtaken >= 30, f"only {overtaken} of 40 bulk jobs finished after the urgent ones"
+
+
+def test_flower_sees_the_worker_and_its_tasks(service_env, tmp_path):
+    env = {**service_env, "CONVOQ_FLOWER_USER": "oncall", "CONVOQ_FLOWER_PASSWORD": "s3cret"}
+    with Stack(env, tmp_path / "logs") as stack:
+        flower = stack.start_flower()
+        stack.start_api()
+        stack.start_worker()
+        with Client(stack.api_url, API_KEY) as client:
+            ids = {str(client.submit(chat(i)).id) for i in range(3)}
+            for i in ids:
+                assert client.wait(i, timeout=120).status == "succeeded"
+        auth = ("oncall", "s3cret")
+        assert httpx.get(f"{flower}/api/workers", timeout=10).status_code == 401
+        deadline = time.monotonic() + 60
+        while True:
+            workers = httpx.get(f"{flower}/api/workers", params={"refresh": "true"}, auth=auth, timeout=30).json()
+            tasks = httpx.get(f"{flower}/api/tasks", auth=auth, timeout=10).json()
+            succeeded = {t for t, info in tasks.items() if info.get("state") == "SUCCESS"}
+            if (workers and ids <= succeeded) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert any(name.startswith("convoq@") for name in workers), workers
+        assert ids <= succeeded, tasks
+        assert all(tasks[t]["name"] == "convoq.run_job" for t in ids)

@@ -1,0 +1,122 @@
+"""The worker's writes: claiming a job, then storing its result and timings exactly once.
+
+Delivery is at-least-once, so every write here is safe to repeat: the claim only moves non-terminal jobs,
+result and timings rows are keyed by the job id and inserted with ON CONFLICT DO NOTHING, and the final
+status update only touches a job that is not yet terminal. Writes retry with backoff while the database
+is unreachable; the Celery message is acknowledged only after `store` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from sqlalchemy import update
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs.db import insert_ignore
+from jobs.schemas import JobStatus
+from jobs.tables import Job, Result, Timing, utcnow
+from worker.bridge import Outcome
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+NOT_TERMINAL = (JobStatus.queued.value, JobStatus.running.value)
+
+
+@dataclass
+class Claimed:
+    job_id: uuid.UUID
+    payload: dict
+    created_at: datetime
+    claimed_at: datetime
+
+
+def as_utc(moment: datetime) -> datetime:
+    """SQLite hands back naive datetimes; every time we write is UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def ms_between(a: datetime, b: datetime) -> float:
+    return (as_utc(b) - as_utc(a)).total_seconds() * 1e3
+
+
+def retrying(action: Callable[[], T], what: str, deadline_s: float = 600.0) -> T:
+    """Run a database action, retrying with capped exponential backoff while the database is away."""
+    delay, start = 0.2, time.monotonic()
+    while True:
+        try:
+            return action()
+        except (OperationalError, DBAPIError) as exc:
+            if time.monotonic() - start > deadline_s or not _transient(exc):
+                raise
+            log.warning("%s: database unavailable (%s); retrying in %.1fs", what, type(exc).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _transient(exc: DBAPIError) -> bool:
+    return isinstance(exc, OperationalError) or exc.connection_invalidated
+
+
+def claim(sessions: sessionmaker[Session], job_id: str, worker: str) -> Claimed | None:
+    """Mark the job running; None if it is unknown or already terminal (a duplicate delivery)."""
+
+    def action() -> Claimed | None:
+        now = utcnow()
+        with sessions.begin() as session:
+            row = session.execute(
+                update(Job)
+                .where(Job.id == uuid.UUID(job_id), Job.status.in_(NOT_TERMINAL))
+                .values(status=JobStatus.running.value, attempts=Job.attempts + 1, worker=worker, started_at=now)
+                .returning(Job.payload, Job.created_at)
+            ).one_or_none()
+        return None if row is None else Claimed(uuid.UUID(job_id), row.payload, row.created_at, now)
+
+    return retrying(action, f"claim {job_id}")
+
+
+def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, batch_prefix: str) -> None:
+    c, t = outcome.completion, outcome.completion.timings
+
+    def action() -> None:
+        now = utcnow()
+        waited = ms_between(claimed.created_at, claimed.claimed_at)  # broker queue + claim
+        with sessions.begin() as session:
+            if c.ok:
+                insert_ignore(session, Result, dict(
+                    job_id=claimed.job_id, text=c.text, prompt_tokens=c.prompt_tokens,
+                    completion_tokens=len(c.token_ids), finish_reason=c.finish_reason, created_at=now,
+                ))
+                busy_s = (t.prefill_ms + t.decode_ms) / 1e3
+                insert_ignore(session, Timing, dict(
+                    job_id=claimed.job_id,
+                    queue_wait_ms=waited + t.queue_wait_ms,
+                    ttft_ms=waited + t.ttft_ms,
+                    prefill_ms=t.prefill_ms,
+                    decode_ms=t.decode_ms,
+                    engine_ms=outcome.engine_ms,
+                    end_to_end_ms=ms_between(claimed.created_at, now),
+                    tokens_per_s=len(c.token_ids) / busy_s if busy_s > 0 else 0.0,
+                    batch_id=f"{batch_prefix}:{t.batch_id}" if t.batch_id >= 0 else None,
+                    batch_size=t.batch_size,
+                    prompt_tokens_reused=t.prompt_tokens_reused,
+                    host_tokens_reused=t.host_tokens_reused,
+                    created_at=now,
+                ))
+            status = {"cancelled": JobStatus.cancelled}.get(c.finish_reason, JobStatus.succeeded if c.ok else JobStatus.failed)
+            session.execute(
+                update(Job)
+                .where(Job.id == claimed.job_id, Job.status.in_(NOT_TERMINAL))
+                .values(status=status.value, error=c.error, finished_at=now)
+            )
+
+    retrying(action, f"store {claimed.job_id}")
+
+
