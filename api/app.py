@@ -6,7 +6,7 @@ import logging
 
 from fastapi import FastAPI
 
-from api.routes import health, jobs
+from api.routes import batches, health, jobs
 from jobs.db import make_engine, make_sessions
 from jobs.settings import Settings, get_settings
 from worker.celery_app import create_celery
@@ -28,4 +28,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.celery = create_celery(settings)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(batches.router)
     return app

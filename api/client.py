@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from uuid import UUID
 
 import httpx
 
-from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut
+from jobs.schemas import TERMINAL, BatchOut, JobAccepted, JobIn, JobOut
 
 
 class ConvoqError(RuntimeError):
@@ -49,6 +51,33 @@ class Client:
             remaining -= poll
             if job.status in TERMINAL or remaining <= 0:
                 return job
+
+    def create_batch(self, data: bytes, name: str = "batch.jsonl", priority: int = 1,
+                     metadata: dict | None = None) -> BatchOut:
+        form = {"priority": str(priority)}
+        if metadata is not None:
+            form["metadata"] = json.dumps(metadata)
+        response = self.http.post("/v1/batches", files={"file": (name, data, "application/jsonl")}, data=form)
+        return BatchOut.model_validate(_check(response))
+
+    def get_batch(self, batch_id: UUID | str) -> BatchOut:
+        return BatchOut.model_validate(_check(self.http.get(f"/v1/batches/{batch_id}")))
+
+    def cancel_batch(self, batch_id: UUID | str) -> BatchOut:
+        return BatchOut.model_validate(_check(self.http.post(f"/v1/batches/{batch_id}/cancel")))
+
+    def retry_batch(self, batch_id: UUID | str) -> BatchOut:
+        return BatchOut.model_validate(_check(self.http.post(f"/v1/batches/{batch_id}/retry")))
+
+    def batch_lines(self, batch_id: UUID | str, errors: bool = False) -> Iterator[dict]:
+        """The batch's output lines (or error lines), streamed."""
+        with self.http.stream("GET", f"/v1/batches/{batch_id}/{'errors' if errors else 'output'}") as response:
+            if response.status_code >= 400:
+                response.read()
+                _check(response)
+            for line in response.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
 
     def close(self) -> None:
         self.http.close()

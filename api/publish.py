@@ -1,8 +1,9 @@
-"""Putting a committed job on the broker."""
+"""Putting committed jobs on the broker."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from celery import Celery
 from sqlalchemy import update
@@ -16,21 +17,30 @@ from worker.celery_app import TASK_RUN_JOB
 log = logging.getLogger(__name__)
 
 
-def publish(celery: Celery, session: Session, job: Job, settings: Settings) -> bool:
-    """Send the job's message; on failure the row stays `queued` with no `published_at`, for the reconciler."""
+def publish(celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings) -> int:
+    """Send one message per job over one connection, then stamp `published_at` on those that went out.
+
+    A job whose message could not be sent stays `queued` with no `published_at`: the row keeps it, and the
+    reconciler publishes it later. Returns how many were published.
+    """
+    sent = []
     try:
-        celery.send_task(
-            TASK_RUN_JOB,
-            args=[str(job.id)],
-            task_id=str(job.id),
-            queue=queue_for(job.kind, settings),
-            priority=broker_priority(job.priority),
-            retry=True,
-            retry_policy={"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2},
-        )
-    except Exception:  # the broker is down or refused: the committed row keeps the job
-        log.exception("could not publish job %s; it stays queued for the reconciler", job.id)
-        return False
-    session.execute(update(Job).where(Job.id == job.id).values(published_at=utcnow()))
-    session.commit()
-    return True
+        with celery.producer_or_acquire() as producer:
+            for job in jobs:
+                celery.send_task(
+                    TASK_RUN_JOB,
+                    args=[str(job.id)],
+                    task_id=str(job.id),
+                    queue=queue_for(job.kind, settings),
+                    priority=broker_priority(job.priority),
+                    producer=producer,
+                    retry=True,
+                    retry_policy={"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2},
+                )
+                sent.append(job.id)
+    except Exception:  # the broker is down or refused: the committed rows keep the jobs
+        log.exception("published %d of %d jobs; the rest stay queued for the reconciler", len(sent), len(jobs))
+    if sent:
+        session.execute(update(Job).where(Job.id.in_(sent)).values(published_at=utcnow()))
+        session.commit()
+    return len(sent)

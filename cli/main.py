@@ -9,9 +9,11 @@ from typing import Annotated
 
 import typer
 
+from cli.batch import app as batch_app
 from jobs.settings import get_settings
 
 app = typer.Typer(help="convoq: queue-fed batch inference for Qwen3 models.", no_args_is_help=True)
+app.add_typer(batch_app, name="batch")
 
 
 @app.command()

@@ -107,3 +107,49 @@ class JobOut(BaseModel):
     finished_at: datetime | None
     result: ResultOut | None = None
     timings: TimingsOut | None = None
+
+
+class BatchStatus(enum.StrEnum):
+    validating = "validating"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    failed = "failed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+class RequestCounts(BaseModel):
+    total: int  # lines in the upload
+    completed: int
+    failed: int  # bad lines + jobs that failed
+    cancelled: int
+    pending: int  # queued or running
+
+
+class BatchLineError(BaseModel):
+    code: str = "invalid_line"
+    line: int
+    custom_id: str | None
+    message: str
+
+
+class BatchOut(BaseModel):
+    """Shaped like OpenAI's Batch object (timestamps in Unix seconds), plus `priority`."""
+
+    id: UUID
+    object: Literal["batch"] = "batch"
+    endpoint: str = "/v1/chat/completions"
+    status: BatchStatus
+    priority: int
+    input_name: str | None
+    request_counts: RequestCounts
+    errors: list[BatchLineError]
+    metadata: dict
+    created_at: int
+    in_progress_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    failed_at: int | None

@@ -39,9 +39,7 @@ class Settings(BaseSettings):
     visibility_timeout: int = Field(4 * 3600, ge=60)
     worker_concurrency: int = Field(64, ge=1, le=1024)  # Celery threads feeding one engine
 
-    max_messages: int = Field(256, ge=1)
-    max_message_chars: int = Field(200_000, ge=1)
-    max_new_tokens_limit: int = Field(4096, ge=1)
+    max_upload_bytes: int = Field(100 * 2**20, ge=1)  # one batch upload
     max_wait_seconds: float = Field(60.0, ge=0)
 
     flower_port: int = 5555

@@ -5,7 +5,19 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, SmallInteger, String, Text, Uuid
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+    Uuid,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -13,8 +25,34 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime) -> datetime:
+    """SQLite hands back naive datetimes; every time we write is UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
 class Base(DeclarativeBase):
     pass
+
+
+class Batch(Base):
+    """A bulk upload: its lines became jobs (`Job.batch_id`); lines that could not become jobs are `errors`."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    status: Mapped[str] = mapped_column(String(16), default="validating")
+    priority: Mapped[int] = mapped_column(SmallInteger)
+    input_name: Mapped[str | None] = mapped_column(String(255))
+    total: Mapped[int] = mapped_column(Integer, default=0)  # lines in the upload
+    line_errors: Mapped[list] = mapped_column(JSON, default=list)  # [{"line", "custom_id", "message"}]
+    metadata_: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Job(Base):
@@ -27,6 +65,10 @@ class Job(Base):
     payload: Mapped[dict] = mapped_column(JSON)
     conversation_id: Mapped[str | None] = mapped_column(String(128), index=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(128), unique=True)
+    batch_id: Mapped[uuid.UUID | None] = mapped_column(
+        Uuid, ForeignKey("batches.id", ondelete="CASCADE", name="fk_jobs_batch_id")
+    )
+    custom_id: Mapped[str | None] = mapped_column(String(255))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(255))
@@ -35,7 +77,11 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
-    __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),)
+    __table_args__ = (
+        Index("ix_jobs_status_created", "status", "created_at"),
+        Index("ix_jobs_batch_status", "batch_id", "status"),
+        UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
+    )
 
 
 class Result(Base):
@@ -46,6 +92,9 @@ class Result(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(16))
+    # long transcripts are summarized map-reduce: how many chunks, and how many levels of summaries
+    chunks: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    levels: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

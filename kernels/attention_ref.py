@@ -61,10 +61,11 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sinks: int, s
 def _gather(
     cache: torch.Tensor, table: torch.Tensor, length: int, scale: torch.Tensor | None
 ) -> torch.Tensor:
-    """`[..., length, kv_heads, head_dim]` float32 from the blocks of `table` (-1 entries read block 0, masked
-    later), dequantized when the cache has scales."""
-    blocks = cache[table.clamp(min=0).long()]  # [..., nblocks, block_size, H, D]
-    gathered = blocks.flatten(-4, -3)[..., :length, :, :].float()
+    """`[..., length, kv_heads, head_dim]` float32 from the blocks of `table`, dequantized when the cache has
+    scales. -1 entries read as zeros: their keys are masked, and a masked key must not bring stale NaNs."""
+    blocks = cache[table.clamp(min=0).long()].float()  # [..., nblocks, block_size, H, D]
+    blocks = blocks.masked_fill((table < 0)[..., None, None, None], 0.0)
+    gathered = blocks.flatten(-4, -3)[..., :length, :, :]
     return gathered if scale is None else gathered * scale.view(-1, 1)
 
 
@@ -99,6 +100,7 @@ def paged_attention_ref(
         q_pos = seq_lens.to(q.device).long() - 1
         mask = visible(q_pos, k_pos, window, sinks, stride)  # [B, 1, L]
         scores.masked_fill_(~mask.view(batch, 1, 1, longest), float("-inf"))
+        v = v.masked_fill(~mask.view(batch, longest, 1, 1), 0.0)  # slots past a shorter sequence: stale bytes
         out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), v)
         return out.reshape(q.shape).to(q.dtype)
     out = torch.empty_like(q)

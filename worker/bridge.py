@@ -1,22 +1,24 @@
 """From a job's payload to the engine and back: owns the backend's engine thread for this worker process.
 
-Many Celery threads call `run()` at once; each blocks on its own future while the single engine thread
-batches everything in flight.
+Many Celery threads call `run()` at once; each blocks on its own futures while the single engine thread
+batches everything in flight. A summary of a transcript longer than the model's context becomes several
+engine requests (`worker.summarize`).
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from dataclasses import dataclass
+from concurrent.futures import Future
 
 import torch
 
-from engine.interface import Completion, Request, SamplingParams, StepEngine
+from engine.interface import Request, SamplingParams, StepEngine
 from engine.runner import Runner
 from engine.text import encode_chat
 from jobs.settings import Settings
+from worker.payload import Outcome, sampling_from
 from worker.prompts import chat_for
+from worker.summarize import summarize
 
 
 def resolve_device(device: str) -> str:
@@ -37,12 +39,6 @@ def load_backend(settings: Settings) -> StepEngine:
     return LLMEngine(EngineConfig(model=settings.model, device=device, dtype=settings.dtype))
 
 
-@dataclass
-class Outcome:
-    completion: Completion
-    engine_ms: float
-
-
 class Bridge:
     def __init__(self, engine: StepEngine) -> None:
         self.engine = engine
@@ -52,29 +48,28 @@ class Bridge:
     def from_settings(cls, settings: Settings) -> Bridge:
         return cls(load_backend(settings))
 
-    def request_for(self, job_id: str, payload: dict) -> Request:
-        s = payload.get("sampling", {})
-        sampling = SamplingParams(
-            max_new_tokens=s.get("max_new_tokens", 256),
-            temperature=s.get("temperature", 0.0),
-            top_p=s.get("top_p", 1.0),
-            top_k=s.get("top_k", 0),
-            stop=tuple(s.get("stop", ())),
-            seed=s.get("seed"),
-        )
-        prompt = encode_chat(self.engine.tokenizer, chat_for(payload["kind"], payload["messages"]))
-        return Request(
-            request_id=job_id or str(uuid.uuid4()),
-            prompt_ids=prompt,
+    @property
+    def context(self) -> int:
+        return self.engine.max_model_len
+
+    def prompt_ids(self, chat: list[dict]) -> list[int]:
+        return encode_chat(self.engine.tokenizer, chat)
+
+    def submit(self, request_id: str, chat: list[dict], sampling: SamplingParams, payload: dict) -> Future:
+        return self.runner.submit(Request(
+            request_id=request_id,
+            prompt_ids=self.prompt_ids(chat),
             sampling=sampling,
             priority=payload["priority"],
             conversation_id=payload.get("conversation_id"),
-        )
+        ))
 
-    def run(self, job_id: str, payload: dict, timeout: float | None = None) -> Outcome:
-        request = self.request_for(job_id, payload)
+    def run(self, job_id: str, payload: dict) -> Outcome:
+        if payload["kind"] == "summarize":
+            return summarize(self, job_id, payload)
         start = time.monotonic()
-        completion = self.runner.submit(request).result(timeout)
+        completion = self.submit(job_id, chat_for(payload["kind"], payload["messages"]),
+                                 sampling_from(payload), payload).result()
         return Outcome(completion, (time.monotonic() - start) * 1e3)
 
     def close(self) -> None:

@@ -6,6 +6,10 @@ SUMMARY_INSTRUCTION = (
     "You summarize customer-service conversations for the support team. Write a short summary: the customer's "
     "problem, what the agent did, and whether it was resolved. Do not invent details."
 )
+COMBINE_INSTRUCTION = (
+    "You are given summaries of consecutive parts of one customer-service conversation, in order. Combine them "
+    "into one short summary: the customer's problem, what the agent did, and whether it was resolved."
+)
 
 
 def render_transcript(messages: list[dict]) -> str:
@@ -20,3 +24,16 @@ def chat_for(kind: str, messages: list[dict]) -> list[dict]:
             {"role": "user", "content": "Conversation:\n" + render_transcript(messages)},
         ]
     return messages
+
+
+def part_chat(messages: list[dict], part: int, parts: int) -> list[dict]:
+    """One chunk of a transcript too long for the model's context."""
+    return [
+        {"role": "system", "content": SUMMARY_INSTRUCTION},
+        {"role": "user", "content": f"Part {part} of {parts} of a longer conversation:\n" + render_transcript(messages)},
+    ]
+
+
+def combine_chat(summaries: list[str]) -> list[dict]:
+    body = "\n".join(f"Part {i}: {s}" for i, s in enumerate(summaries, 1))
+    return [{"role": "system", "content": COMBINE_INSTRUCTION}, {"role": "user", "content": body}]

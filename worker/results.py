@@ -13,17 +13,18 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TypeVar
 
 from sqlalchemy import update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.batches import settle_batch
 from jobs.db import insert_ignore
 from jobs.schemas import JobStatus
-from jobs.tables import Job, Result, Timing, utcnow
-from worker.bridge import Outcome
+from jobs.tables import Job, Result, Timing, as_utc, utcnow
+from worker.payload import Outcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,11 +37,7 @@ class Claimed:
     payload: dict
     created_at: datetime
     claimed_at: datetime
-
-
-def as_utc(moment: datetime) -> datetime:
-    """SQLite hands back naive datetimes; every time we write is UTC."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    batch_id: uuid.UUID | None
 
 
 def ms_between(a: datetime, b: datetime) -> float:
@@ -65,6 +62,27 @@ def _transient(exc: DBAPIError) -> bool:
     return isinstance(exc, OperationalError) or exc.connection_invalidated
 
 
+def storable(text: str) -> str:
+    """PostgreSQL text cannot hold NUL, which a byte-level tokenizer can produce: store U+FFFD instead."""
+    return text.replace("\x00", "\ufffd")
+
+
+def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> None:
+    """A job whose run raised: it ends `failed` with the error instead of staying `running` forever."""
+
+    def action() -> None:
+        with sessions.begin() as session:
+            session.execute(
+                update(Job)
+                .where(Job.id == claimed.job_id, Job.status.in_(NOT_TERMINAL))
+                .values(status=JobStatus.failed.value, error=storable(error)[:4000], finished_at=utcnow())
+            )
+
+    retrying(action, f"fail {claimed.job_id}")
+    if claimed.batch_id is not None:
+        retrying(lambda: _settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
+
+
 def claim(sessions: sessionmaker[Session], job_id: str, worker: str) -> Claimed | None:
     """Mark the job running; None if it is unknown or already terminal (a duplicate delivery)."""
 
@@ -75,9 +93,9 @@ def claim(sessions: sessionmaker[Session], job_id: str, worker: str) -> Claimed 
                 update(Job)
                 .where(Job.id == uuid.UUID(job_id), Job.status.in_(NOT_TERMINAL))
                 .values(status=JobStatus.running.value, attempts=Job.attempts + 1, worker=worker, started_at=now)
-                .returning(Job.payload, Job.created_at)
+                .returning(Job.payload, Job.created_at, Job.batch_id)
             ).one_or_none()
-        return None if row is None else Claimed(uuid.UUID(job_id), row.payload, row.created_at, now)
+        return None if row is None else Claimed(uuid.UUID(job_id), row.payload, row.created_at, now, row.batch_id)
 
     return retrying(action, f"claim {job_id}")
 
@@ -91,8 +109,9 @@ def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, b
         with sessions.begin() as session:
             if c.ok:
                 insert_ignore(session, Result, dict(
-                    job_id=claimed.job_id, text=c.text, prompt_tokens=c.prompt_tokens,
+                    job_id=claimed.job_id, text=storable(c.text), prompt_tokens=c.prompt_tokens,
                     completion_tokens=len(c.token_ids), finish_reason=c.finish_reason, created_at=now,
+                    chunks=outcome.chunks, levels=outcome.levels,
                 ))
                 busy_s = (t.prefill_ms + t.decode_ms) / 1e3
                 insert_ignore(session, Timing, dict(
@@ -114,9 +133,16 @@ def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, b
             session.execute(
                 update(Job)
                 .where(Job.id == claimed.job_id, Job.status.in_(NOT_TERMINAL))
-                .values(status=status.value, error=c.error, finished_at=now)
+                .values(status=status.value, error=c.error and storable(c.error), finished_at=now)
             )
 
     retrying(action, f"store {claimed.job_id}")
+    if claimed.batch_id is not None:
+        retrying(lambda: _settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
+
+
+def _settle(sessions: sessionmaker[Session], batch_id: uuid.UUID) -> None:
+    with sessions.begin() as session:
+        settle_batch(session, batch_id)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from celery import Task
 from celery.signals import worker_init, worker_shutdown
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine.runner import EngineDead
 from jobs.db import make_engine, make_sessions
 from jobs.settings import Settings, get_settings
 from worker import results
@@ -40,6 +42,9 @@ class WorkerContext:
 @worker_init.connect
 def _load_engine(sender=None, **_) -> None:
     # The model is loaded here, in the process that runs it, before the worker consumes anything.
+    # The engine thread runs Python between kernels; a short GIL switch interval keeps the consumer and the
+    # database threads responsive while it does.
+    sys.setswitchinterval(0.0005)
     app.convoq_context = WorkerContext.start(get_settings())
     log.info("engine ready: %s", app.convoq_context.settings.model)
 
@@ -58,5 +63,14 @@ def run_job(self: Task, job_id: str) -> None:
     if claimed is None:
         log.info("job %s is unknown or already finished; dropping the duplicate message", job_id)
         return
-    outcome = ctx.bridge.run(job_id, claimed.payload)
-    results.store(ctx.sessions, claimed, outcome, batch_prefix=ctx.name)
+    try:
+        outcome = ctx.bridge.run(job_id, claimed.payload)
+        results.store(ctx.sessions, claimed, outcome, batch_prefix=ctx.name)
+    except EngineDead:
+        # the model's state is unknown: exit so the supervisor restarts the worker; unacknowledged
+        # messages, this one included, are delivered again
+        log.critical("engine thread is dead; exiting")
+        os._exit(3)
+    except Exception as exc:
+        log.exception("job %s failed", job_id)
+        results.fail(ctx.sessions, claimed, f"{type(exc).__name__}: {exc}")

@@ -42,7 +42,7 @@ def submit_job(
             raise
         response.status_code = status.HTTP_200_OK
         return JobAccepted(id=existing.id, status=JobStatus(existing.status), created=False)
-    publish(celery, session, job, settings)
+    publish(celery, session, [job], settings)
     return JobAccepted(id=job.id, status=JobStatus.queued, created=True)
 
 

@@ -1,0 +1,132 @@
+"""Reading a batch upload: JSONL lines in the OpenAI Batch format or our own, each validated on its own.
+
+OpenAI lines: `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {"messages", ...}}`.
+Our lines: `{"custom_id", "transcript": [turns] | "text"}` (summarized) or `{"custom_id", "messages"}`
+(answered as a chat), with optional `max_new_tokens`, `temperature`, `conversation_id`.
+A bad line becomes a `LineError` with its number and reason; it never sinks the other lines.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jobs.schemas import JobIn
+
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+@dataclass
+class ParsedLine:
+    line: int
+    custom_id: str
+    job: JobIn
+
+
+@dataclass
+class LineError:
+    line: int
+    custom_id: str | None
+    message: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"line": self.line, "custom_id": self.custom_id, "message": self.message}
+
+
+class OpenAIBody(BaseModel):
+    # unknown OpenAI options (model, user, logprobs, ...) are accepted and ignored, as other servers do
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+
+def _text(content: Any) -> Any:
+    """OpenAI content may be a list of parts; we take text parts only."""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise ValueError("only text content parts are supported")
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
+
+
+def _describe(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg']}" for e in exc.errors())
+
+
+def _job_from_openai(obj: dict, priority: int) -> JobIn:
+    if obj.get("method", "POST") != "POST":
+        raise ValueError(f"method must be POST, not {obj.get('method')!r}")
+    if obj.get("url") != CHAT_COMPLETIONS:
+        raise ValueError(f"url must be {CHAT_COMPLETIONS}, not {obj.get('url')!r}")
+    body = OpenAIBody.model_validate(obj.get("body"))
+    sampling: dict[str, Any] = {}
+    max_new = body.max_completion_tokens or body.max_tokens
+    if max_new is not None:
+        sampling["max_new_tokens"] = max_new
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(body, name) is not None:
+            sampling[name] = getattr(body, name)
+    if body.stop is not None:
+        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    messages = [{**m, "content": _text(m.get("content"))} for m in body.messages]
+    return JobIn(messages=messages, kind="chat", priority=priority, sampling=sampling)
+
+
+def _job_from_ours(obj: dict, priority: int) -> JobIn:
+    sampling = {k: obj[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed") if k in obj}
+    if "transcript" in obj:
+        transcript = obj["transcript"]
+        messages = [{"role": "user", "content": transcript}] if isinstance(transcript, str) else transcript
+        kind = "summarize"
+    elif "messages" in obj:
+        messages, kind = obj["messages"], "chat"
+    else:
+        raise ValueError("a line needs `transcript`, `messages`, or an OpenAI `body`")
+    return JobIn(messages=messages, kind=kind, priority=priority, sampling=sampling,
+                 conversation_id=obj.get("conversation_id"))
+
+
+def parse_batch(data: bytes, priority: int) -> tuple[list[ParsedLine], list[LineError], int]:
+    """Valid lines, bad lines, and the number of non-blank lines."""
+    parsed: list[ParsedLine] = []
+    errors: list[LineError] = []
+    seen: set[str] = set()
+    total = 0
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        total += 1
+        custom_id = None
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+            if not isinstance(obj, dict):
+                raise ValueError("a line must be a JSON object")
+            custom_id = obj.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255:
+                custom_id = custom_id if isinstance(custom_id, str) else None
+                raise ValueError("custom_id must be a non-empty string of at most 255 characters")
+            if custom_id in seen:
+                raise ValueError(f"duplicate custom_id {custom_id!r}")
+            job = (_job_from_openai if "body" in obj else _job_from_ours)(obj, priority)
+        except UnicodeDecodeError:
+            errors.append(LineError(number, None, "line is not valid UTF-8"))
+        except json.JSONDecodeError as exc:
+            errors.append(LineError(number, None, f"invalid JSON: {exc.msg} at column {exc.colno}"))
+        except ValidationError as exc:
+            errors.append(LineError(number, custom_id, _describe(exc)))
+        except ValueError as exc:
+            errors.append(LineError(number, custom_id, str(exc)))
+        else:
+            seen.add(custom_id)
+            parsed.append(ParsedLine(number, custom_id, job))
+    return parsed, errors, total

@@ -1,0 +1,93 @@
+"""The SwiGLU MLP's input side, `silu(x @ gate.T) * (x @ up.T)`, as one tiled matmul with the activation in the
+epilogue (Triton), and its PyTorch reference.
+
+The weight is the gate and up projections stacked, `w_gate_up = cat([gate, up]) [2 * intermediate, hidden]`,
+so each program reads the matching gate and up rows and never writes the two intermediate products.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def swiglu_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = (x @ w_gate_up.T).chunk(2, -1)
+    return F.silu(gate) * up
+
+
+@triton.jit
+def _swiglu_kernel(
+    x, w, out, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # M_BUCKET only keys the autotuner, so batch sizes in one power-of-two range share a tuned config.
+    pid = tl.program_id(0)
+    # Grouped order: consecutive programs share weight columns while they sweep GROUP_M row tiles (L2 reuse).
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    gate_ptrs = w + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] of gate.T
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
+        w_mask = (rk[:, None] < k_left) & (rn[None, :] < N)
+        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    result = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    o_ptrs = out + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _gpu_configs() -> list[triton.Config]:
+    shapes = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+              (64, 64, 64, 4, 4), (32, 128, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
+        for bm, bn, bk, warps, stages in shapes
+    ]
+
+
+_tuned_kernel = triton.autotune(configs=_gpu_configs(), key=["M_BUCKET", "N", "K"])(_swiglu_kernel)
+# The interpreter runs on CPU where timing configs means nothing: one small fixed tile.
+_INTERPRETER_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """`swiglu_ref`, on Triton: `x [..., hidden]`, `w_gate_up [2 * intermediate, hidden]` -> `[..., intermediate]`."""
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    if rows.stride(-1) != 1 or w_gate_up.stride(-1) != 1 or w_gate_up.shape[0] % 2:
+        raise ValueError("x and w_gate_up need contiguous rows, and w_gate_up an even number of them")
+    m, n = rows.shape[0], w_gate_up.shape[0] // 2
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    args = (rows, w_gate_up, out, m, n, hidden, triton.next_power_of_2(m), rows.stride(0), w_gate_up.stride(0),
+            out.stride(0))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 callers want fp32 results, not tf32's
+
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    if x.is_cuda:
+        _tuned_kernel[grid](*args, PRECISION=precision)
+    else:
+        _swiglu_kernel[grid](*args, **_INTERPRETER_TILE, PRECISION=precision)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,85 @@
+"""Map-reduce summaries of transcripts longer than the model's context, on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.hf_backend import HFEngine
+from worker.bridge import Bridge
+from worker.prompts import chat_for
+from worker.summarize import plan_chunks, split_turn
+
+
+@pytest.fixture(scope="module")
+def bridge(tiny_model):
+    b = Bridge(HFEngine(str(tiny_model)))
+    yield b
+    b.close()
+
+
+def transcript(turns: int) -> list[dict]:
+    lines = [
+        "My router keeps dropping the connection every evening around eight, and I work from home.",
+        "I'm sorry about that. Let's check the line: could you read me the light pattern on the front?",
+        "The power light is green, the internet light blinks orange, then goes green after a minute.",
+        "Thanks. I see three resyncs yesterday. I'll reset the port and send a replacement filter.",
+    ]
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"({i}) {lines[i % 4]}"} for i in range(turns)]
+
+
+def spy_prompts(bridge: Bridge) -> list[int]:
+    """Record the prompt length of every request the bridge sends to the engine."""
+    lengths: list[int] = []
+    submit = bridge.runner.submit
+
+    def recording(request):
+        lengths.append(len(request.prompt_ids))
+        return submit(request)
+
+    bridge.runner.submit = recording
+    return lengths
+
+
+def test_short_transcript_is_one_request(bridge):
+    lengths = spy_prompts(bridge)
+    payload = {"kind": "summarize", "priority": 1, "messages": transcript(6), "sampling": {"max_new_tokens": 16}}
+    outcome = bridge.run("short", payload)
+    assert outcome.completion.ok and outcome.completion.text
+    assert (outcome.chunks, outcome.levels) == (1, 1) and len(lengths) == 1
+
+
+def test_transcript_five_times_the_context_goes_through_map_reduce(bridge):
+    turns = transcript(360)
+    whole = len(bridge.prompt_ids(chat_for("summarize", turns)))
+    assert whole > 5 * bridge.context
+    lengths = spy_prompts(bridge)
+    max_new = 48
+    payload = {"kind": "summarize", "priority": 1, "messages": turns, "sampling": {"max_new_tokens": max_new}}
+    outcome = bridge.run("long", payload)
+    assert outcome.completion.ok, outcome.completion.error
+    assert outcome.chunks >= 5 and outcome.levels >= 2
+    assert len(lengths) >= outcome.chunks + 1
+    assert max(lengths) <= bridge.context - max_new  # every prompt left room for its output
+    assert outcome.completion.prompt_tokens == sum(lengths)
+    assert len(outcome.completion.token_ids) <= max_new
+
+
+def test_chunks_keep_every_turn_in_order_and_split_only_oversized_turns():
+    def fits(turns):
+        return sum(len(t["content"].split()) for t in turns) <= 10
+
+    turns = [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": " ".join("x" * 25)},
+             {"role": "user", "content": "d e"}]
+    chunks = plan_chunks(turns, fits)
+    assert all(fits(c) for c in chunks)
+    flat = [t for c in chunks for t in c]
+    assert " ".join(t["content"] for t in flat).split() == " ".join(t["content"] for t in turns).split()
+    assert len(split_turn(turns[1], fits)) == 4 and flat[0] == turns[0]
+
+
+def test_a_budget_too_small_to_combine_fails_clearly(bridge):
+    payload = {"kind": "summarize", "priority": 1, "messages": transcript(120),
+               "sampling": {"max_new_tokens": 480}}
+    outcome = bridge.run("hopeless", payload)
+    assert outcome.completion.finish_reason == "error"
+    assert "max_new_tokens" in outcome.completion.error

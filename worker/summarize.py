@@ -1,0 +1,134 @@
+"""Summaries of transcripts of any length: map-reduce over chunks that fit the model's context.
+
+A transcript whose prompt fits (context minus the output budget) is summarized in one request. A longer
+one is split on turn boundaries into chunks that fit (a single turn too long for a chunk is split on
+word boundaries), each chunk is summarized, and the partial summaries are combined, again in chunks if
+they do not fit together, until one summary remains. Nothing is truncated: a transcript that cannot be
+reduced within the budget fails with a clear error instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from engine.interface import Completion, Timings
+from worker.payload import Outcome, sampling_from
+from worker.prompts import chat_for, combine_chat, part_chat
+
+if TYPE_CHECKING:
+    from worker.bridge import Bridge
+
+Turns = list[dict]
+
+
+class TooLong(ValueError):
+    pass
+
+
+def split_turn(turn: dict, fits: Callable[[Turns], bool]) -> Turns:
+    """A turn too long for any chunk, as consecutive pieces that each fit (split on word boundaries)."""
+    if fits([turn]):
+        return [turn]
+    words = turn["content"].split(" ")
+    if len(words) < 2:
+        raise TooLong("a single word does not fit the model's context")
+    half = len(words) // 2
+    head = {**turn, "content": " ".join(words[:half])}
+    tail = {**turn, "content": " ".join(words[half:])}
+    return split_turn(head, fits) + split_turn(tail, fits)
+
+
+def plan_chunks(turns: Turns, fits: Callable[[Turns], bool]) -> list[Turns]:
+    """Consecutive groups of turns, each as large as fits."""
+    chunks: list[Turns] = []
+    current: Turns = []
+    for turn in turns:
+        for piece in split_turn(turn, fits):
+            if current and not fits([*current, piece]):
+                chunks.append(current)
+                current = []
+            current.append(piece)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def merge(completions: list[Completion], final: Completion, started: float, final_submitted: float) -> Completion:
+    """One completion for the job: the final text, with the work of every request it took added up."""
+    t = [c.timings for c in completions]
+    timings = Timings(
+        queue_wait_ms=min(x.queue_wait_ms for x in t),
+        ttft_ms=(final_submitted - started) * 1e3 + final.timings.ttft_ms,
+        prefill_ms=sum(x.prefill_ms for x in t),
+        decode_ms=sum(x.decode_ms for x in t),
+        prompt_tokens_reused=sum(x.prompt_tokens_reused for x in t),
+        host_tokens_reused=sum(x.host_tokens_reused for x in t),
+        batch_size=max(x.batch_size for x in t),
+        batch_id=final.timings.batch_id,
+        preemptions=sum(x.preemptions for x in t),
+    )
+    return replace(final, prompt_tokens=sum(c.prompt_tokens for c in completions), timings=timings)
+
+
+def summarize(bridge: Bridge, job_id: str, payload: dict) -> Outcome:
+    sampling = sampling_from(payload)
+    budget = bridge.context - sampling.max_new_tokens  # prompt tokens that leave room for the summary
+    started = time.monotonic()
+
+    def fits_with(make_chat: Callable[[Turns], list[dict]]) -> Callable[[Turns], bool]:
+        return lambda turns: len(bridge.prompt_ids(make_chat(turns))) <= budget
+
+    def run_all(chats: list[list[dict]], level: int) -> list[Completion]:
+        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", chat, sampling, payload)
+                                 for i, chat in enumerate(chats)]
+        return [f.result() for f in futures]
+
+    def failed(completion: Completion, what: str) -> Outcome:
+        return Outcome(replace(completion, error=f"{what}: {completion.error}"),
+                       (time.monotonic() - started) * 1e3)
+
+    turns = payload["messages"]
+    whole = chat_for("summarize", turns)
+    if len(bridge.prompt_ids(whole)) <= budget:
+        [completion] = run_all([whole], 1)
+        return Outcome(completion, (time.monotonic() - started) * 1e3)
+
+    try:
+        # sized with a two-digit part header: the real header is never longer
+        chunks = plan_chunks(turns, fits_with(lambda ts: part_chat(ts, 99, 99)))
+    except TooLong as exc:
+        return _too_long(job_id, payload, str(exc), started)
+    done: list[Completion] = run_all([part_chat(c, i, len(chunks)) for i, c in enumerate(chunks, 1)], 1)
+    if bad := next((c for c in done if not c.ok), None):
+        return failed(bad, "a chunk failed")
+    summaries, level = [c.text for c in done], 1
+    combine_fits = fits_with(lambda ts: combine_chat([t["content"] for t in ts]))
+    while True:
+        level += 1
+        as_turns = [{"role": "user", "content": s} for s in summaries]
+        if combine_fits(as_turns):
+            final_submitted = time.monotonic()
+            [final] = run_all([combine_chat(summaries)], level)
+            done.append(final)
+            if not final.ok:
+                return failed(final, "combining the summaries failed")
+            return Outcome(merge(done, final, started, final_submitted), (time.monotonic() - started) * 1e3,
+                           chunks=len(chunks), levels=level)
+        groups = plan_chunks(as_turns, combine_fits)
+        if len(groups) >= len(summaries):
+            return _too_long(job_id, payload, "the partial summaries do not fit together two at a time; "
+                             "lower max_new_tokens", started)
+        level_done = run_all([combine_chat([t["content"] for t in g]) for g in groups], level)
+        done += level_done
+        if bad := next((c for c in level_done if not c.ok), None):
+            return failed(bad, "combining the summaries failed")
+        summaries = [c.text for c in level_done]
+
+
+def _too_long(job_id: str, payload: dict, why: str, started: float) -> Outcome:
+    error = f"cannot summarize within the model's context: {why}"
+    return Outcome(Completion(job_id, [], "", 0, "error", error), (time.monotonic() - started) * 1e3)
