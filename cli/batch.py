@@ -39,7 +39,7 @@ def follow(client: Client, batch_id: str, poll: float = 0.5) -> BatchOut:
     """A progress bar until the batch settles: items done, failed count, throughput."""
     batch = client.get_batch(batch_id)
     start = time.monotonic()
-    with tqdm(total=batch.request_counts.total or None, unit="item", file=sys.stderr, desc="batch") as bar:
+    with tqdm(total=batch.request_counts.total or None, unit="item", file=sys.stderr, desc="batch", mininterval=0.5) as bar:
         while True:
             c = batch.request_counts
             bar.total = c.total or bar.total

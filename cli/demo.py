@@ -1,12 +1,14 @@
-"""`convoq demo`: the whole service on embedded defaults, with nothing to configure.
+"""`convoq demo`: the main job, bulk transcript summarization, end to end on embedded defaults.
 
 A tiny random Qwen3 checkpoint, a SQLite database, the configured Redis (or a throwaway one, or kombu's
-SQLAlchemy transport when no Redis exists at all), the API and one worker as real processes. Bulk
-summaries are queued first, urgent chat replies after them; the table shows the chats overtaking.
+SQLAlchemy transport when no Redis exists at all), the API and one worker as real processes. The bundled
+transcripts (a few longer than the tiny model's context) go in as one batch at low priority; customer
+chats at priority 9 arrive while it runs and overtake it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
@@ -14,15 +16,21 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from sqlalchemy import select
+
 from api.client import Client
+from cli.batch import follow
 from cli.servers import RedisServer, ServerUnavailable, port_open
 from cli.stack import Stack
 from engine.tiny import build_tiny_model
+from jobs.db import make_engine
 from jobs.migrate import upgrade
 from jobs.schemas import JobIn
 from jobs.settings import DATA_DIR, Settings
+from jobs.tables import Job, Result, Timing, as_utc
 
 DEMO_KEY = "demo-key"
+SAMPLES = Path(__file__).parent / "samples" / "transcripts.jsonl"
 
 QUESTIONS = [
     "My parcel was marked delivered but it is not here. What can I do?",
@@ -30,13 +38,6 @@ QUESTIONS = [
     "How do I reset my password? The reset email never arrives.",
     "Can I change the delivery address of order 5531?",
     "The app crashes every time I open the billing page.",
-]
-
-TRANSCRIPT = [
-    {"role": "user", "content": "Hi, my order 7731 arrived damaged, the screen is cracked."},
-    {"role": "assistant", "content": "I'm sorry to hear that. Could you send a photo of the damage?"},
-    {"role": "user", "content": "Sent it just now to the support email."},
-    {"role": "assistant", "content": "Thanks, I see it. I've issued a replacement; it ships tomorrow."},
 ]
 
 
@@ -63,12 +64,13 @@ def ensure_model(settings: Settings) -> str:
     return str(path)
 
 
-def run_demo(jobs: int = 20) -> int:
+def run_demo(max_new_tokens: int = 48) -> int:
     settings = Settings()
     model = ensure_model(settings)
     upgrade(settings.database_url)
     broker_url, broker_note, server = pick_broker(settings)
-    print(f"database: {settings.database_url}\nbroker:   {broker_note}\nmodel:    {model}")
+    print(f"database: {settings.database_url}\nbroker:   {broker_note}\nmodel:    {model} "
+          f"(backend: {settings.backend})")
     env = {
         "CONVOQ_DATABASE_URL": settings.database_url,
         "CONVOQ_BROKER_URL": broker_url,
@@ -76,54 +78,82 @@ def run_demo(jobs: int = 20) -> int:
         "CONVOQ_API_KEYS": os.environ.get("CONVOQ_API_KEYS") or DEMO_KEY,
     }
     key = env["CONVOQ_API_KEYS"].split(",")[0].strip()
+    lines = [json.loads(line) | {"max_new_tokens": max_new_tokens} for line in SAMPLES.read_text().splitlines()]
     try:
         with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-demo-"))) as stack:
             print("starting the API and a worker ...")
             stack.start_api()
+            stack.start_worker()
             with Client(stack.api_url, key) as client:
-                bulk = [JobIn(messages=TRANSCRIPT, kind="summarize", priority=1,
-                              sampling={"max_new_tokens": 32}) for _ in range(jobs - len(QUESTIONS))]
-                urgent = [JobIn(messages=[{"role": "user", "content": q}], priority=9,
-                                sampling={"max_new_tokens": 24}) for q in QUESTIONS]
                 start = time.monotonic()
-                ids = [client.submit(job).id for job in bulk + urgent]
-                print(f"queued {len(bulk)} bulk summaries (priority 1), then {len(urgent)} chats (priority 9)")
-                stack.start_worker()
-                done = [client.wait(i, timeout=300) for i in ids]
+                upload = "\n".join(json.dumps(line) for line in lines).encode()
+                batch = client.create_batch(upload, name=SAMPLES.name, priority=1)
+                print(f"batch {batch.id}: {len(lines)} transcripts to summarize at priority 1 (bulk queue)")
+                while client.get_batch(batch.id).request_counts.completed < 3:
+                    time.sleep(0.05)
+                chats = [client.submit(JobIn(messages=[{"role": "user", "content": q}], priority=9,
+                                             sampling={"max_new_tokens": 24})).id for q in QUESTIONS]
+                print(f"{len(chats)} customer chats submitted at priority 9 while the batch runs")
+                batch = follow(client, str(batch.id), poll=0.2)
+                chats_done = [client.wait(i, timeout=300) for i in chats]
                 elapsed = time.monotonic() - start
-            print_table(done)
-            print_summary(done, elapsed)
+                jobs = batch_jobs(settings.database_url, batch.id)
+            print_results(jobs)
+            print_overtaking(chats_done, jobs)
+            print_summary(jobs + [timing_row(j) for j in chats_done], elapsed, len(lines))
             logs = stack.logdir
     finally:
         if server is not None:
             server.stop()
     print(f"\nlogs: {logs}")
-    print("The tiny model has random weights, so its text is gibberish. To run a real model, point "
-          "CONVOQ_MODEL at a Qwen3 folder (e.g. a downloaded Qwen/Qwen3-0.6B) and run `make demo` again.")
-    return 0 if all(j.status == "succeeded" for j in done) else 1
+    print("The tiny model has random weights, so its summaries are gibberish: the demo shows the pipeline, not "
+          "the model. To run a real model, point CONVOQ_MODEL at a Qwen3 folder (e.g. a downloaded "
+          "Qwen/Qwen3-0.6B) and run `make demo` again.")
+    return 0 if batch.status == "completed" and all(j.status == "succeeded" for j in chats_done) else 1
 
 
-def print_table(done: list) -> None:
-    order = sorted(done, key=lambda j: j.finished_at or j.created_at)
-    print(f"\n{'#':>3} {'kind':<10} {'prio':>4} {'status':<10} {'wait ms':>8} {'ttft ms':>8} {'e2e ms':>8} {'batch':>5}  text")
-    for n, j in enumerate(order, 1):
-        t = j.timings
-        text = (j.result.text if j.result else j.error or "").replace("\n", " ")[:40]
-        print(f"{n:>3} {j.kind:<10} {j.priority:>4} {j.status:<10} "
-              f"{t.queue_wait_ms if t else 0:>8.0f} {t.ttft_ms if t else 0:>8.0f} {t.end_to_end_ms if t else 0:>8.0f} "
-              f"{t.batch_size if t else 0:>5}  {text}")
+def batch_jobs(database_url: str, batch_id) -> list[dict]:
+    """Every job of the batch with its result and timings, read straight from the database."""
+    engine = make_engine(database_url)
+    query = (
+        select(Job.custom_id, Job.status, Job.error, Job.finished_at, Result.chunks, Result.levels,
+               Result.prompt_tokens, Result.completion_tokens, Timing.queue_wait_ms, Timing.ttft_ms,
+               Timing.prefill_ms, Timing.decode_ms, Timing.end_to_end_ms)
+        .outerjoin(Result, Result.job_id == Job.id).outerjoin(Timing, Timing.job_id == Job.id)
+        .where(Job.batch_id == batch_id).order_by(Job.finished_at)
+    )
+    with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(query)]
+    engine.dispose()
+    return rows
 
 
-def print_summary(done: list, elapsed: float) -> None:
-    timed = [j.timings for j in done if j.timings]
-    ok = sum(j.status == "succeeded" for j in done)
-    print(f"\n{ok}/{len(done)} succeeded in {elapsed:.1f}s (including worker start-up)")
-    if timed:
-        for name in ("queue_wait_ms", "ttft_ms", "prefill_ms", "decode_ms", "end_to_end_ms"):
-            values = [getattr(t, name) for t in timed]
-            print(f"  {name:<14} p50 {statistics.median(values):8.1f}   max {max(values):8.1f}")
-    by_kind = {}
-    for n, j in enumerate(sorted(done, key=lambda j: j.finished_at or j.created_at)):
-        by_kind.setdefault(j.kind, []).append(n + 1)
-    for kind, places in by_kind.items():
-        print(f"  {kind} jobs finished at places {places[0]}..{places[-1]} of {len(done)}")
+def timing_row(job) -> dict:
+    t = job.timings
+    return {"finished_at": job.finished_at, **({k: getattr(t, k) for k in TIMINGS} if t else {})}
+
+
+TIMINGS = ("queue_wait_ms", "ttft_ms", "prefill_ms", "decode_ms", "end_to_end_ms")
+
+
+def print_results(jobs: list[dict]) -> None:
+    print(f"\n{'custom_id':<34} {'status':<10} {'chunks':>6} {'levels':>6} {'prompt':>7} {'out':>4} {'e2e ms':>8}")
+    for j in jobs:
+        print(f"{j['custom_id']:<34} {j['status']:<10} {j['chunks'] or '-':>6} {j['levels'] or '-':>6} "
+              f"{j['prompt_tokens'] or 0:>7} {j['completion_tokens'] or 0:>4} {j['end_to_end_ms'] or 0:>8.0f}")
+
+
+def print_overtaking(chats: list, jobs: list[dict]) -> None:
+    for chat in chats:
+        later = sum(as_utc(j["finished_at"]) > as_utc(chat.finished_at) for j in jobs if j["finished_at"])
+        print(f"chat {str(chat.id)[:8]} (priority 9): {chat.status}, finished before {later} of the "
+              f"{len(jobs)} batch items, end to end {chat.timings.end_to_end_ms if chat.timings else 0:.0f} ms")
+
+
+def print_summary(rows: list[dict], elapsed: float, transcripts: int) -> None:
+    print(f"\n{transcripts} transcripts summarized and {len(rows) - transcripts} chats answered in {elapsed:.1f}s")
+    for name in TIMINGS:
+        values = sorted(r[name] for r in rows if r.get(name) is not None)
+        if values:
+            p95 = values[min(len(values) - 1, round(0.95 * (len(values) - 1)))]
+            print(f"  {name:<14} p50 {statistics.median(values):9.1f}   p95 {p95:9.1f}   max {values[-1]:9.1f}")

@@ -115,11 +115,11 @@ def submit(
 
 
 @app.command()
-def demo(jobs: int = 20) -> None:
-    """Run the main job end to end on embedded defaults and print what happened."""
+def demo(max_new_tokens: int = 48) -> None:
+    """Summarize the bundled transcripts end to end on embedded defaults, with urgent chats overtaking."""
     from cli.demo import run_demo
 
-    sys.exit(run_demo(jobs))
+    sys.exit(run_demo(max_new_tokens))
 
 
 if __name__ == "__main__":

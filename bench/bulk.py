@@ -1,0 +1,115 @@
+"""Bulk summarization throughput: the whole service versus the engine alone, on the same transcripts.
+
+    python -m bench.bulk --transcripts 500 --json
+
+The service run uploads one batch through the API and waits until every result is in the database (API ->
+Postgres + Redis -> worker -> engine -> Postgres). The engine run feeds the same jobs to the worker's own
+bridge in this process (same prompts, same map-reduce), with nothing around it. The ratio says how well
+the pipeline keeps the engine busy. Broker and database come from CONVOQ_BROKER_URL / CONVOQ_DATABASE_URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import sqlalchemy as sa
+from tqdm import tqdm
+
+from api.client import Client
+from cli.batch import follow
+from cli.demo import SAMPLES
+from cli.stack import Stack
+from engine.tiny import build_tiny_model
+from jobs.migrate import upgrade
+from jobs.settings import DATA_DIR, Settings
+from jobs.tables import Job, Result
+from worker.bridge import Bridge
+
+KEY = "bench-key"
+
+
+def workload(n: int, max_new_tokens: int) -> list[dict]:
+    """`n` batch lines cycling through the bundled transcripts (a few of them need map-reduce)."""
+    samples = [json.loads(line) for line in SAMPLES.read_text().splitlines()]
+    return [{"custom_id": f"{samples[i % len(samples)]['custom_id']}-{i}",
+             "transcript": samples[i % len(samples)]["transcript"], "max_new_tokens": max_new_tokens}
+            for i in range(n)]
+
+
+def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple[float, int]:
+    env = {"CONVOQ_DATABASE_URL": settings.database_url, "CONVOQ_BROKER_URL": settings.broker_url,
+           "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY}
+    with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-bulk-"))) as stack:
+        stack.start_api()
+        stack.start_worker()
+        with Client(stack.api_url, KEY, timeout=600) as client:
+            start = time.monotonic()
+            batch = client.create_batch("\n".join(json.dumps(x) for x in lines).encode(), name="bench.jsonl")
+            batch = follow(client, str(batch.id), poll=0.1)
+            elapsed = time.monotonic() - start
+    if batch.request_counts.completed != len(lines):
+        raise RuntimeError(f"the service finished only {batch.request_counts.completed}/{len(lines)}: {batch}")
+    engine = sa.create_engine(settings.database_url)
+    with engine.connect() as conn:
+        tokens = conn.execute(sa.select(sa.func.sum(Result.completion_tokens)).join(Job, Job.id == Result.job_id)
+                              .where(Job.batch_id == batch.id)).scalar_one()
+    engine.dispose()
+    return elapsed, int(tokens)
+
+
+def through_engine(lines: list[dict], settings: Settings, model: Path, threads: int) -> tuple[float, int]:
+    bridge = Bridge.from_settings(settings.model_copy(update={"model": str(model)}))
+    payloads = [{"kind": "summarize", "priority": 1, "messages": x["transcript"],
+                 "sampling": {"max_new_tokens": x["max_new_tokens"]}} for x in lines]
+    try:
+        start = time.monotonic()
+        with ThreadPoolExecutor(threads) as pool, tqdm(total=len(lines), desc="engine", file=sys.stderr) as bar:
+            outcomes = []
+            for outcome in pool.map(lambda a: bridge.run(*a), [(x["custom_id"], p) for x, p in zip(lines, payloads, strict=True)]):
+                outcomes.append(outcome)
+                bar.update()
+        elapsed = time.monotonic() - start
+    finally:
+        bridge.close()
+    if not all(o.completion.ok for o in outcomes):
+        raise RuntimeError("the engine run failed some transcripts")
+    return elapsed, sum(len(o.completion.token_ids) for o in outcomes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--transcripts", type=int, default=500)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    args = parser.parse_args()
+    settings = Settings()
+    model = DATA_DIR / "models" / "tiny"
+    if not model.exists():
+        build_tiny_model(model)
+    upgrade(settings.database_url)
+    lines = workload(args.transcripts, args.max_new_tokens)
+    engine_s, engine_tokens = through_engine(lines, settings, model, threads=settings.worker_concurrency)
+    service_s, service_tokens = through_service(lines, settings, model)
+    result = {
+        "transcripts": len(lines),
+        "backend": settings.backend,
+        "transcripts_per_s": round(len(lines) / service_s, 2),
+        "output_tok_s": round(service_tokens / service_s, 1),
+        "engine_transcripts_per_s": round(len(lines) / engine_s, 2),
+        "engine_output_tok_s": round(engine_tokens / engine_s, 1),
+        "pipeline_vs_engine": round(engine_s / service_s, 3),
+    }
+    if not args.json:
+        for k, v in result.items():
+            print(f"{k:>26}: {v}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
