@@ -5,7 +5,12 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 
+from api.errors import validation_error
+from api.limits import BodyLimit
+from api.prompt_check import PromptCheck
+from api.ratelimit import RateLimiter
 from api.routes import batches, health, jobs
 from jobs.db import make_engine, make_sessions
 from jobs.settings import Settings, get_settings
@@ -16,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    if not settings.api_keys:
+    if not settings.api_key_scopes:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
     app = FastAPI(
         title="convoq",
@@ -26,6 +31,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.sessions = make_sessions(make_engine(settings.database_url))
     app.state.celery = create_celery(settings)
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+    app.state.prompt_check = PromptCheck(settings.model)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(batches.router)

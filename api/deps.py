@@ -33,26 +33,46 @@ def get_celery(request: Request) -> Celery:
     return request.app.state.celery
 
 
-def require_key(
-    settings: Annotated[Settings, Depends(get_settings)],
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-) -> str:
-    """The hash of the caller's key; 401 unless it is one of the configured keys."""
+def _authenticate(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> tuple[str, frozenset]:
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key (Authorization: Bearer <key>)",
                             headers={"WWW-Authenticate": "Bearer"})
     offered = hash_key(credentials.credentials)
-    # compare against every key, always, so timing says nothing about which prefix matched
-    matched = False
-    for known in settings.api_key_hashes:
-        matched |= hmac.compare_digest(offered, known)
-    if not matched:
+    # compare against every key, always, so timing says nothing about which key or prefix matched
+    scopes: frozenset[str] = frozenset()
+    for known, known_scopes in settings.api_key_scopes.items():
+        if hmac.compare_digest(offered, known):
+            scopes = known_scopes
+    if not scopes:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-    return offered
+    return offered, scopes
+
+
+def require(scope: str):
+    """A dependency: the caller's key must carry `scope` and be within its rate limit; yields the key's hash."""
+
+    def check(
+        request: Request,
+        settings: Annotated[Settings, Depends(get_settings)],
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    ) -> str:
+        key, scopes = _authenticate(settings, credentials)
+        if scope not in scopes and "admin" not in scopes:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"this API key lacks the {scope!r} scope")
+        wait = request.app.state.rate_limiter.take(key)
+        if wait > 0:
+            raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS,
+                                f"rate limit of {settings.rate_limit_per_s:g} requests/s exceeded; retry later",
+                                headers={"Retry-After": str(max(1, round(wait)))})
+        return key
+
+    return check
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
-KeyDep = Annotated[str, Depends(require_key)]
+SubmitKey = Annotated[str, Depends(require("submit"))]
+ReadKey = Annotated[str, Depends(require("read"))]
+AdminKey = Annotated[str, Depends(require("admin"))]

@@ -74,6 +74,17 @@ def migrate(revision: str = "head", down: bool = False) -> None:
     typer.echo(f"database at {revision if not down else 'downgraded'}")
 
 
+@app.command()
+def reconcile() -> None:
+    """One sweep of the reconciler: hand back dead workers' jobs, publish stranded queued ones."""
+    from jobs.db import make_engine, make_sessions
+    from worker.celery_app import create_celery
+    from worker.reconciler import reconcile as sweep
+
+    settings = get_settings()
+    typer.echo(json.dumps(sweep(make_sessions(make_engine(settings.database_url)), create_celery(settings), settings)))
+
+
 @app.command("tiny-model")
 def tiny_model(path: Path, preset: str = "tiny", seed: int = 0) -> None:
     """Write a small random Qwen3 checkpoint folder (loads like a real Qwen/Qwen3-* folder)."""

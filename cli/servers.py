@@ -112,13 +112,16 @@ class PostgresServer:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/convoq"
 
     def start(self) -> PostgresServer:
+        """Create the cluster on first start; later starts (after `stop(remove=False)`) reuse it."""
         data = self.dir / "data"
-        subprocess.run(
-            [*self._as, str(self.bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
-             "-E", "UTF8", "--no-sync", "--no-instructions"],
-            check=True, capture_output=True,
-        )
-        with open(self.dir / "postgres.log", "wb") as log:
+        fresh = not (data / "PG_VERSION").exists()
+        if fresh:
+            subprocess.run(
+                [*self._as, str(self.bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
+                 "-E", "UTF8", "--no-sync", "--no-instructions"],
+                check=True, capture_output=True,
+            )
+        with open(self.dir / "postgres.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [*self._as, str(self.bindir / "postgres"), "-D", str(data), "-p", str(self.port),
                  "-k", str(self.dir), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
@@ -126,7 +129,8 @@ class PostgresServer:
                 stdout=subprocess.DEVNULL, stderr=log,
             )
         _wait_for_port(self.port, self.proc, "postgres")
-        self._create_database("convoq")
+        if fresh:
+            self._create_database("convoq")
         return self
 
     def _create_database(self, name: str) -> None:

@@ -56,6 +56,7 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     timings: Timings = field(default_factory=Timings)
+    retryable: bool = False  # the failure came from the engine, not from the request itself
 
     @property
     def ok(self) -> bool:

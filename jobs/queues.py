@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from jobs.settings import Settings
 
+TASK_RUN_JOB = "convoq.run_job"  # its one argument is the job id; everything else is in the row
+
 
 def broker_priority(priority: int) -> int:
     """Ours: 9 is the most urgent. Celery's Redis transport serves priority 0 first."""

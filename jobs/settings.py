@@ -13,8 +13,31 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 DATA_DIR = Path(".convoq")
 
 
+SCOPES = frozenset({"submit", "read", "admin"})
+DEFAULT_SCOPES = frozenset({"submit", "read"})
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_key(entry: str) -> tuple[str, frozenset[str]]:
+    """`KEY`, `KEY:scope+scope` or `sha256=HEX:scope+scope` -> (hash of the key, scopes).
+
+    The hashed form keeps plaintext keys out of the environment; a bare key gets submit+read.
+    """
+    secret, _, scopes_text = entry.partition(":")
+    scopes = frozenset(s for s in scopes_text.split("+") if s) or DEFAULT_SCOPES
+    if unknown := scopes - SCOPES:
+        raise ValueError(f"unknown API key scope(s) {sorted(unknown)}; use {sorted(SCOPES)}")
+    if secret.startswith("sha256="):
+        digest = secret.removeprefix("sha256=").lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError("a sha256= key needs 64 hex digits")
+        return digest, scopes
+    if len(secret) < 8:
+        raise ValueError("API keys must be at least 8 characters")
+    return hash_key(secret), scopes
 
 
 class Settings(BaseSettings):
@@ -24,13 +47,19 @@ class Settings(BaseSettings):
     broker_url: str = "redis://127.0.0.1:6379/0"
     # An HF model folder or hub id; the default is the tiny random checkpoint `convoq tiny-model` writes.
     model: str = str(DATA_DIR / "models" / "tiny")
-    backend: Literal["hf", "engine"] = "hf"
+    # `engine` (ours), `hf` (transformers' generate, the reference), or `package.module:factory` for a
+    # backend of your own: factory(model, device=..., dtype=...) returning a StepEngine.
+    backend: str = Field("hf", pattern=r"^(hf|engine|[\w.]+:\w+)$")
     device: str = "auto"  # auto = cuda when available
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = Field(16, ge=1, le=1024)
 
-    # Comma-separated plain keys (hashed as soon as they are read; only hashes are kept).
-    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    # Comma-separated `KEY[:scopes]` or `sha256=HEX[:scopes]` entries, scopes `+`-joined from submit, read,
+    # admin (default submit+read). Only hashes are kept once read; the raw value is a SecretStr.
+    api_keys: Annotated[SecretStr, NoDecode] = SecretStr("")
+    rate_limit_per_s: float = Field(200.0, gt=0)  # requests per second per key, per API process
+    rate_limit_burst: int = Field(400, ge=1)
+    max_request_bytes: int = Field(8 * 2**20, ge=1024)  # one JSON request body
 
     interactive_queue: str = "convoq.interactive"
     bulk_queue: str = "convoq.bulk"
@@ -39,6 +68,17 @@ class Settings(BaseSettings):
     visibility_timeout: int = Field(4 * 3600, ge=60)
     worker_concurrency: int = Field(64, ge=1, le=1024)  # Celery threads feeding one engine
 
+    # Failure handling: a job is tried at most `max_attempts` times, waiting retry_backoff_s * 2**(n-1)
+    # between tries; a worker silent for dead_after_s is dead and its running jobs are handed back.
+    max_attempts: int = Field(3, ge=1, le=20)
+    retry_backoff_s: float = Field(2.0, ge=0)
+    heartbeat_s: float = Field(5.0, gt=0)
+    dead_after_s: float = Field(30.0, gt=0)
+    # queued jobs whose message never went out are published after this grace; published ones that are still
+    # queued this long later are published again (a lost message; duplicates are dropped at claim)
+    unpublished_grace_s: float = Field(10.0, ge=0)
+    republish_after_s: float = Field(3600.0, gt=0)
+
     max_upload_bytes: int = Field(100 * 2**20, ge=1)  # one batch upload
     max_wait_seconds: float = Field(60.0, ge=0)
 
@@ -46,16 +86,19 @@ class Settings(BaseSettings):
     flower_user: str = "admin"
     flower_password: SecretStr = SecretStr("")  # `convoq flower` refuses to start without one
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys")
     @classmethod
-    def _split_keys(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [k.strip() for k in value.split(",") if k.strip()]
+    def _check_keys(cls, value: SecretStr) -> SecretStr:
+        for entry in value.get_secret_value().split(","):
+            if entry.strip():
+                parse_key(entry.strip())
         return value
 
     @cached_property
-    def api_key_hashes(self) -> frozenset[str]:
-        return frozenset(hash_key(k.get_secret_value()) for k in self.api_keys)
+    def api_key_scopes(self) -> dict[str, frozenset[str]]:
+        """Hash of each key -> its scopes."""
+        entries = [e.strip() for e in self.api_keys.get_secret_value().split(",") if e.strip()]
+        return dict(parse_key(e) for e in entries)
 
 
 def get_settings() -> Settings:

@@ -13,12 +13,14 @@ from jobs.settings import Settings
 from tests.conftest import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+READ_KEY, ADMIN_KEY = "reader-key-1", "admin-key-1"
 GOOD = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 7}
 
 
 @pytest.fixture
-def client(database, broker):
-    settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY)
+def client(database, broker, tiny_model):
+    settings = Settings(database_url=database, broker_url=broker, api_keys=f"{API_KEY},{READ_KEY}:read,{ADMIN_KEY}:admin",
+                        model=str(tiny_model), rate_limit_per_s=50, rate_limit_burst=60, max_request_bytes=64 * 1024)
     with TestClient(create_app(settings)) as c:
         yield c
 
@@ -134,3 +136,37 @@ def test_healthz_and_openapi(client):
     spec = client.get("/openapi.json").json()
     assert "/v1/jobs" in spec["paths"]
     assert client.get("/docs").status_code == 200
+
+
+def test_prompt_longer_than_the_context_is_422(client, database, broker):
+    long = {**GOOD, "messages": [{"role": "user", "content": "refund " * 1200}]}
+    r = client.post("/v1/jobs", json=long, headers=AUTH)
+    assert r.status_code == 422 and "context" in r.text and "messages" in r.text
+    fits_alone = {**GOOD, "messages": [{"role": "user", "content": "refund " * 400}], "sampling": {"max_new_tokens": 900}}
+    r = client.post("/v1/jobs", json=fits_alone, headers=AUTH)
+    assert r.status_code == 422 and "max_new_tokens 900" in r.text
+    summary = {**GOOD, "kind": "summarize", "sampling": {"max_new_tokens": 1000}}
+    r = client.post("/v1/jobs", json=summary, headers=AUTH)
+    assert r.status_code == 422 and "max_new_tokens" in r.text
+    assert queued_messages(broker) == 0 and job_rows(database) == 0
+
+
+def test_oversized_body_is_413_before_anything_is_read(client, broker):
+    huge = {**GOOD, "messages": [{"role": "user", "content": "x" * 100_000}]}
+    r = client.post("/v1/jobs", json=huge, headers=AUTH)
+    assert r.status_code == 413 and "bytes" in r.json()["detail"]
+    assert queued_messages(broker) == 0
+
+
+def test_scopes_rate_limits_and_wrong_scope(client):
+    read = {"Authorization": f"Bearer {READ_KEY}"}
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = client.post("/v1/jobs", json=GOOD, headers=read)
+    assert r.status_code == 403 and "submit" in r.json()["detail"]
+    job_id = client.post("/v1/jobs", json=GOOD, headers=admin).json()["id"]  # admin may do everything
+    assert client.get(f"/v1/jobs/{job_id}", headers=read).status_code == 200
+    codes = [client.get(f"/v1/jobs/{job_id}", headers=read).status_code for _ in range(80)]
+    assert codes.count(429) > 0 and codes[0] == 200
+    limited = client.get(f"/v1/jobs/{job_id}", headers=read)
+    assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1
+    assert client.get(f"/v1/jobs/{job_id}", headers=AUTH).status_code == 200  # other keys are unaffected

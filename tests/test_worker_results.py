@@ -36,19 +36,19 @@ def test_a_message_delivered_twice_stores_one_result(database):
     engine = make_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
-    first = results.claim(sessions, job_id, "w1")
-    second = results.claim(sessions, job_id, "w2")  # redelivered while the first still runs
+    first = results.claim(sessions, job_id, "w1", 3)
+    assert results.claim(sessions, job_id, "w2", 3) is None  # redelivered while the first still runs
     results.store(sessions, first, outcome(job_id), "w1")
-    results.store(sessions, second, outcome(job_id, "other"), "w2")
+    results.store(sessions, first, outcome(job_id, "other"), "w1")  # the store itself repeated
     assert counts(engine, job_id) == ("succeeded", 1, 1)
-    assert results.claim(sessions, job_id, "w3") is None  # a third delivery finds it finished
+    assert results.claim(sessions, job_id, "w3", 3) is None  # a later delivery finds it finished
 
 
 def test_nul_in_generated_text_is_stored(database):
     engine = make_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
-    results.store(sessions, results.claim(sessions, job_id, "w"), outcome(job_id, "a\x00b"), "w")
+    results.store(sessions, results.claim(sessions, job_id, "w", 3), outcome(job_id, "a\x00b"), "w")
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT text FROM results")).scalar_one() == "a\ufffdb"
 
@@ -57,7 +57,46 @@ def test_a_crashed_run_marks_the_job_failed(database):
     engine = make_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
-    results.fail(sessions, results.claim(sessions, job_id, "w"), "RuntimeError: boom")
+    results.fail(sessions, results.claim(sessions, job_id, "w", 3), "RuntimeError: boom")
     assert counts(engine, job_id) == ("failed", 0, 0)
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT error FROM jobs")).scalar_one() == "RuntimeError: boom"
+
+
+def test_attempts_are_bounded(database):
+    engine = make_engine(database)
+    sessions = make_sessions(engine)
+    job_id = new_job(sessions)
+    for attempt in (1, 2):
+        claimed = results.claim(sessions, job_id, "w", 2)
+        assert claimed.attempt == attempt
+        assert results.requeue(sessions, claimed, f"boom {attempt}")
+    assert results.claim(sessions, job_id, "w", 2) is None  # the third try is not run
+    with engine.connect() as conn:
+        status, error = conn.execute(sa.text("SELECT status, error FROM jobs")).one()
+    assert status == "failed" and "gave up after 2 attempts" in error and "boom 2" in error
+
+
+def test_reconciler_hands_back_a_dead_workers_jobs_and_publishes_stranded_ones(database, broker):
+    import redis
+
+    from jobs.settings import Settings
+    from worker.celery_app import create_celery
+    from worker.reconciler import beat, reconcile
+
+    settings = Settings(database_url=database, broker_url=broker, dead_after_s=60, unpublished_grace_s=0)
+    celery = create_celery(settings)
+    engine = make_engine(database)
+    sessions = make_sessions(engine)
+    alive, dead = new_job(sessions), new_job(sessions)
+    beat(sessions, "alive-worker")
+    beat(sessions, "dead-worker")
+    results.claim(sessions, alive, "alive-worker", 3)
+    results.claim(sessions, dead, "dead-worker", 3)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE workers SET heartbeat_at = heartbeat_at - interval '5 minutes' WHERE name = 'dead-worker'"))
+    swept = reconcile(sessions, celery, settings)
+    assert swept["orphans"] == 1 and swept["published"] == 1
+    assert counts(engine, alive)[0] == "running" and counts(engine, dead)[0] == "queued"
+    assert redis.Redis.from_url(broker).llen("convoq.interactive:4") == 1  # priority 5 -> broker 4
+    assert reconcile(sessions, celery, settings)["published"] == 0  # published now: nothing left to do

@@ -7,6 +7,7 @@ engine requests (`worker.summarize`).
 
 from __future__ import annotations
 
+import importlib
 import time
 from concurrent.futures import Future
 
@@ -33,10 +34,13 @@ def load_backend(settings: Settings) -> StepEngine:
         from engine.hf_backend import HFEngine
 
         return HFEngine(settings.model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size)
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    if settings.backend == "engine":
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=settings.model, device=device, dtype=settings.dtype))
+        return LLMEngine(EngineConfig(model=settings.model, device=device, dtype=settings.dtype))
+    module, _, factory = settings.backend.partition(":")
+    return getattr(importlib.import_module(module), factory)(settings.model, device=device, dtype=settings.dtype)
 
 
 class Bridge:

@@ -11,8 +11,6 @@ from kombu import Queue
 
 from jobs.settings import Settings, get_settings
 
-TASK_RUN_JOB = "convoq.run_job"
-
 
 def transport_options(settings: Settings) -> dict:
     return {

@@ -38,6 +38,7 @@ class Claimed:
     created_at: datetime
     claimed_at: datetime
     batch_id: uuid.UUID | None
+    attempt: int
 
 
 def ms_between(a: datetime, b: datetime) -> float:
@@ -83,21 +84,46 @@ def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> None:
         retrying(lambda: _settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
 
 
-def claim(sessions: sessionmaker[Session], job_id: str, worker: str) -> Claimed | None:
-    """Mark the job running; None if it is unknown or already terminal (a duplicate delivery)."""
+def claim(sessions: sessionmaker[Session], job_id: str, worker: str, max_attempts: int) -> Claimed | None:
+    """Mark a queued job running; None if it is not queued (a duplicate message, or already taken).
 
-    def action() -> Claimed | None:
+    A job that has used up its attempts (it crashed or failed that often) is failed here instead of run.
+    """
+
+    def action() -> tuple[Claimed, int, str | None] | None:
         now = utcnow()
         with sessions.begin() as session:
             row = session.execute(
                 update(Job)
-                .where(Job.id == uuid.UUID(job_id), Job.status.in_(NOT_TERMINAL))
+                .where(Job.id == uuid.UUID(job_id), Job.status == JobStatus.queued.value)
                 .values(status=JobStatus.running.value, attempts=Job.attempts + 1, worker=worker, started_at=now)
-                .returning(Job.payload, Job.created_at, Job.batch_id)
+                .returning(Job.payload, Job.created_at, Job.batch_id, Job.attempts, Job.error)
             ).one_or_none()
-        return None if row is None else Claimed(uuid.UUID(job_id), row.payload, row.created_at, now, row.batch_id)
+        if row is None:
+            return None
+        return Claimed(uuid.UUID(job_id), row.payload, row.created_at, now, row.batch_id, row.attempts), row.attempts, row.error
 
-    return retrying(action, f"claim {job_id}")
+    claimed = retrying(action, f"claim {job_id}")
+    if claimed is None:
+        return None
+    job, attempts, last_error = claimed
+    if attempts > max_attempts:
+        fail(sessions, job, f"gave up after {max_attempts} attempts; last error: {last_error or 'the worker died'}")
+        return None
+    return job
+
+
+def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
+    """Put a job that failed this attempt back to `queued` (for a delayed retry); False if it moved on."""
+
+    def action() -> bool:
+        with sessions.begin() as session:
+            return session.execute(
+                update(Job).where(Job.id == claimed.job_id, Job.status == JobStatus.running.value)
+                .values(status=JobStatus.queued.value, worker=None, published_at=None, error=storable(error)[:4000])
+            ).rowcount == 1
+
+    return retrying(action, f"requeue {claimed.job_id}")
 
 
 def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, batch_prefix: str) -> None:

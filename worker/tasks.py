@@ -9,68 +9,94 @@ import sys
 import time
 from dataclasses import dataclass
 
-from celery import Task
+from celery import Celery, Task
 from celery.signals import worker_init, worker_shutdown
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.runner import EngineDead
 from jobs.db import make_engine, make_sessions
+from jobs.publish import publish
+from jobs.queues import TASK_RUN_JOB
 from jobs.settings import Settings, get_settings
+from jobs.tables import Job
 from worker import results
 from worker.bridge import Bridge
-from worker.celery_app import TASK_RUN_JOB, app
+from worker.celery_app import app
+from worker.reconciler import Reconciler, hand_back
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class WorkerContext:
-    """What one worker process holds for its whole life: the database and the engine."""
+    """What one worker process holds for its whole life: the database, the engine, the reconciler."""
 
     settings: Settings
     sessions: sessionmaker[Session]
     bridge: Bridge
+    reconciler: Reconciler
     name: str
 
     @classmethod
-    def start(cls, settings: Settings) -> WorkerContext:
+    def start(cls, settings: Settings, celery: Celery) -> WorkerContext:
         sessions = make_sessions(make_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32)))
         bridge = Bridge.from_settings(settings)
-        return cls(settings, sessions, bridge, f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}")
+        name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
+        reconciler = Reconciler(sessions, celery, settings, name).start()
+        return cls(settings, sessions, bridge, reconciler, name)
 
 
 @worker_init.connect
-def _load_engine(sender=None, **_) -> None:
+def _start(sender=None, **_) -> None:
     # The model is loaded here, in the process that runs it, before the worker consumes anything.
     # The engine thread runs Python between kernels; a short GIL switch interval keeps the consumer and the
     # database threads responsive while it does.
     sys.setswitchinterval(0.0005)
-    app.convoq_context = WorkerContext.start(get_settings())
+    app.convoq_context = WorkerContext.start(get_settings(), app)
     log.info("engine ready: %s", app.convoq_context.settings.model)
 
 
 @worker_shutdown.connect
-def _close_engine(sender=None, **_) -> None:
-    ctx = getattr(app, "convoq_context", None)
-    if ctx is not None:
-        ctx.bridge.close()
+def _stop(sender=None, **_) -> None:
+    ctx: WorkerContext | None = getattr(app, "convoq_context", None)
+    if ctx is None:
+        return
+    ctx.reconciler.stop()
+    ctx.bridge.close()
+    returned = hand_back(ctx.sessions, ctx.name)
+    if returned:
+        log.warning("handed %d unfinished jobs back to the queue", returned)
 
 
 @app.task(name=TASK_RUN_JOB, bind=True)
 def run_job(self: Task, job_id: str) -> None:
     ctx: WorkerContext = self.app.convoq_context
-    claimed = results.claim(ctx.sessions, job_id, worker=ctx.name)
+    claimed = results.claim(ctx.sessions, job_id, worker=ctx.name, max_attempts=ctx.settings.max_attempts)
     if claimed is None:
-        log.info("job %s is unknown or already finished; dropping the duplicate message", job_id)
+        log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
         return
     try:
         outcome = ctx.bridge.run(job_id, claimed.payload)
+        if outcome.completion.retryable:
+            raise RuntimeError(outcome.completion.error)
         results.store(ctx.sessions, claimed, outcome, batch_prefix=ctx.name)
     except EngineDead:
-        # the model's state is unknown: exit so the supervisor restarts the worker; unacknowledged
-        # messages, this one included, are delivered again
+        # the model's state is unknown: exit so the supervisor restarts the worker; the reconciler hands this
+        # worker's jobs back once its heartbeat has stopped
         log.critical("engine thread is dead; exiting")
         os._exit(3)
     except Exception as exc:
-        log.exception("job %s failed", job_id)
-        results.fail(ctx.sessions, claimed, f"{type(exc).__name__}: {exc}")
+        log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
+        retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
+
+
+def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:
+    """Try again later with exponential backoff while attempts remain; then the job fails with its error."""
+    s = ctx.settings
+    if claimed.attempt >= s.max_attempts:
+        results.fail(ctx.sessions, claimed, f"failed after {claimed.attempt} attempts: {error}")
+        return
+    if results.requeue(ctx.sessions, claimed, error):
+        with ctx.sessions() as session:
+            job = session.get(Job, claimed.job_id)
+            publish(app, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1))

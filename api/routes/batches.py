@@ -9,15 +9,16 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, File, Form, HTTPException, UploadFile, status
+from fastapi import APIRouter, BackgroundTasks, File, Form, HTTPException, Request, UploadFile, status
 from fastapi.responses import StreamingResponse
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.batch_input import parse_batch
-from api.deps import CeleryDep, KeyDep, SessionDep, SessionsDep, SettingsDep
-from api.publish import publish
+from api.batch_input import LineError, parse_batch
+from api.deps import CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from api.prompt_check import PromptCheck
 from jobs.batches import PENDING, settle_batch
+from jobs.publish import publish
 from jobs.schemas import BatchLineError, BatchOut, BatchStatus, JobStatus, RequestCounts
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, as_utc, utcnow
@@ -56,12 +57,18 @@ def batch_out(session: Session, batch: Batch) -> BatchOut:
     )
 
 
-def ingest(sessions: sessionmaker[Session], celery, settings: Settings, batch_id: uuid.UUID, data: bytes) -> None:
+def ingest(sessions: sessionmaker[Session], celery, settings: Settings, check: PromptCheck, batch_id: uuid.UUID,
+           data: bytes) -> None:
     """Validate the upload line by line, create one job per good line, publish them (runs after the response)."""
     with sessions() as session:
         batch = session.get(Batch, batch_id)
         try:
             parsed, errors, total = parse_batch(data, batch.priority)
+            for p in list(parsed):
+                if problem := check.problem(p.job):
+                    parsed.remove(p)
+                    errors.append(LineError(p.line, p.custom_id, f"{problem[0]}: {problem[1]}"))
+            errors.sort(key=lambda e: e.line)
             jobs = [
                 Job(kind=p.job.kind, priority=p.job.priority, payload=p.job.model_dump(mode="json"),
                     conversation_id=p.job.conversation_id, batch_id=batch_id, custom_id=p.custom_id,
@@ -101,12 +108,13 @@ def _get_batch(session: Session, batch_id: uuid.UUID) -> Batch:
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=BatchOut)
 async def create_batch(
     file: Annotated[UploadFile, File(description="JSONL: OpenAI Batch lines or convoq lines")],
+    request: Request,
     background: BackgroundTasks,
     session: SessionDep,
     sessions: SessionsDep,
     celery: CeleryDep,
     settings: SettingsDep,
-    _: KeyDep,
+    _: SubmitKey,
     priority: Annotated[int, Form(ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")] = 1,
     metadata: Annotated[str | None, Form(description="a JSON object kept with the batch")] = None,
 ) -> BatchOut:
@@ -124,12 +132,12 @@ async def create_batch(
                   total=0, line_errors=[], metadata_=meta)
     session.add(batch)
     session.commit()
-    background.add_task(ingest, sessions, celery, settings, batch.id, data)
+    background.add_task(ingest, sessions, celery, settings, request.app.state.prompt_check, batch.id, data)
     return batch_out(session, batch)
 
 
 @router.get("/{batch_id}", response_model=BatchOut)
-def get_batch(batch_id: uuid.UUID, session: SessionDep, _: KeyDep) -> BatchOut:
+def get_batch(batch_id: uuid.UUID, session: SessionDep, _: ReadKey) -> BatchOut:
     batch = _get_batch(session, batch_id)
     if batch.status in (BatchStatus.in_progress.value, BatchStatus.cancelling.value):
         settle_batch(session, batch_id)  # a safety net: workers settle batches too
@@ -139,7 +147,7 @@ def get_batch(batch_id: uuid.UUID, session: SessionDep, _: KeyDep) -> BatchOut:
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchOut)
-def cancel_batch(batch_id: uuid.UUID, session: SessionDep, _: KeyDep) -> BatchOut:
+def cancel_batch(batch_id: uuid.UUID, session: SessionDep, _: SubmitKey) -> BatchOut:
     """Queued items are cancelled; running ones finish and, like everything finished, stay downloadable."""
     batch = _get_batch(session, batch_id)
     if batch.status not in OPEN:
@@ -158,7 +166,7 @@ def cancel_batch(batch_id: uuid.UUID, session: SessionDep, _: KeyDep) -> BatchOu
 
 @router.post("/{batch_id}/retry", response_model=BatchOut)
 def retry_failed(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, settings: SettingsDep,
-                 _: KeyDep) -> BatchOut:
+                 _: SubmitKey) -> BatchOut:
     """Run the batch's failed jobs again (lines that failed validation cannot run: fix and upload those)."""
     batch = _get_batch(session, batch_id)
     if batch.status in (BatchStatus.validating.value, BatchStatus.cancelling.value):
@@ -217,14 +225,14 @@ def _line(line_id: str, custom_id: str | None, response: dict | None, error: dic
 
 
 @router.get("/{batch_id}/output")
-def batch_output(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, _: KeyDep) -> StreamingResponse:
+def batch_output(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, _: ReadKey) -> StreamingResponse:
     """Succeeded items as OpenAI Batch output lines (available while the batch still runs)."""
     _get_batch(session, batch_id)
     return StreamingResponse(_lines(sessions, batch_id, errors=False), media_type="application/jsonl")
 
 
 @router.get("/{batch_id}/errors")
-def batch_errors(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, _: KeyDep) -> StreamingResponse:
+def batch_errors(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, _: ReadKey) -> StreamingResponse:
     """Bad lines, failed and cancelled items, as OpenAI Batch error lines."""
     _get_batch(session, batch_id)
     return StreamingResponse(_lines(sessions, batch_id, errors=True), media_type="application/jsonl")

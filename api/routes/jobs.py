@@ -6,14 +6,14 @@ import asyncio
 import time
 from uuid import UUID
 
-from fastapi import APIRouter, HTTPException, Query, Response, status
+from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.deps import CeleryDep, KeyDep, SessionDep, SessionsDep, SettingsDep
-from api.publish import publish
+from api.deps import CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from jobs.publish import publish
 from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut
 from jobs.tables import Job, Result, Timing
 
@@ -22,8 +22,13 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted)
 def submit_job(
-    job_in: JobIn, response: Response, session: SessionDep, celery: CeleryDep, settings: SettingsDep, _: KeyDep
+    job_in: JobIn, request: Request, response: Response, session: SessionDep, celery: CeleryDep,
+    settings: SettingsDep, _: SubmitKey,
 ) -> JobAccepted:
+    if problem := request.app.state.prompt_check.problem(job_in):
+        field, message = problem
+        loc = ["body", "messages"] if field == "messages" else ["body", "sampling", field]
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": loc, "msg": message, "type": "value_error"}])
     job = Job(
         kind=job_in.kind,
         priority=job_in.priority,
@@ -66,7 +71,7 @@ async def get_job(
     job_id: UUID,
     sessions: SessionsDep,
     settings: SettingsDep,
-    _: KeyDep,
+    _: ReadKey,
     wait: float = Query(0.0, ge=0.0, description="seconds to wait for the job to finish (long poll)"),
 ) -> JobOut:
     deadline = time.monotonic() + min(wait, settings.max_wait_seconds)

@@ -1,27 +1,29 @@
-"""Putting committed jobs on the broker."""
+"""Putting committed jobs on the broker: the API for new jobs, the worker and reconciler for retries."""
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 
 from celery import Celery
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from jobs.queues import broker_priority, queue_for
+from jobs.queues import TASK_RUN_JOB, broker_priority, queue_for
 from jobs.settings import Settings
 from jobs.tables import Job, utcnow
-from worker.celery_app import TASK_RUN_JOB
 
 log = logging.getLogger(__name__)
 
 
-def publish(celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings) -> int:
+def publish(
+    celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings, countdown: float = 0
+) -> list[uuid.UUID]:
     """Send one message per job over one connection, then stamp `published_at` on those that went out.
 
     A job whose message could not be sent stays `queued` with no `published_at`: the row keeps it, and the
-    reconciler publishes it later. Returns how many were published.
+    reconciler publishes it later. Returns the ids of the jobs that went out.
     """
     sent = []
     try:
@@ -34,6 +36,7 @@ def publish(celery: Celery, session: Session, jobs: Sequence[Job], settings: Set
                     queue=queue_for(job.kind, settings),
                     priority=broker_priority(job.priority),
                     producer=producer,
+                    countdown=countdown or None,
                     retry=True,
                     retry_policy={"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2},
                 )
@@ -43,4 +46,4 @@ def publish(celery: Celery, session: Session, jobs: Sequence[Job], settings: Set
     if sent:
         session.execute(update(Job).where(Job.id.in_(sent)).values(published_at=utcnow()))
         session.commit()
-    return len(sent)
+    return sent

@@ -1,0 +1,22 @@
+"""A backend for fault tests: transformers' generate, except that any batch holding a POISON prompt raises.
+
+The worker loads it through the `package.module:factory` form of CONVOQ_BACKEND, the way a deployment
+would plug in a backend of its own.
+"""
+
+from __future__ import annotations
+
+from engine.hf_backend import HFEngine
+from engine.interface import Request
+
+
+class PoisonEngine(HFEngine):
+    def _take_batch(self) -> list[Request]:
+        batch = super()._take_batch()
+        if any("POISON" in self.tokenizer.decode(r.prompt_ids) for r in batch):
+            raise ValueError("poisoned input crashed the batch")
+        return batch
+
+
+def create(model: str, device: str, dtype: str) -> PoisonEngine:
+    return PoisonEngine(model, device=device, dtype=dtype, max_batch_size=8)
