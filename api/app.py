@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
+from api import metrics
 from api.errors import validation_error
 from api.limits import BodyLimit
 from api.prompt_check import PromptCheck
@@ -38,4 +39,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(batches.router)
+    app.include_router(metrics.router)
     return app

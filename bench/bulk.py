@@ -22,12 +22,12 @@ import sqlalchemy as sa
 from tqdm import tqdm
 
 from api.client import Client
+from bench.common import report, tiny_model
 from cli.batch import follow
 from cli.demo import SAMPLES
 from cli.stack import Stack
-from engine.tiny import build_tiny_model
 from jobs.migrate import upgrade
-from jobs.settings import DATA_DIR, Settings
+from jobs.settings import Settings
 from jobs.tables import Job, Result
 from worker.bridge import Bridge
 
@@ -89,9 +89,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     settings = Settings()
-    model = DATA_DIR / "models" / "tiny"
-    if not model.exists():
-        build_tiny_model(model)
+    model = tiny_model()
     upgrade(settings.database_url)
     lines = workload(args.transcripts, args.max_new_tokens)
     engine_s, engine_tokens = through_engine(lines, settings, model, threads=settings.worker_concurrency)
@@ -105,10 +103,7 @@ def main() -> None:
         "engine_output_tok_s": round(engine_tokens / engine_s, 1),
         "pipeline_vs_engine": round(engine_s / service_s, 3),
     }
-    if not args.json:
-        for k, v in result.items():
-            print(f"{k:>26}: {v}")
-    print(json.dumps(result))
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ job), lost (jobs never finished), and the extra wall time the faults cost.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import tempfile
@@ -23,11 +22,11 @@ import sqlalchemy as sa
 from tqdm import tqdm
 
 from api.client import Client
+from bench.common import report, tiny_model
 from cli.stack import Stack
-from engine.tiny import build_tiny_model
 from jobs.migrate import upgrade
 from jobs.schemas import TERMINAL, JobIn, JobStatus
-from jobs.settings import DATA_DIR, Settings
+from jobs.settings import Settings
 from jobs.tables import Job, Result
 
 KEY = "bench-key"
@@ -82,9 +81,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     settings = Settings()
-    model = DATA_DIR / "models" / "tiny"
-    if not model.exists():
-        build_tiny_model(model)
+    model = tiny_model()
     upgrade(settings.database_url)
     calm = run(args.jobs, 0, settings, model, args.timeout)
     chaos = run(args.jobs, args.kills, settings, model, args.timeout)
@@ -98,10 +95,7 @@ def main() -> None:
         "calm_s": round(calm["elapsed"], 1),
         "chaos_s": round(chaos["elapsed"], 1),
     }
-    if not args.json:
-        for k, v in result.items():
-            print(f"{k:>16}: {v}")
-    print(json.dumps(result))
+    report(result, args.json)
 
 
 if __name__ == "__main__":

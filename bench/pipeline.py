@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -23,19 +22,14 @@ import sqlalchemy as sa
 from tqdm import tqdm
 
 from api.client import AsyncClient
+from bench.common import percentile, report, tiny_model
 from cli.stack import Stack
-from engine.tiny import build_tiny_model
 from jobs.migrate import upgrade
 from jobs.schemas import TERMINAL, JobIn, JobStatus
-from jobs.settings import DATA_DIR, Settings
+from jobs.settings import Settings
 from jobs.tables import Job, Timing
 
 KEY = "bench-key"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def submit_all(url: str, jobs: list[JobIn], concurrency: int) -> list[str]:
@@ -67,9 +61,7 @@ def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> float:
 
 def run(n_jobs: int, max_new_tokens: int, concurrency: int) -> dict:
     settings = Settings()
-    model = DATA_DIR / "models" / "tiny"
-    if not model.exists():
-        build_tiny_model(model)
+    model = tiny_model()
     upgrade(settings.database_url)
     db = sa.create_engine(settings.database_url)
     env = {
@@ -77,8 +69,6 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int) -> dict:
         "CONVOQ_BROKER_URL": settings.broker_url,
         "CONVOQ_MODEL": str(model),
         "CONVOQ_API_KEYS": KEY,
-        "CONVOQ_WORKER_CONCURRENCY": str(max(n_jobs, 64)),
-        "CONVOQ_MAX_BATCH_SIZE": str(max(n_jobs, 16)),
     }
     jobs = [JobIn(messages=[{"role": "user", "content": f"Where is my order {i}? It is late."}], priority=i % 10,
                   sampling={"max_new_tokens": max_new_tokens}) for i in range(n_jobs)]
@@ -122,10 +112,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     result = run(args.jobs, args.max_new_tokens, args.concurrency)
-    if not args.json:
-        for k, v in result.items():
-            print(f"{k:>20}: {v}")
-    print(json.dumps(result))
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -89,8 +89,9 @@ def run_demo(max_new_tokens: int = 48) -> int:
                 upload = "\n".join(json.dumps(line) for line in lines).encode()
                 batch = client.create_batch(upload, name=SAMPLES.name, priority=1)
                 print(f"batch {batch.id}: {len(lines)} transcripts to summarize at priority 1 (bulk queue)")
-                while client.get_batch(batch.id).request_counts.completed < 3:
+                while client.get_batch(batch.id).status == "validating":
                     time.sleep(0.05)
+                time.sleep(1.0)  # the batch's items are in the engine now
                 chats = [client.submit(JobIn(messages=[{"role": "user", "content": q}], priority=9,
                                              sampling={"max_new_tokens": 24})).id for q in QUESTIONS]
                 print(f"{len(chats)} customer chats submitted at priority 9 while the batch runs")

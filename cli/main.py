@@ -85,6 +85,23 @@ def reconcile() -> None:
     typer.echo(json.dumps(sweep(make_sessions(make_engine(settings.database_url)), create_celery(settings), settings)))
 
 
+@app.command()
+def report(
+    since: Annotated[str, typer.Option(help="ISO 8601 time, or a span back from now: 30m, 2h, 1d")] = "1d",
+    out: Path = Path("report.html"),
+) -> None:
+    """Write one HTML page: latency per priority, throughput, queue wait vs compute, batch sizes, prefix reuse."""
+    from datetime import UTC, datetime
+
+    from cli.report import parse_since, write_report
+
+    try:
+        start = parse_since(since, datetime.now(UTC))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--since") from exc
+    typer.echo(str(write_report(get_settings().database_url, start, out)))
+
+
 @app.command("tiny-model")
 def tiny_model(path: Path, preset: str = "tiny", seed: int = 0) -> None:
     """Write a small random Qwen3 checkpoint folder (loads like a real Qwen/Qwen3-* folder)."""

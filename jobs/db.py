@@ -7,7 +7,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def make_engine(url: str, pool_size: int = 16) -> Engine:
+def make_engine(url: str, pool_size: int = 16, pre_ping: bool = True) -> Engine:
+    """`pre_ping` costs a round trip per checkout; callers that retry on a dropped connection turn it off."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -19,7 +20,7 @@ def make_engine(url: str, pool_size: int = 16) -> Engine:
             conn.execute("PRAGMA synchronous=NORMAL")
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=pre_ping)
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:

@@ -49,10 +49,19 @@ class Settings(BaseSettings):
     model: str = str(DATA_DIR / "models" / "tiny")
     # `engine` (ours), `hf` (transformers' generate, the reference), or `package.module:factory` for a
     # backend of your own: factory(model, device=..., dtype=...) returning a StepEngine.
-    backend: str = Field("hf", pattern=r"^(hf|engine|[\w.]+:\w+)$")
+    backend: str = Field("engine", pattern=r"^(hf|engine|[\w.]+:\w+)$")
     device: str = "auto"  # auto = cuda when available
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_batch_size: int = Field(16, ge=1, le=1024)
+    max_batch_size: int = Field(16, ge=1, le=1024)  # `hf`: requests per generate call
+    # `engine`: the KV pool's ceiling (bytes if > 1, else a fraction of free device memory) and step limits
+    kv_cache_memory: float = Field(0.5, gt=0)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(4096, ge=16)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"  # fp8 halves KV memory (per-head scales)
+    # full-attention layers: "dense" | "sliding:W" | "streaming:W:S" (W + S sink tokens) | "strided:L:S"
+    attention_policy: str = Field("dense", pattern=r"^(dense|sliding:\d+|streaming:\d+:\d+|strided:\d+:\d+)$")
+    enable_prefix_cache: bool = True
+    host_cache_memory: int = Field(2**30, ge=0)  # bytes of host memory for KV blocks evicted from the device
 
     # Comma-separated `KEY[:scopes]` or `sha256=HEX[:scopes]` entries, scopes `+`-joined from submit, read,
     # admin (default submit+read). Only hashes are kept once read; the raw value is a SecretStr.
@@ -85,6 +94,8 @@ class Settings(BaseSettings):
     flower_port: int = 5555
     flower_user: str = "admin"
     flower_password: SecretStr = SecretStr("")  # `convoq flower` refuses to start without one
+    # each worker process serves Prometheus metrics on this port (one port per process on a host); 0: off
+    worker_metrics_port: int = Field(9464, ge=0, le=65535)
 
     @field_validator("api_keys")
     @classmethod

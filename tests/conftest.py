@@ -109,7 +109,6 @@ def service_env(database, broker, tiny_model) -> dict[str, str]:
         "CONVOQ_BROKER_URL": broker,
         "CONVOQ_MODEL": str(tiny_model),
         "CONVOQ_API_KEYS": API_KEY,
-        "CONVOQ_BACKEND": "hf",
     }
 
 

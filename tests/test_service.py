@@ -45,8 +45,11 @@ def test_twenty_jobs_end_to_end(stack, database):
 
 
 def test_urgent_jobs_overtake_queued_bulk_work(service_env, database, tmp_path):
-    """40 bulk jobs at priority 1 wait before 5 at priority 9 on the same queue; the 5 still finish first."""
-    env = {**service_env, "CONVOQ_MAX_BATCH_SIZE": "4"}
+    """40 bulk jobs at priority 1 wait before 5 at priority 9 on the same queue; the 5 still finish first.
+
+    The engine runs at most 4 sequences at a time here, so that priority decides who runs, not just who starts.
+    """
+    env = {**service_env, "CONVOQ_MAX_NUM_SEQS": "4"}
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         with Client(stack.api_url, API_KEY) as client:

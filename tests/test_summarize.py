@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.hf_backend import HFEngine
-from worker.bridge import Bridge
+from jobs.settings import Settings
+from worker.bridge import Bridge, load_backend
 from worker.prompts import chat_for
 from worker.summarize import plan_chunks, split_turn
 
 
-@pytest.fixture(scope="module")
-def bridge(tiny_model):
-    b = Bridge(HFEngine(str(tiny_model)))
+@pytest.fixture(scope="module", params=["engine", "hf"])
+def bridge(request, tiny_model):
+    b = Bridge(load_backend(Settings(model=str(tiny_model), backend=request.param, device="cpu")))
     yield b
     b.close()
 

@@ -38,7 +38,13 @@ def load_backend(settings: Settings) -> StepEngine:
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
 
-        return LLMEngine(EngineConfig(model=settings.model, device=device, dtype=settings.dtype))
+        return LLMEngine(EngineConfig(
+            model=settings.model, device=device, dtype=settings.dtype, kv_cache_memory=settings.kv_cache_memory,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+            kv_cache_dtype=settings.kv_cache_dtype, attention_policy=settings.attention_policy,
+            enable_prefix_cache=settings.enable_prefix_cache, host_cache_memory=settings.host_cache_memory,
+        ))
     module, _, factory = settings.backend.partition(":")
     return getattr(importlib.import_module(module), factory)(settings.model, device=device, dtype=settings.dtype)
 

@@ -20,6 +20,7 @@ from sqlalchemy import update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine.interface import Completion
 from jobs.batches import settle_batch
 from jobs.db import insert_ignore
 from jobs.schemas import JobStatus
@@ -126,45 +127,68 @@ def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bo
     return retrying(action, f"requeue {claimed.job_id}")
 
 
-def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, batch_prefix: str) -> None:
-    c, t = outcome.completion, outcome.completion.timings
+@dataclass
+class Stored:
+    """What `store` wrote: the job's final status and, for a successful job, its timings row."""
 
-    def action() -> None:
+    status: JobStatus
+    timing: dict | None
+
+
+def finished_status(completion: Completion) -> JobStatus:
+    if completion.finish_reason == "cancelled":
+        return JobStatus.cancelled
+    return JobStatus.succeeded if completion.ok else JobStatus.failed
+
+
+def timing_row(claimed: Claimed, outcome: Outcome, batch_prefix: str, now: datetime) -> dict:
+    """The job's timings: queue wait and time to first token count from the job's creation."""
+    c, t = outcome.completion, outcome.completion.timings
+    waited = ms_between(claimed.created_at, claimed.claimed_at)  # broker queue + claim
+    busy_s = (t.prefill_ms + t.decode_ms) / 1e3
+    return dict(
+        job_id=claimed.job_id,
+        queue_wait_ms=waited + t.queue_wait_ms,
+        ttft_ms=waited + t.ttft_ms,
+        prefill_ms=t.prefill_ms,
+        decode_ms=t.decode_ms,
+        engine_ms=outcome.engine_ms,
+        end_to_end_ms=ms_between(claimed.created_at, now),
+        tokens_per_s=len(c.token_ids) / busy_s if busy_s > 0 else 0.0,
+        batch_id=f"{batch_prefix}:{t.batch_id}" if t.batch_id >= 0 else None,
+        batch_size=t.batch_size,
+        prompt_tokens_reused=t.prompt_tokens_reused,
+        host_tokens_reused=t.host_tokens_reused,
+        created_at=now,
+    )
+
+
+def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, batch_prefix: str) -> Stored:
+    c = outcome.completion
+    status = finished_status(c)
+
+    def action() -> dict | None:
         now = utcnow()
-        waited = ms_between(claimed.created_at, claimed.claimed_at)  # broker queue + claim
+        timing = timing_row(claimed, outcome, batch_prefix, now) if c.ok else None
         with sessions.begin() as session:
-            if c.ok:
+            if timing is not None:
                 insert_ignore(session, Result, dict(
                     job_id=claimed.job_id, text=storable(c.text), prompt_tokens=c.prompt_tokens,
                     completion_tokens=len(c.token_ids), finish_reason=c.finish_reason, created_at=now,
                     chunks=outcome.chunks, levels=outcome.levels,
                 ))
-                busy_s = (t.prefill_ms + t.decode_ms) / 1e3
-                insert_ignore(session, Timing, dict(
-                    job_id=claimed.job_id,
-                    queue_wait_ms=waited + t.queue_wait_ms,
-                    ttft_ms=waited + t.ttft_ms,
-                    prefill_ms=t.prefill_ms,
-                    decode_ms=t.decode_ms,
-                    engine_ms=outcome.engine_ms,
-                    end_to_end_ms=ms_between(claimed.created_at, now),
-                    tokens_per_s=len(c.token_ids) / busy_s if busy_s > 0 else 0.0,
-                    batch_id=f"{batch_prefix}:{t.batch_id}" if t.batch_id >= 0 else None,
-                    batch_size=t.batch_size,
-                    prompt_tokens_reused=t.prompt_tokens_reused,
-                    host_tokens_reused=t.host_tokens_reused,
-                    created_at=now,
-                ))
-            status = {"cancelled": JobStatus.cancelled}.get(c.finish_reason, JobStatus.succeeded if c.ok else JobStatus.failed)
+                insert_ignore(session, Timing, timing)
             session.execute(
                 update(Job)
                 .where(Job.id == claimed.job_id, Job.status.in_(NOT_TERMINAL))
                 .values(status=status.value, error=c.error and storable(c.error), finished_at=now)
             )
+        return timing
 
-    retrying(action, f"store {claimed.job_id}")
+    timing = retrying(action, f"store {claimed.job_id}")
     if claimed.batch_id is not None:
         retrying(lambda: _settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
+    return Stored(status, timing)
 
 
 def _settle(sessions: sessionmaker[Session], batch_id: uuid.UUID) -> None:

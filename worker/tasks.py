@@ -22,6 +22,7 @@ from jobs.tables import Job
 from worker import results
 from worker.bridge import Bridge
 from worker.celery_app import app
+from worker.metrics import WorkerMetrics
 from worker.reconciler import Reconciler, hand_back
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,18 @@ class WorkerContext:
     bridge: Bridge
     reconciler: Reconciler
     name: str
+    metrics: WorkerMetrics
 
     @classmethod
     def start(cls, settings: Settings, celery: Celery) -> WorkerContext:
-        sessions = make_sessions(make_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32)))
+        # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
+        engine = make_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
+        sessions = make_sessions(engine)
         bridge = Bridge.from_settings(settings)
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         reconciler = Reconciler(sessions, celery, settings, name).start()
-        return cls(settings, sessions, bridge, reconciler, name)
+        metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.runner.stats)
+        return cls(settings, sessions, bridge, reconciler, name, metrics)
 
 
 @worker_init.connect
@@ -79,7 +84,8 @@ def run_job(self: Task, job_id: str) -> None:
         outcome = ctx.bridge.run(job_id, claimed.payload)
         if outcome.completion.retryable:
             raise RuntimeError(outcome.completion.error)
-        results.store(ctx.sessions, claimed, outcome, batch_prefix=ctx.name)
+        stored = results.store(ctx.sessions, claimed, outcome, batch_prefix=ctx.name)
+        ctx.metrics.observe(claimed.payload["priority"], stored, len(outcome.completion.token_ids))
     except EngineDead:
         # the model's state is unknown: exit so the supervisor restarts the worker; the reconciler hands this
         # worker's jobs back once its heartbeat has stopped
@@ -95,8 +101,10 @@ def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> N
     s = ctx.settings
     if claimed.attempt >= s.max_attempts:
         results.fail(ctx.sessions, claimed, f"failed after {claimed.attempt} attempts: {error}")
+        ctx.metrics.gave_up()
         return
     if results.requeue(ctx.sessions, claimed, error):
+        ctx.metrics.retried()
         with ctx.sessions() as session:
             job = session.get(Job, claimed.job_id)
             publish(app, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1))

@@ -1,0 +1,108 @@
+"""`GET /metrics`: queue depth per priority, unacknowledged messages, jobs and batches by status.
+
+Everything is read at scrape time (no background thread): the Redis lists the way Flower's broker page
+reads them, and one grouped COUNT per table. A source that does not answer is left out of that scrape,
+so the other still reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import redis
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.deps import SessionsDep, SettingsDep
+from jobs.queues import broker_priority
+from jobs.schemas import BatchStatus, JobStatus
+from jobs.settings import Settings
+from jobs.tables import Batch, Job
+from worker.celery_app import transport_options
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["metrics"])
+
+PRIORITIES = range(10)
+UNACKED_KEY = "unacked"  # kombu's Redis transport: delivered, not yet acknowledged messages
+
+
+def priority_list(queue: str, priority: int, sep: str) -> str:
+    """The Redis list that holds `queue`'s messages of our `priority` (broker level 0 is the bare name)."""
+    level = broker_priority(priority)
+    return f"{queue}{sep}{level}" if level else queue
+
+
+class ServiceCollector(Collector):
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session]) -> None:
+        self.settings = settings
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._broker()
+        yield from self._database()
+
+    def _broker(self) -> list[Metric]:
+        if not self.settings.broker_url.startswith(("redis://", "rediss://")):
+            return []  # another kombu transport: there are no Redis lists to count
+        try:
+            return self._read_broker()
+        except redis.RedisError as exc:
+            log.warning("metrics: broker unreachable (%s); queue depth left out", exc)
+            return []
+
+    def _read_broker(self) -> list[Metric]:
+        queues = [self.settings.interactive_queue, self.settings.bulk_queue]
+        sep = transport_options(self.settings)["sep"]
+        client = redis.Redis.from_url(self.settings.broker_url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for queue in queues:
+                for priority in PRIORITIES:
+                    pipe.llen(priority_list(queue, priority, sep))
+            pipe.hlen(UNACKED_KEY)
+            *lengths, unacked = pipe.execute()
+        finally:
+            client.close()
+        depth = GaugeMetricFamily("convoq_queue_messages", "Messages waiting in the broker, by queue and job "
+                                  "priority (9 is the most urgent)", labels=["queue", "priority"])
+        counts = iter(lengths)
+        for queue in queues:
+            for priority in PRIORITIES:
+                depth.add_metric([queue, str(priority)], next(counts))
+        return [depth, GaugeMetricFamily("convoq_broker_unacked_messages",
+                                         "Messages delivered to a worker and not yet acknowledged", value=unacked)]
+
+    def _database(self) -> list[Metric]:
+        try:
+            with self.sessions() as session:
+                jobs = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+                batches = dict(session.execute(select(Batch.status, func.count()).group_by(Batch.status)).all())
+        except SQLAlchemyError as exc:
+            log.warning("metrics: database unreachable (%s); job counts left out", type(exc).__name__)
+            return []
+        return [
+            by_status("convoq_jobs", "Jobs by status", jobs, JobStatus),
+            by_status("convoq_batches", "Batches by status", batches, BatchStatus),
+        ]
+
+
+def by_status(name: str, documentation: str, counts: dict[str, int], statuses: type) -> GaugeMetricFamily:
+    """Every known status is reported, zero included, so a status that empties does not vanish."""
+    family = GaugeMetricFamily(name, documentation, labels=["status"])
+    for status in statuses:
+        family.add_metric([status.value], counts.get(status.value, 0))
+    return family
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(settings: SettingsDep, sessions: SessionsDep) -> Response:
+    registry = CollectorRegistry()
+    registry.register(ServiceCollector(settings, sessions))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

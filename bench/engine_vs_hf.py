@@ -1,0 +1,104 @@
+"""Our engine against transformers' `generate` (static batches of 16) on the same workload, in one run.
+
+    python -m bench.engine_vs_hf --json [--model tiny|0.6b] [--device cpu]
+
+The models are `engine.tiny` presets with random weights, built once into `.convoq/models/`. Every request
+ignores EOS, so both sides generate exactly the drawn number of tokens; tokens/s counts generated tokens over
+wall time from submission to the last completion. Progress goes to stderr; the last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.hf_backend import HFEngine
+from engine.interface import Request, SamplingParams, StepEngine
+from engine.llm_engine import LLMEngine
+from engine.tiny import SPECIAL_TOKENS, build_tiny_model
+
+# model -> (requests, prompt length range, output length range)
+WORKLOADS = {"tiny": (64, (16, 512), (16, 128)), "0.6b": (32, (16, 256), (16, 128))}
+MODELS_DIR = Path(".convoq/models")
+
+
+def model_folder(preset: str) -> Path:
+    path = MODELS_DIR / preset
+    if not (path / "config.json").exists():
+        print(f"building the {preset} checkpoint in {path}", file=sys.stderr)
+        build_tiny_model(path, preset=preset)
+    return path
+
+
+def make_requests(preset: str, vocab: int, seed: int, tag: str) -> list[Request]:
+    count, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[preset]
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        prompt = [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(rng.randint(p_lo, p_hi))]
+        sampling = SamplingParams(max_new_tokens=rng.randint(o_lo, o_hi), ignore_eos=True)
+        requests.append(Request(f"{tag}-{i}", prompt, sampling))
+    return requests
+
+
+def drain(engine: StepEngine, requests: list[Request], label: str) -> tuple[int, float]:
+    """Generated tokens and seconds for `requests` submitted together and run to completion."""
+    start = time.monotonic()
+    for request in requests:
+        engine.add_request(request)
+    tokens = 0
+    with tqdm(total=len(requests), desc=label, file=sys.stderr, leave=False) as bar:
+        while engine.has_unfinished():
+            done = engine.step()
+            tokens += sum(len(c.token_ids) for c in done)
+            bar.update(len(done))
+    return tokens, time.monotonic() - start
+
+
+def measure(engine: StepEngine, preset: str, vocab: int, seed: int, label: str, repeat: int) -> float:
+    """Best tokens/s of `repeat` runs of the workload, after a short warm-up."""
+    warmup = [replace(r, sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+              for r in make_requests(preset, vocab, seed + 1, "warmup")[:2]]
+    drain(engine, warmup, f"{label} warm-up")
+    rates = []
+    for run in range(repeat):
+        tokens, seconds = drain(engine, make_requests(preset, vocab, seed, f"{label}{run}"), label)
+        rates.append(tokens / seconds)
+        print(f"{label:>6}: {tokens} tokens in {seconds:.2f} s = {rates[-1]:.0f} tok/s")
+    return max(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(WORKLOADS), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per side; the best counts (noisy machines)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    path = model_folder(args.model)
+
+    engine = LLMEngine(EngineConfig(model=str(path), device=args.device))
+    vocab = len(engine.tokenizer)
+    engine_rate = measure(engine, args.model, vocab, args.seed, "engine", args.repeat)
+    del engine
+    hf = HFEngine(str(path), device=args.device, max_batch_size=16)
+    hf_rate = measure(hf, args.model, vocab, args.seed, "hf", args.repeat)
+    print(f" ratio: {engine_rate / hf_rate:.2f}x")
+    if args.json:
+        print(json.dumps({"engine_tok_s": round(engine_rate, 1), "hf_tok_s": round(hf_rate, 1),
+                          "ratio": round(engine_rate / hf_rate, 2), "model": args.model, "device": args.device}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""`convoq report`: one self-contained HTML page of how jobs fared, read from the jobs and timings tables.
+
+Plots are PNGs drawn with matplotlib's Agg canvas and inlined as base64, so the page can be mailed or
+attached to a ticket as one file. Times are UTC; durations are seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+from matplotlib.figure import Figure
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from jobs.db import make_engine, make_sessions
+from jobs.schemas import JobStatus
+from jobs.tables import Job, Result, Timing, as_utc
+
+SPAN = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+SPAN_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+BUCKET_WIDTHS = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)  # seconds
+MAX_BUCKETS = 60  # enough points for a trend, enough jobs per point for a p99
+PERCENTILES = (50, 95, 99)
+PRIORITY_COLORS = colormaps["tab10"]
+
+
+def parse_since(text: str, now: datetime) -> datetime:
+    """An ISO 8601 time (UTC unless it says otherwise) or a span back from `now`: 90s, 30m, 2h, 1d, 1w."""
+    if span := SPAN.fullmatch(text.strip()):
+        return now - timedelta(seconds=float(span[1]) * SPAN_SECONDS[span[2]])
+    try:
+        return as_utc(datetime.fromisoformat(text.strip())).astimezone(UTC)
+    except ValueError:
+        raise ValueError(f"--since {text!r}: give an ISO 8601 time or a span like 30m, 2h, 1d") from None
+
+
+@dataclass
+class Finished:
+    """Jobs with a timings row (those that succeeded), one array entry per job; `at` is epoch seconds."""
+
+    priority: np.ndarray
+    at: np.ndarray
+    end_to_end: np.ndarray
+    queue_wait: np.ndarray
+    ttft: np.ndarray
+    prefill: np.ndarray
+    decode: np.ndarray
+    batch_size: np.ndarray
+    reused: np.ndarray
+    host_reused: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+
+    @classmethod
+    def from_rows(cls, rows: list) -> Finished:
+        columns = list(zip(*rows, strict=True)) if rows else [()] * len(fields(cls))
+        priority, at, e2e, wait, ttft, prefill, decode, *counts = columns
+        seconds = [np.asarray(c, dtype=float) / 1e3 for c in (e2e, wait, ttft, prefill, decode)]
+        return cls(np.asarray(priority, dtype=int), np.asarray([as_utc(t).timestamp() for t in at], dtype=float),
+                   *seconds, *(np.asarray(c, dtype=int) for c in counts))
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+
+def load(session: Session, since: datetime) -> tuple[dict[str, int], Finished]:
+    """Counts by status of the jobs created since `since`, and the timings of those that finished."""
+    statuses = dict(session.execute(
+        select(Job.status, func.count()).where(Job.created_at >= since).group_by(Job.status)
+    ).all())
+    rows = session.execute(
+        select(Job.priority, Timing.created_at, Timing.end_to_end_ms, Timing.queue_wait_ms, Timing.ttft_ms,
+               Timing.prefill_ms, Timing.decode_ms, Timing.batch_size, Timing.prompt_tokens_reused,
+               Timing.host_tokens_reused, Result.prompt_tokens, Result.completion_tokens)
+        .join(Timing, Timing.job_id == Job.id)
+        .join(Result, Result.job_id == Job.id)
+        .where(Job.created_at >= since)
+        .order_by(Timing.created_at)
+    ).all()
+    return statuses, Finished.from_rows(rows)
+
+
+@dataclass
+class Buckets:
+    """Equal time slices over the finish times: `index` puts each job in one, `centers` places them on a plot."""
+
+    width: float  # seconds
+    index: np.ndarray
+    centers: list[datetime]
+
+    @classmethod
+    def over(cls, at: np.ndarray) -> Buckets:
+        span = at.max() - at.min()
+        width = next((w for w in BUCKET_WIDTHS if span / w < MAX_BUCKETS), BUCKET_WIDTHS[-1])
+        origin = at.min() // width * width
+        index = ((at - origin) // width).astype(int)
+        centers = [datetime.fromtimestamp(origin + (i + 0.5) * width, UTC) for i in range(index.max() + 1)]
+        return cls(width, index, centers)
+
+    def apply(self, values: np.ndarray, reduce: Callable[[np.ndarray], float], where: np.ndarray | None = None
+              ) -> np.ndarray:
+        """`reduce` of the values in each bucket (NaN where a bucket is empty), optionally of a subset only."""
+        keep = np.ones(len(values), dtype=bool) if where is None else where
+        out = np.full(len(self.centers), np.nan)
+        for i in np.unique(self.index[keep]):
+            out[i] = reduce(values[keep & (self.index == i)])
+        return out
+
+
+def png(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def time_axis(ax, buckets: Buckets) -> None:
+    # the window's own span: matplotlib would pad a single bucket out to years
+    half = timedelta(seconds=buckets.width / 2)
+    ax.set_xlim(buckets.centers[0] - half, buckets.centers[-1] + half)
+    locator = AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(ConciseDateFormatter(locator))
+    ax.set_xlabel("finished at (UTC)")
+    ax.grid(alpha=0.3)
+
+
+def latency_plot(jobs: Finished, buckets: Buckets) -> str:
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    axes = fig.subplots(1, len(PERCENTILES), sharey=True)
+    for ax, q in zip(axes, PERCENTILES, strict=True):
+        for priority in np.unique(jobs.priority)[::-1]:  # the legend lists the most urgent first
+            values = buckets.apply(jobs.end_to_end, lambda v, q=q: np.percentile(v, q), jobs.priority == priority)
+            ax.plot(buckets.centers, values, marker="o", markersize=3, color=PRIORITY_COLORS(priority),
+                    label=f"priority {priority}")
+        ax.set_title(f"p{q}")
+        time_axis(ax, buckets)
+    axes[0].set_ylabel("end-to-end latency (s)")
+    if np.nanmax(jobs.end_to_end) > 50 * max(np.nanmin(jobs.end_to_end), 1e-3):
+        axes[0].set_yscale("log")  # urgent chats and hours-old bulk work on one axis
+    axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return png(fig)
+
+
+def throughput_plot(jobs: Finished, buckets: Buckets) -> str:
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    width_days = buckets.width / 86400
+    # an empty bucket is a stretch with nothing finished: zero, not a gap
+    per_minute = np.nan_to_num(buckets.apply(jobs.at, len)) / (buckets.width / 60)
+    top.bar(buckets.centers, per_minute, width=width_days * 0.9, color="tab:blue")
+    top.set_ylabel("jobs finished / min")
+    top.grid(alpha=0.3)
+    tokens_per_s = np.nan_to_num(buckets.apply(jobs.output_tokens, np.sum)) / buckets.width
+    bottom.plot(buckets.centers, tokens_per_s, marker="o", markersize=3, color="tab:green")
+    bottom.set_ylabel("output tokens / s")
+    bottom.set_ylim(bottom=0)
+    time_axis(bottom, buckets)
+    fig.suptitle(f"Throughput ({buckets.width / 60:g}-minute buckets)")
+    return png(fig)
+
+
+def wait_vs_compute_plot(jobs: Finished) -> str:
+    """Mean seconds per job, and the same as shares: bulk waits would otherwise flatten the urgent bars."""
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    absolute, share = fig.subplots(1, 2)
+    priorities = np.unique(jobs.priority)
+    labels = [str(p) for p in priorities]
+    parts = (("queue wait", jobs.queue_wait, "tab:gray"), ("prefill", jobs.prefill, "tab:orange"),
+             ("decode", jobs.decode, "tab:blue"))
+    means = np.array([[values[jobs.priority == p].mean() for p in priorities] for _, values, _ in parts])
+    for ax, heights in ((absolute, means), (share, 100 * means / means.sum(axis=0))):
+        bottom = np.zeros(len(priorities))
+        for (name, _, color), height in zip(parts, heights, strict=True):
+            ax.bar(labels, height, bottom=bottom, label=name, color=color)
+            bottom += height
+        ax.set_xlabel("priority (9 is the most urgent)")
+        ax.grid(axis="y", alpha=0.3)
+    absolute.set_ylabel("mean seconds per job")
+    share.set_ylabel("share of queue wait + compute (%)")
+    share.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("Queue wait vs compute")
+    return png(fig)
+
+
+def batch_size_plot(jobs: Finished) -> str:
+    fig = Figure(figsize=(9, 4), layout="constrained")
+    ax = fig.subplots()
+    sizes, counts = np.unique(jobs.batch_size, return_counts=True)
+    ax.bar(sizes, counts, width=0.8 if sizes.max() <= 64 else sizes.max() / 80, color="tab:purple")
+    ax.set_xlabel("batch size (largest engine step the job ran in)")
+    ax.set_ylabel("jobs")
+    ax.set_title("Batch size distribution")
+    ax.grid(axis="y", alpha=0.3)
+    return png(fig)
+
+
+def reuse_plot(jobs: Finished, buckets: Buckets) -> str:
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    ax = fig.subplots()
+    prompt = buckets.apply(jobs.prompt_tokens, np.sum)
+    for name, values, color in (("from the prefix cache", jobs.reused, "tab:green"),
+                                ("of which from the host tier", jobs.host_reused, "tab:olive")):
+        share = 100 * buckets.apply(values, np.sum) / np.where(prompt > 0, prompt, np.nan)
+        ax.plot(buckets.centers, share, marker="o", markersize=3, color=color, label=name)
+    ax.set_ylabel("prompt tokens reused (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("Prefix reuse")
+    ax.legend()
+    time_axis(ax, buckets)
+    return png(fig)
+
+
+def seconds(values: np.ndarray, q: float) -> str:
+    return f"{np.percentile(values, q):.3f}"
+
+
+def reused_percent(jobs: Finished, mask: np.ndarray) -> str:
+    prompt = jobs.prompt_tokens[mask].sum()
+    return f"{100 * jobs.reused[mask].sum() / prompt:.1f}" if prompt else "-"
+
+
+def priority_rows(jobs: Finished) -> list[list[str]]:
+    """One row per priority, then one for all jobs: counts, latency percentiles, batch size, tokens."""
+    groups = [(str(p), jobs.priority == p) for p in np.unique(jobs.priority)[::-1]]
+    rows = []
+    for name, mask in [*groups, ("all", np.ones(len(jobs), dtype=bool))]:
+        e2e = jobs.end_to_end[mask]
+        rows.append([name, str(mask.sum()), *(seconds(e2e, q) for q in PERCENTILES),
+                     seconds(jobs.queue_wait[mask], 50), seconds(jobs.ttft[mask], 50),
+                     f"{jobs.batch_size[mask].mean():.1f}", reused_percent(jobs, mask),
+                     str(jobs.output_tokens[mask].sum())])
+    return rows
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def status_table(statuses: dict[str, int]) -> str:
+    known = [s.value for s in JobStatus]
+    names = known + sorted(set(statuses) - set(known))
+    return table(["status", "jobs"], [[s, str(statuses.get(s, 0))] for s in names] +
+                 [["total", str(sum(statuses.values()))]])
+
+
+def section(anchor: str, title: str, body: str) -> str:
+    return f'<section id="{anchor}"><h2>{html.escape(title)}</h2>{body}</section>'
+
+
+def image(data: str, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def finished_sections(jobs: Finished) -> list[str]:
+    buckets = Buckets.over(jobs.at)
+    header = ["priority", "succeeded", "p50 end-to-end (s)", "p95 end-to-end (s)", "p99 end-to-end (s)",
+              "p50 queue wait (s)", "p50 time to first token (s)", "mean batch size", "prompt tokens reused (%)",
+              "output tokens"]
+    return [
+        section("latency-summary", "Latency by priority", table(header, priority_rows(jobs))),
+        section("latency", "End-to-end latency percentiles over time",
+                image(latency_plot(jobs, buckets), "latency percentiles by priority")),
+        section("throughput", "Throughput", image(throughput_plot(jobs, buckets), "throughput")),
+        section("wait-vs-compute", "Queue wait vs compute",
+                image(wait_vs_compute_plot(jobs), "queue wait vs compute by priority")),
+        section("batch-size", "Batch size", image(batch_size_plot(jobs), "batch size distribution")),
+        section("prefix-reuse", "Prefix reuse", image(reuse_plot(jobs, buckets), "prefix reuse over time")),
+    ]
+
+
+def render(statuses: dict[str, int], jobs: Finished, since: datetime, now: datetime) -> str:
+    window = f"{since:%Y-%m-%d %H:%M} to {now:%Y-%m-%d %H:%M} UTC"
+    if not statuses:
+        parts = [f'<p class="empty">No jobs were created from {window}: nothing to report.</p>']
+    else:
+        parts = [section("statuses", "Jobs by status", status_table(statuses))]
+        parts += finished_sections(jobs) if len(jobs) else [NOTHING_FINISHED]
+    return PAGE.format(window=window, generated=f"{now:%Y-%m-%d %H:%M:%S}", body="\n".join(parts))
+
+
+def write_report(database_url: str, since: datetime, out: Path) -> Path:
+    now = datetime.now(UTC)
+    engine = make_engine(database_url, pool_size=1)
+    try:
+        with make_sessions(engine)() as session:
+            statuses, jobs = load(session, since)
+    finally:
+        engine.dispose()
+    out.write_text(render(statuses, jobs, since, now), encoding="utf-8")
+    return out
+
+
+NOTHING_FINISHED = '<p class="empty">None of these jobs has succeeded yet: nothing to plot.</p>'
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>convoq report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1340px; color: #222; }}
+table {{ border-collapse: collapse; margin: 0.5rem 0 1.5rem; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3rem 0.7rem; text-align: right; }}
+th {{ background: #f3f3f3; }}
+td:first-child, th:first-child {{ text-align: left; }}
+img {{ max-width: 100%; }}
+.empty {{ font-size: 1.2rem; color: #666; }}
+</style></head>
+<body>
+<h1>convoq report</h1>
+<p>Jobs created from {window}; generated {generated} UTC. Durations in seconds; queue wait and time to first
+token count from job creation.</p>
+{body}
+</body></html>
+"""

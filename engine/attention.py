@@ -1,0 +1,86 @@
+"""What the attention layers of one step need to reach the paged KV cache, and which kernels run the model.
+
+Kernels follow the layout of `kernels.attention_ref` (its docstring is the contract). A step's sequences are
+laid out decodes first, then prefill chunks; each run goes to the backend in its own call, so decodes take the
+backend's batched single-query path instead of the general one. On CPU the plain-PyTorch ops of
+`engine.torch_ops` stand in for the references (except attention over fp8 caches, which only the references
+dequantize), and decodes may read `DenseDecodeKV` rows. Each layer attends with its own `AttentionPolicy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from engine import torch_ops
+from engine.dense_decode import DenseDecodeKV
+from engine.kv_cache import KVCache
+from kernels.dispatch import Ops, get_ops, triton_ops
+from kernels.sparse import AttentionPolicy
+
+
+def select_ops(backend: str, device: torch.device, head_dim: int, scaled_kv: bool = False) -> Ops:
+    """The kernels for `EngineConfig.attention_backend` ("auto": Triton on CUDA when the shapes allow).
+    "triton" is honoured on any device: CPU tensors run in Triton's interpreter (tests)."""
+    if backend == "triton":
+        return triton_ops()
+    # the Triton attention kernels take power-of-two head dims of at least 16
+    triton_shapes = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    ops = get_ops(device, force_reference=backend == "torch" or not triton_shapes)
+    if ops.backend == "triton":
+        return ops
+    fast = replace(ops, backend="torch", rms_norm=torch_ops.rms_norm, add_rms_norm=torch_ops.add_rms_norm,
+                   qk_norm_rope=torch_ops.qk_norm_rope)
+    if scaled_kv:  # the fast CPU attention reads unscaled caches only; the references dequantize fp8
+        return fast
+    return replace(fast, paged_attention=torch_ops.paged_attention, store_kv=torch_ops.store_kv)
+
+
+class LayerSlot(NamedTuple):
+    """Where one model layer keeps its K/V, and the pattern it attends with."""
+
+    pool: int
+    index: int  # of the layer in its pool's cache
+    policy: AttentionPolicy
+
+
+@dataclass
+class BatchPart:
+    """Consecutive sequences of a step attended to in one kernel call: all decodes, or all prefill chunks."""
+
+    start: int  # first token of the part in the packed batch
+    end: int
+    cu_seqlens_q: torch.Tensor  # relative to `start`
+    seq_lens: torch.Tensor
+    block_tables: list[torch.Tensor]  # one per KV pool
+    dense: DenseDecodeKV | None = None  # decodes whose full-attention layers read dense rows instead
+
+
+@dataclass
+class AttentionBatch:
+    ops: Ops
+    caches: list[KVCache]  # one per KV pool
+    layer_slots: list[LayerSlot]  # per model layer
+    slot_mapping: list[torch.Tensor]  # per pool: where each new token's K/V goes
+    parts: list[BatchPart]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        pool, index, policy = self.layer_slots[layer]
+        cache = self.caches[pool]
+        k_cache, v_cache = cache.layer(index)
+        k_scale, v_scale = cache.layer_scales(index, k, v)
+        # only fp8 caches pass scales: the fast CPU ops take none (select_ops gives fp8 the references)
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping[pool], **scales)
+        outs = []
+        for part in self.parts:
+            rows = slice(part.start, part.end)
+            if part.dense is not None and part.dense.pool == pool:
+                outs.append(part.dense.attend(index, q[rows], k[rows], v[rows], scale))
+            else:
+                outs.append(self.ops.paged_attention(q[rows], k_cache, v_cache, part.cu_seqlens_q, part.seq_lens,
+                                                     part.block_tables[pool], scale, policy.window, policy.sinks,
+                                                     policy.stride, **scales))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,190 @@
+"""Which KV blocks each sequence owns.
+
+A model has one pool per attention kind: full-attention layers keep every block of a sequence; sliding-window
+layers use their block table as a ring, handing blocks wholly outside the window back to the pool, so a
+sequence's memory there is bounded by the window. Tables keep logical indices (block `i` holds positions
+`i * block_size ...`); a recycled entry is -1, which the attention kernels never read.
+
+Blocks carry reference counts rather than an owner, so full blocks can be shared: with a `PrefixCache`, every
+full computed block of a full-attention pool is indexed by content, a new sequence starts from the longest
+cached prefix of its tokens, and a block whose last reference goes stays cached until the pool needs room.
+Prefix caching is only used for models without sliding-window layers (ring blocks are recycled mid-sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+from engine.block_key import extend_keys
+from engine.kv_cache import KVCache
+from engine.prefix_cache import PrefixCache
+from engine.sequence import Sequence
+
+GROWTH = 1.5
+
+
+class BlockPool:
+    """Free list and reference counts of one KV cache; it grows 1.5x at a time, never past `max_blocks`, and
+    only then evicts unreferenced cached blocks."""
+
+    def __init__(self, cache: KVCache, max_blocks: int, prefix: PrefixCache | None = None) -> None:
+        self.cache = cache
+        self.max_blocks = max_blocks
+        self.prefix = prefix
+        self.ref_counts = [0] * cache.num_blocks
+        self.free: deque[int] = deque(range(cache.num_blocks))
+
+    @property
+    def capacity(self) -> int:
+        return len(self.ref_counts)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks kept for their contents."""
+        return len(self.prefix.parked) if self.prefix is not None else 0
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self.free) - self.num_cached
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self.free) + self.max_blocks - self.capacity + self.num_cached
+
+    def allocate(self) -> int:
+        if not self.free and self.capacity < self.max_blocks:
+            self._grow()
+        block = self.free.popleft() if self.free else self.prefix.evict()
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> bool:
+        """One more reference to cached `block`; True when the host tier had brought it back for this use."""
+        self.ref_counts[block] += 1
+        return self.prefix.take(block)
+
+    def release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] > 0:
+            return
+        if self.prefix is not None and self.prefix.holds(block):
+            self.prefix.park(block)
+        else:
+            self.free.append(block)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = min(self.max_blocks, max(old + 1, math.ceil(old * GROWTH)))
+        self.cache.resize(new)
+        self.ref_counts.extend([0] * (new - old))
+        self.free.extend(range(old, new))
+
+
+class BlockManager:
+    def __init__(self, pools: list[BlockPool], windows: list[int], block_size: int) -> None:
+        self.pools = pools
+        self.windows = windows  # per pool: 0 for full attention, else the window its layers use
+        self.block_size = block_size
+        self.prefix = pools[0].prefix  # the engine gives one only to a lone full-attention pool
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq`'s tokens start with; the last token is never covered, since the step that
+        computes it is the one that samples."""
+        if self.prefix is None:
+            return []
+        extend_keys(seq.block_keys, seq.token_ids, self.block_size)
+        blocks = []
+        for entry in seq.block_keys[:(seq.num_tokens - 1) // self.block_size]:
+            block = self.prefix.lookup(entry)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def reuse(self, seq: Sequence) -> tuple[int, int]:
+        """Start `seq` (which holds no blocks) from its cached prefix; returns (tokens reused, of those tokens
+        brought back from the host tier)."""
+        blocks = self.cached_prefix(seq)
+        from_host = sum(self.pools[0].share(block) for block in blocks)
+        seq.block_tables[0].extend(blocks)
+        seq.num_indexed = len(blocks)
+        seq.num_computed = len(blocks) * self.block_size
+        return seq.num_computed, from_host * self.block_size
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Copy back from the host tier the blocks continuing `seq`'s cached prefix, ahead of its prefill."""
+        host = self.prefix.host if self.prefix is not None else None
+        if host is None:
+            return
+        pool = self.pools[0]
+        cached = self.cached_prefix(seq)
+        for block in cached:
+            self.prefix.touch(block)  # so that room for the rest is not made by evicting these
+        for entry in seq.block_keys[len(cached):(seq.num_tokens - 1) // self.block_size]:
+            if not host.contains(entry) or not pool.can_allocate(1):
+                return
+            block = pool.allocate()
+            host.load(entry, block)
+            self.prefix.insert(block, entry, prefetched=True)
+            pool.release(block)
+
+    def index(self, seq: Sequence) -> None:
+        """Cache the full blocks of `seq` computed since the last call."""
+        if self.prefix is None:
+            return
+        full = seq.num_computed // self.block_size
+        extend_keys(seq.block_keys, seq.token_ids, self.block_size)
+        for i in range(seq.num_indexed, full):
+            self.prefix.insert(seq.block_tables[0][i], seq.block_keys[i])
+        seq.num_indexed = max(seq.num_indexed, full)
+
+    def recycle(self, seq: Sequence) -> None:
+        """Free the ring blocks no query from `seq.num_computed` on can see."""
+        for pool, window, table in zip(self.pools, self.windows, seq.block_tables, strict=True):
+            if window == 0:
+                continue
+            # the next query sits at num_computed and sees keys after num_computed - window (Qwen3 has no sinks)
+            b = min(len(table), (seq.num_computed - window + 1) // self.block_size) - 1
+            while b >= 0 and table[b] >= 0:
+                pool.release(table[b])
+                table[b] = -1
+                b -= 1
+
+    def try_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` the blocks its next `num_tokens` tokens need (after `recycle`); False, and nothing taken,
+        when some pool cannot."""
+        needed = -(-(seq.num_computed + num_tokens) // self.block_size)
+        missing = [needed - len(table) for table in seq.block_tables]
+        if max(missing) <= 0:
+            return True
+        if not all(pool.can_allocate(n) for pool, n in zip(self.pools, missing, strict=True)):
+            return False
+        for pool, table, n in zip(self.pools, seq.block_tables, missing, strict=True):
+            table.extend(pool.allocate() for _ in range(n))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; its computed full blocks (prompt and output alike) stay cached."""
+        self.index(seq)
+        for pool, table in zip(self.pools, seq.block_tables, strict=True):
+            # tail first, so the LRU evicts a chain's tail before the head that others are likelier to share
+            for block in reversed(table):
+                if block >= 0:
+                    pool.release(block)
+            table.clear()
+        seq.num_indexed = 0
+
+
+def blocks_per_seq(windows: list[int], block_size: int, num_tokens: int, chunk: int) -> list[int]:
+    """The most blocks of each pool one sequence of `num_tokens` tokens holds, prefilled `chunk` at a time."""
+    full = math.ceil(num_tokens / block_size)
+    # a ring holds the window behind the oldest query of a step plus the step's chunk, rounded out to blocks
+    return [full if w == 0 else min(full, math.ceil((w - 1 + chunk) / block_size) + 1) for w in windows]
+
+
+def table_tensor(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int32 `[len(tables), longest]` tensor, padded with -1."""
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)

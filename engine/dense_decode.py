@@ -1,0 +1,113 @@
+"""Dense K/V rows for the sequences decoding on CPU, so decode attention reads views instead of gathering.
+
+Decode attention over a paged pool first gathers every block of every sequence at every layer; on CPU that
+copies about as many bytes per step as the weights of Qwen3-0.6B hold. Here each decoding sequence also owns
+a row of a dense `[rows, length, kv_heads, head_dim]` tensor per full-attention layer: its new K/V is written
+into the row, and attention reads `[:batch, :longest]` as a strided view. A row is filled from the pool when
+its sequence starts decoding (after a prefill, or again after a pre-emption) and the last row moves into the
+hole when one stops. The pool stays the source of truth. The copy is bounded by `max_bytes`; a step that
+would need more runs on the paged path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.block_manager import GROWTH, table_tensor
+from engine.kv_cache import KVCache
+from engine.sequence import Sequence
+from engine.torch_ops import decode_attention, gather_blocks
+
+LENGTH_ALIGN = 64
+
+
+class DenseDecodeKV:
+    def __init__(self, cache: KVCache, pool: int, max_bytes: int) -> None:
+        self.cache = cache
+        self.pool = pool  # the index of `cache` among the engine's pools
+        self.max_bytes = max_bytes
+        num_layers, _, heads, dim = cache.shape
+        self.bytes_per_token = 2 * num_layers * heads * dim * cache.data.element_size()
+        self.data = torch.zeros(2, num_layers, 0, 0, heads, dim, dtype=cache.dtype, device=cache.device)
+        self.order: list[Sequence] = []  # order[i] owns row i
+        self.filled: dict[Sequence, int] = {}  # tokens of K/V each row holds
+        self.rows = torch.arange(0)
+        self.positions = torch.arange(0)
+        self.mask = torch.ones(0, 1, 1, 0, dtype=torch.bool)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def sync(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """Rows for this step's decoding `seqs`; returns them in row order (the order the step must use), or
+        None when they do not fit in `max_bytes` (the copy is then dropped and the step runs paged)."""
+        live = set(seqs)
+        for seq in [s for s in self.order if s not in live or self.filled[s] != s.num_computed]:
+            self._drop(seq)
+        longest = max(seq.num_computed + 1 for seq in seqs)
+        final = max(seq.num_prompt_tokens + seq.params.max_new_tokens for seq in seqs)
+        if not self._fit(len(seqs), longest, final):
+            self.order, self.filled = [], {}
+            return None
+        self._fill([seq for seq in seqs if seq not in self.filled])
+        lens = torch.tensor([seq.num_computed + 1 for seq in self.order])
+        self.rows = torch.arange(len(self.order))
+        self.positions = lens - 1
+        self.mask = (torch.arange(longest) < lens[:, None])[:, None, None, :]
+        for seq in self.order:
+            self.filled[seq] = seq.num_computed + 1  # what the row holds once this step has run
+        return list(self.order)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention for pool layer `layer`: `q`, `k`, `v` are the new tokens, one per row."""
+        keys, values = self.data[0, layer], self.data[1, layer]
+        keys.index_put_((self.rows, self.positions), k)
+        values.index_put_((self.rows, self.positions), v)
+        longest = self.mask.shape[-1]
+        batch = q.shape[0]
+        return decode_attention(q, keys[:batch, :longest].transpose(1, 2), values[:batch, :longest].transpose(1, 2),
+                                self.mask, scale)
+
+    def _drop(self, seq: Sequence) -> None:
+        row = self.order.index(seq)
+        last = self.order.pop()
+        del self.filled[seq]
+        if last is not seq:
+            self.data[:, :, row, : self.filled[last]] = self.data[:, :, len(self.order), : self.filled[last]]
+            self.order[row] = last
+
+    def _fit(self, rows: int, length: int, final_length: int) -> bool:
+        """Room for `rows` rows of `length` tokens; when it grows, it grows for `final_length` if that fits,
+        since every growth copies everything."""
+        old_rows, old_length = self.data.shape[2], self.data.shape[3]
+        if rows <= old_rows and length <= old_length:
+            return True
+        rows = max(rows, math.ceil(old_rows * GROWTH))
+        length = max(length, math.ceil(old_length * GROWTH))
+        for target in (max(length, final_length), length):
+            target = LENGTH_ALIGN * math.ceil(target / LENGTH_ALIGN)
+            if rows * target * self.bytes_per_token <= self.max_bytes:
+                grown = torch.zeros(*self.data.shape[:2], rows, target, *self.data.shape[4:], dtype=self.data.dtype,
+                                    device=self.data.device)
+                grown[:, :, :old_rows, :old_length] = self.data
+                self.data = grown
+                return True
+        return False
+
+    def _fill(self, seqs: list[Sequence]) -> None:
+        """Copy the cached K/V of sequences that start decoding into new rows."""
+        if not seqs:
+            return
+        rows = torch.arange(len(self.order), len(self.order) + len(seqs))
+        self.order.extend(seqs)
+        longest = max(seq.num_computed for seq in seqs)
+        if longest == 0:
+            return
+        width = math.ceil(longest / self.cache.shape[1])
+        tables = table_tensor([seq.block_tables[self.pool][:width] for seq in seqs])
+        for kv in range(2):
+            for layer in range(self.data.shape[1]):
+                self.data[kv, layer, rows, :longest] = gather_blocks(self.cache.data[kv, layer], tables, longest)

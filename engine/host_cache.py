@@ -1,0 +1,63 @@
+"""The host-memory tier under the prefix cache: blocks evicted from the KV pool, by key, LRU-bounded.
+
+Copies run on a side stream on CUDA (pinned buffers, so they are truly asynchronous) and the compute stream
+waits for them before its next kernel, so a copy overlaps whatever step is still running on the device.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from engine.block_key import BlockKey
+from engine.kv_cache import KVCache
+
+
+class HostCache:
+    def __init__(self, cache: KVCache, max_blocks: int) -> None:
+        self.cache = cache
+        self.max_blocks = max_blocks
+        self.entries: OrderedDict[int, tuple[BlockKey, torch.Tensor]] = OrderedDict()  # least recent first
+        self.stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        self.num_evictions = 0
+
+    def put(self, entry: BlockKey, block: int) -> None:
+        """Keep a copy of pool block `block`, which holds `entry`'s tokens."""
+        if entry.key in self.entries:
+            self.entries.move_to_end(entry.key)
+            return
+        if len(self.entries) < self.max_blocks:
+            # allocated as needed, not up front: most runs never fill the tier
+            source = self.cache.data[:, :, block]
+            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.stream is not None)
+        else:
+            _, (_, buffer) = self.entries.popitem(last=False)
+            self.num_evictions += 1
+        with self._copying():
+            buffer.copy_(self.cache.data[:, :, block], non_blocking=True)
+        self.entries[entry.key] = (entry, buffer)
+
+    def contains(self, entry: BlockKey) -> bool:
+        held = self.entries.get(entry.key)
+        return held is not None and held[0] == entry
+
+    def load(self, entry: BlockKey, block: int) -> None:
+        """Copy `entry` (which `contains`) into pool block `block`."""
+        self.entries.move_to_end(entry.key)
+        with self._copying():
+            self.cache.data[:, :, block].copy_(self.entries[entry.key][1], non_blocking=True)
+
+    @contextmanager
+    def _copying(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        # after the work already queued on the compute stream, which waits for the copies in turn
+        compute = torch.cuda.current_stream(self.cache.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            yield
+        compute.wait_stream(self.stream)

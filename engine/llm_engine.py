@@ -1,0 +1,222 @@
+"""Our engine: a Qwen3 model, paged KV pools and a continuous-batching scheduler behind `StepEngine`."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.attention import LayerSlot, select_ops
+from engine.attention_policy import layer_policies, parse_policy, ring_window
+from engine.block_manager import BlockManager, BlockPool, blocks_per_seq
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.dense_decode import DenseDecodeKV
+from engine.host_cache import HostCache
+from engine.interface import Completion, Request, RequestError
+from engine.kv_cache import KVCache
+from engine.loader import load_model, read_eos_ids, read_shape
+from engine.memory import kv_budget, split_budget, weights_bytes
+from engine.model_runner import ModelRunner
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.text import cut_at_stop, finish_text
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        shape = read_shape(config.model)
+        cache_dtype = config.cache_dtype
+        fp8 = cache_dtype.itemsize == 1
+        ops = select_ops(config.attention_backend, self.device, shape.head_dim, scaled_kv=fp8)
+        self.model = load_model(config.model, self.device, dtype, ops)
+        self.max_model_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+        self.eos_ids = read_eos_ids(config.model)
+
+        # one KV pool per attention kind: full attention (window 0) and each ring-recycled sliding window in use
+        policies = layer_policies(shape.windows, parse_policy(config.attention_policy))
+        rings = [ring_window(p) for p in policies]
+        self.windows = sorted(set(rings))
+        layers = [rings.count(w) for w in self.windows]
+        layer_slots = [LayerSlot(self.windows.index(w), rings[:i].count(w), p)
+                       for i, (w, p) in enumerate(zip(rings, policies, strict=True))]
+        self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * cache_dtype.itemsize
+        block_bytes = [n * self.kv_bytes_per_token // shape.num_layers * config.block_size for n in layers]
+        self.chunk = min(config.prefill_chunk_size, config.max_num_batched_tokens)
+        per_seq = blocks_per_seq(self.windows, config.block_size, self.max_model_len, self.chunk)
+        self.kv_budget_bytes = kv_budget(config.kv_cache_memory, self.device)
+        max_blocks = split_budget(self.kv_budget_bytes, layers, block_bytes, [b * config.max_num_seqs for b in per_seq])
+        if min(max_blocks) < 2:
+            raise ValueError(f"a KV budget of {self.kv_budget_bytes} bytes does not hold even two blocks per pool")
+        caches = [
+            KVCache(n, min(config.initial_blocks, m), config.block_size, shape.num_kv_heads, shape.head_dim,
+                    cache_dtype, self.device)
+            for n, m in zip(layers, max_blocks, strict=True)
+        ]
+        prefix = None
+        if config.enable_prefix_cache and self.windows == [0]:
+            host_blocks = config.host_cache_memory // caches[0].bytes_per_block
+            prefix = PrefixCache(HostCache(caches[0], host_blocks) if host_blocks > 0 else None)
+        pools = [BlockPool(c, m, prefix if i == 0 else None)
+                 for i, (c, m) in enumerate(zip(caches, max_blocks, strict=True))]
+        self.blocks = BlockManager(pools,
+                                   self.windows, config.block_size)
+        self.scheduler = Scheduler(config, self.blocks)
+        graphs = None
+        # the Triton decode path syncs with the host only to plan windowed tiles
+        dense_only = all(p.window == 0 for p in policies)
+        if self.device.type == "cuda" and config.cuda_graphs and ops.backend == "triton" and dense_only:
+            graphs = DecodeGraphs(self.model, ops, caches, layer_slots, config.max_num_seqs, per_seq)
+        dense = None
+        # the dense rows stand in for the fast CPU ops' attention over a full-attention pool of plain, unscaled K/V
+        full_dense = 0 in self.windows and all(p.window == 0 for p, w in zip(policies, rings, strict=True) if w == 0)
+        if self.device.type == "cpu" and ops.backend == "torch" and config.dense_decode and full_dense and not fp8:
+            full = self.windows.index(0)
+            dense = DenseDecodeKV(caches[full], full, max_blocks[full] * block_bytes[full] // 2)
+        self.runner = ModelRunner(self.model, caches, layer_slots, ops, config.block_size, graphs, dense)
+        self._seqs: dict[str, Sequence] = {}
+        self._steps = 0
+        self._tokens_generated = 0
+        self._tokens_computed = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    def add_request(self, request: Request) -> None:
+        n, p = len(request.prompt_ids), request.sampling
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestError(f"prompt has {n} tokens; the model's context is {self.max_model_len}")
+        if request.request_id in self._seqs:
+            raise RequestError(f"request {request.request_id!r} is already running")
+        if p.max_new_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
+            raise RequestError(f"invalid sampling parameters {p}")
+        longest = min(n + p.max_new_tokens, self.max_model_len)
+        needed = blocks_per_seq(self.windows, self.config.block_size, longest, self.chunk)
+        for pool, blocks in zip(self.blocks.pools, needed, strict=True):
+            if blocks > pool.max_blocks:
+                raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
+        seq = Sequence(request, len(self.blocks.pools), self.device)
+        self._seqs[request.request_id] = seq
+        self.blocks.prefetch(seq)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> Completion | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        return self._completion(seq, "cancelled")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Completion]:
+        start = time.monotonic()
+        batch = self.scheduler.schedule(start)
+        if not batch:
+            return []
+        sampled = self.runner.run(batch)
+        end = time.monotonic()
+        self._steps += 1
+        done = []
+        for seq, n in batch:
+            seq.record_step(self._steps, start, end, len(batch), prefilled=n > 1 or seq.num_computed == 0)
+            seq.num_computed += n
+            self.blocks.index(seq)
+            self._tokens_computed += n
+            token = sampled.get(seq)
+            if token is None:
+                continue
+            seq.append_token(token, end)
+            self._tokens_generated += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq)
+                del self._seqs[seq.request_id]
+                done.append(self._completion(seq, reason))
+        return done
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in self.eos_ids and not p.ignore_eos:
+            return "stop"
+        # decoding text every token costs, so only requests with stop strings pay for it
+        if p.stop and cut_at_stop(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), p.stop)[1]:
+            return "stop"
+        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _completion(self, seq: Sequence, reason: str) -> Completion:
+        eos = set() if seq.params.ignore_eos else self.eos_ids
+        ids, text, _ = finish_text(self.tokenizer, seq.output_ids, seq.params.stop, eos)
+        return Completion(seq.request_id, ids, text, seq.num_prompt_tokens, reason, None, seq.timings)
+
+    def stats(self) -> dict[str, float]:
+        pools = self.blocks.pools
+        used, total, ceiling = (sum(p.num_used for p in pools), sum(p.capacity for p in pools),
+                                sum(p.max_blocks for p in pools))
+        stats = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": total,
+            "kv_blocks_used": used,
+            "kv_blocks_max": ceiling,
+            "kv_usage": used / ceiling,  # of the memory budget, not of what is allocated so far
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self._steps,
+            "tokens_generated": self._tokens_generated,
+            "tokens_computed": self._tokens_computed,
+            **self._prefix_stats(),
+        }
+        windowed = [p for p, w in zip(pools, self.windows, strict=True) if w > 0]
+        if windowed:
+            stats["kv_window_blocks_used"] = sum(p.num_used for p in windowed)
+        return stats
+
+    def _prefix_stats(self) -> dict[str, float]:
+        prefix, s = self.blocks.prefix, self.scheduler
+        host = prefix.host if prefix is not None else None
+        prefetched = prefix.num_prefetched if host is not None else 0
+        return {
+            "prefix_cache_queries_tokens": s.num_query_tokens,
+            "prefix_cache_hit_tokens": s.num_hit_tokens,  # host hits included
+            "prefix_cache_hit_rate": s.num_hit_tokens / max(1, s.num_query_tokens),
+            "host_hit_tokens": s.num_host_hit_tokens,
+            # of the blocks copied back from the host tier, those a request then used
+            "host_prefetch_hit_rate": prefix.num_prefetch_hits / prefetched if prefetched else 0.0,
+            "prefix_cached_blocks": self.blocks.pools[0].num_cached,
+            "evictions": prefix.num_evictions if prefix is not None else 0,
+            "host_evictions": host.num_evictions if host is not None else 0,
+        }
+
+    def memory_report(self) -> dict[str, int]:
+        """Where the memory goes, and how much work fits in the KV budget."""
+        pools = self.blocks.pools
+        block_bytes = [p.cache.bytes_per_block for p in pools]
+        per_seq_at_max = blocks_per_seq(self.windows, self.config.block_size, self.max_model_len, self.chunk)
+        full = [p.max_blocks for p, w in zip(pools, self.windows, strict=True) if w == 0]
+        return {
+            "weights_bytes": weights_bytes(self.model),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "block_size": self.config.block_size,
+            "pool_blocks": sum(p.capacity for p in pools),
+            "pool_blocks_used": sum(p.num_used for p in pools),
+            "pool_blocks_free": sum(len(p.free) for p in pools),
+            "pool_blocks_max": sum(p.max_blocks for p in pools),
+            "pool_bytes": sum(p.capacity * b for p, b in zip(pools, block_bytes, strict=True)),
+            "dense_decode_bytes": self.runner.dense.nbytes if self.runner.dense is not None else 0,
+            # tokens of context the budget holds across all sequences (the window pools never limit it more)
+            "max_tokens": min(full, default=max(p.max_blocks for p in pools)) * self.config.block_size,
+            "max_batch_at_max_len": min(p.max_blocks // n for p, n in zip(pools, per_seq_at_max, strict=True)),
+        }

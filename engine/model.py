@@ -1,0 +1,189 @@
+"""Qwen3 as our own PyTorch modules, over packed batches.
+
+Every forward takes the new tokens of all sequences back to back (`[num_tokens]`, no padding) with their
+positions; attention reads and writes the paged KV cache through an `AttentionBatch`. Projections that read
+the same input are fused (q/k/v, gate/up) so each layer is a handful of matrix multiplies; the loader fills
+the fused weights shard by shard from the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBatch
+from kernels.dispatch import Ops
+from kernels.qk_norm_rope import rope_tables
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a Qwen3 config.json that the modules need."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    windows: tuple[int, ...]  # per layer: 0 for full attention, else the sliding window
+
+
+class Rope(NamedTuple):
+    """Rotate-half RoPE for one step: float32 `[max_positions, head_dim // 2]` tables and each token's position."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+
+
+class Linear(nn.Module):
+    """`x @ W.T` without bias. Parameters start empty: the checkpoint fills them, so none is initialised.
+    `weight` shares an existing parameter instead (tied embeddings)."""
+
+    def __init__(self, in_features: int, out_features: int, weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        if weight is None:
+            weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked into one matrix; `load_shard` fills one of them."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int]) -> None:
+        super().__init__(in_features, sum(shard_sizes))
+        self.shard_sizes = shard_sizes
+
+    def load_shard(self, index: int, weight: torch.Tensor) -> None:
+        start = sum(self.shard_sizes[:index])
+        self.weight.data[start:start + self.shard_sizes[index]].copy_(weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.eps, self.ops = eps, ops
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`; without a residual, `x` itself is the next residual."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape, layer: int, ops: Ops) -> None:
+        super().__init__()
+        self.layer, self.ops = layer, ops
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.scale = shape.head_dim ** -0.5
+        self.eps = shape.rms_norm_eps  # of q_norm and k_norm, which run fused with RoPE
+        self.qkv_proj = MergedLinear(shape.hidden_size, [self.q_size, self.kv_size, self.kv_size])
+        self.o_proj = Linear(self.q_size, shape.hidden_size)
+        # per-head RMSNorm of q and k over head_dim, applied after the projection and before RoPE
+        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops)
+
+    def forward(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.ops.qk_norm_rope(q.view(-1, self.num_heads, self.head_dim),
+                                     k.view(-1, self.num_kv_heads, self.head_dim),
+                                     self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, rope.positions, self.eps)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = batch.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = MergedLinear(shape.hidden_size, [shape.intermediate_size] * 2)
+        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.swiglu(x, self.gate_up_proj.weight))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, layer: int, ops: Ops) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
+        self.self_attn = Attention(shape, layer, ops)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
+        self.mlp = MLP(shape, ops)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual adds are deferred into the next norm (one fused kernel on GPU): returns (out, residual)."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i, ops) for i in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
+
+    def forward(self, input_ids: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, batch)
+        return self.norm(x, residual)[0]
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint projection name -> (our fused module, shard index)
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+        super().__init__()
+        self.shape = shape
+        self.model = Qwen3Model(shape, ops)
+        tied = self.model.embed_tokens.weight if shape.tie_word_embeddings else None
+        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, tied)
+        cos, sin = rope_tables(shape.max_position_embeddings, shape.head_dim, shape.rope_theta,
+                               self.lm_head.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Final hidden states `[num_tokens, hidden]`; `compute_logits` turns the rows that sample into logits."""
+        return self.model(input_ids, Rope(self.rope_cos, self.rope_sin, positions), batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

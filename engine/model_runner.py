@@ -1,0 +1,100 @@
+"""One scheduled step through the model: packs the inputs, runs the forward, samples the next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBatch, BatchPart, LayerSlot
+from engine.block_manager import table_tensor
+from engine.cuda_graphs import DecodeGraphs
+from engine.dense_decode import DenseDecodeKV
+from engine.kv_cache import KVCache
+from engine.model import Qwen3ForCausalLM
+from engine.sampler import sample
+from engine.sequence import Sequence
+from kernels.dispatch import Ops
+
+
+@dataclass
+class Step:
+    """One step's batch packed on the host: `seqs[i]` brings `counts[i]` new tokens; decodes come first."""
+
+    seqs: list[Sequence]
+    counts: list[int]
+    num_decodes: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lens: torch.Tensor
+    tables: list[torch.Tensor]  # per KV pool, -1 padded
+    slots: list[torch.Tensor]  # per KV pool
+    dense: bool  # the decodes attend through `DenseDecodeKV` rows
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3ForCausalLM, caches: list[KVCache], layer_slots: list[LayerSlot],
+                 ops: Ops, block_size: int, graphs: DecodeGraphs | None, dense: DenseDecodeKV | None) -> None:
+        self.model = model
+        self.caches = caches
+        self.layer_slots = layer_slots
+        self.ops = ops
+        self.block_size = block_size
+        self.graphs = graphs
+        self.dense = dense
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        """Computes `n` new tokens of each (sequence, n); returns the next token of each that reached its end."""
+        step = self.pack(batch)
+        hidden = self.forward(step)
+        ends = [i for i, (seq, n) in enumerate(zip(step.seqs, step.counts, strict=True))
+                if seq.num_computed + n == seq.num_tokens]
+        if not ends:
+            return {}
+        last = (step.cu_seqlens[1:][ends] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last])
+        seqs = [step.seqs[i] for i in ends]
+        tokens = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+        return dict(zip(seqs, tokens, strict=True))
+
+    def pack(self, batch: list[tuple[Sequence, int]]) -> Step:
+        """The step's inputs on the host: single-query sequences first (the backend takes them in one call, in
+        the dense rows' order when those serve them), then prefill chunks by length."""
+        decodes = [seq for seq, n in batch if n == 1]
+        ordered = self.dense.sync(decodes) if self.dense is not None and decodes else None
+        batch = [(seq, 1) for seq in ordered or decodes] + sorted(((s, n) for s, n in batch if n > 1),
+                                                                  key=lambda item: item[1])
+        seqs = [seq for seq, _ in batch]
+        counts = [n for _, n in batch]
+        input_ids = [t for seq, n in batch for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
+        counts_t = torch.tensor(counts)
+        seq_lens = torch.tensor([seq.num_computed for seq in seqs]) + counts_t
+        cu_seqlens = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(counts_t, 0, out=cu_seqlens[1:])
+        row = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
+        positions = torch.arange(len(input_ids)) - cu_seqlens[row] + seq_lens[row] - counts_t[row]
+        tables = [table_tensor([seq.block_tables[p] for seq in seqs]) for p in range(len(self.caches))]
+        slots = [t[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
+                 for t in tables]
+        return Step(seqs, counts, len(decodes), torch.tensor(input_ids), positions, cu_seqlens, seq_lens, tables,
+                    slots, dense=ordered is not None)
+
+    @torch.inference_mode()
+    def forward(self, step: Step) -> torch.Tensor:
+        """Final hidden states of every packed token."""
+        if self.graphs is not None and step.num_decodes == len(step.seqs) and self.graphs.fits(len(step.seqs)):
+            return self.graphs.run(step.input_ids, step.positions, step.slots, step.seq_lens, step.tables)
+        to, d = self.device, step.num_decodes
+        parts = []
+        if d:
+            parts.append(BatchPart(0, d, step.cu_seqlens[:d + 1].to(to), step.seq_lens[:d].to(to),
+                                   [t[:d].to(to) for t in step.tables], self.dense if step.dense else None))
+        if d < len(step.seqs):
+            parts.append(BatchPart(d, len(step.input_ids), (step.cu_seqlens[d:] - d).to(to), step.seq_lens[d:].to(to),
+                                   [t[d:].to(to) for t in step.tables]))
+        attn = AttentionBatch(self.ops, self.caches, self.layer_slots, [s.to(to) for s in step.slots], parts)
+        return self.model(step.input_ids.to(to), step.positions.to(to), attn)
+

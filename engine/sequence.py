@@ -1,0 +1,83 @@
+"""One request's life inside the engine: its tokens, how many of them are in the KV cache, its blocks."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from engine.block_key import BlockKey
+from engine.interface import Request, Timings
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, request: Request, num_pools: int, device: torch.device) -> None:
+        self.request = request
+        self.params = request.sampling
+        self.token_ids = list(request.prompt_ids)
+        self.num_prompt_tokens = len(request.prompt_ids)
+        # Tokens whose K/V is in the cache. A step computes `token_ids[num_computed:]` (or a chunk of it) and
+        # samples when it reaches the end, so prefill, chunked prefill, decode and recompute after pre-emption
+        # are one code path.
+        self.num_computed = 0
+        self.block_tables: list[list[int]] = [[] for _ in range(num_pools)]  # one per KV pool
+        self.block_keys: list[BlockKey] = []  # content keys of the full blocks of `token_ids`, as needed
+        self.num_indexed = 0  # leading blocks of the first table already offered to the prefix cache
+        self.status = Status.WAITING
+        self.admitted = -1  # admission counter: the most recently admitted sequence is pre-empted first
+        self.timings = Timings()
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.generator: torch.Generator | None = None
+        if self.params.seed is not None:
+            # per request, so that its draws do not depend on which other requests share its steps
+            self.generator = torch.Generator(device).manual_seed(self.params.seed)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def urgency(self, now: float, ageing_rate: float) -> float:
+        """Priority plus what it gained by waiting since arrival."""
+        return self.request.priority + ageing_rate * (now - self.request.arrival)
+
+    def record_step(self, step: int, start: float, end: float, batch_size: int, prefilled: bool) -> None:
+        t = self.timings
+        if self.first_scheduled is None:
+            self.first_scheduled = start
+            t.queue_wait_ms = (start - self.request.arrival) * 1e3
+            t.batch_id = step
+        if prefilled:
+            t.prefill_ms += (end - start) * 1e3
+        t.batch_size = max(t.batch_size, batch_size)
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token is None:
+            self.first_token = now
+            self.timings.ttft_ms = (now - self.request.arrival) * 1e3
+        self.last_token = now
+        self.timings.decode_ms = (now - self.first_token) * 1e3

@@ -1,0 +1,119 @@
+"""The engine's kernels in plain PyTorch, organised for speed: what runs wherever Triton does not (CPU).
+
+Each function keeps the contract of its reference in `kernels` (which stay the readable ground truth): the
+norms and RoPE use PyTorch's fused RMSNorm and write rotated halves in place rather than concatenating, so a
+layer costs a few passes over its activations instead of a dozen small ones.
+
+Attention follows `kernels.attention_ref` (layout, `cu_seqlens_q`, `seq_lens`, -1 table entries, windows).
+Its speed comes from what the engine guarantees, that pools start zeroed and only ever hold finite K/V, so a
+masked key needs no scrubbing (its weight is exactly zero); from gathering blocks as whole rows with
+`index_select`; and from shaping every SDPA call so that PyTorch picks its fused kernel. Decodes attend in one
+batched call (a sliding window gathers only the blocks it can see); prefill chunks go one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_ref import visible
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = rms_norm(x, weight, eps).float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half]).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out[..., half:]).addcmul_(x1, sin)
+    return out.to(dtype)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # broadcast over heads
+    return _norm_rope(q, q_weight, cos, sin, eps), _norm_rope(k, k_weight, cos, sin, eps)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """`[..., length, kv_heads, head_dim]` from the blocks of `table` (-1 entries read block 0, masked later)."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, table.clamp(min=0).reshape(-1).long())
+    return rows.view(*table.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per sequence: `q [B, heads, D]` against `k`, `v` `[B, kv_heads, L, D]` (strided views are
+    fine) under `mask [B, 1, 1, L]`. The heads sharing a KV head become that head's "query length", so no K/V
+    is repeated per head and SDPA stays on its fused kernel."""
+    batch, num_heads, head_dim = q.shape
+    qg = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(q.shape)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, window: int = 0,
+                    sinks: int = 0, stride: int = 0) -> torch.Tensor:
+    if q.shape[0] == seq_lens.shape[0]:  # every sequence brings at least one token, so exactly one each
+        return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, window, sinks, stride)
+    out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1:]
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // kv_heads
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, length in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        table = block_tables[b, : -(-length // block_size)]
+        # [kv_heads, group, L, D] views: K/V broadcast over their query heads, which keeps SDPA on its fused
+        # kernel (its own GQA option falls back to materialising the scores on CPU)
+        k = gather_blocks(k_cache, table, length).transpose(0, 1).unsqueeze(1).expand(kv_heads, group, length, head_dim)
+        v = gather_blocks(v_cache, table, length).transpose(0, 1).unsqueeze(1).expand(kv_heads, group, length, head_dim)
+        qb = q[cu[b]:cu[b + 1]].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        if n == length and window == 0:  # the whole sequence is new: plain causal, no mask to build
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
+        else:
+            pos = torch.arange(length, device=q.device)
+            mask = visible(pos[length - n:], pos, window, sinks, stride)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        out[cu[b]:cu[b + 1]] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+            block_tables: torch.Tensor, scale: float, window: int, sinks: int, stride: int) -> torch.Tensor:
+    block_size = k_cache.shape[1]
+    lens = seq_lens.long()
+    longest = int(lens.max())
+    first = 0
+    if window > 0 and sinks == 0 and stride == 0:  # skip the blocks before every query's window
+        first = max(0, int(lens.min()) - window) // block_size
+    table = block_tables[:, first: -(-longest // block_size)]
+    length = longest - first * block_size
+    k = gather_blocks(k_cache, table, length).transpose(1, 2)  # [B, kv_heads, L, D], strided: no copy
+    v = gather_blocks(v_cache, table, length).transpose(1, 2)
+    k_pos = torch.arange(first * block_size, longest, device=q.device)
+    mask = visible(lens - 1, k_pos, window, sinks, stride)  # [B, L]
+    return decode_attention(q, k, v, mask[:, None, None, :], scale)

@@ -1,0 +1,58 @@
+"""Shared pieces of the engine tests: building engines, prompts, and running requests to completion."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.interface import Completion, Request, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.tiny import SPECIAL_TOKENS
+
+
+def make_engine(path: Path, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), **overrides))
+
+
+def kv_block_bytes(path: Path, block_size: int = 16) -> int:
+    """Bytes of one block across all layers of a fp32 checkpoint: budgets in tests are counted in blocks."""
+    c = json.loads((path / "config.json").read_text())
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4 * block_size
+
+
+def prompts(count: int, shortest: int, longest: int, seed: int = 0, vocab: int = 4096) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(rng.randint(shortest, longest))]
+            for _ in range(count)]
+
+
+def greedy(max_new_tokens: int, ignore_eos: bool = True) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+
+
+def run_all(engine: LLMEngine, requests: list[Request], check=None) -> dict[str, Completion]:
+    """Submits `requests` together and steps until all finish; `check(engine)` runs after every step."""
+    for request in requests:
+        engine.add_request(request)
+    done: dict[str, Completion] = {}
+    while engine.has_unfinished():
+        for completion in engine.step():
+            done[completion.request_id] = completion
+        if check is not None:
+            check(engine)
+    return done
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """One intra-op thread for these small models: with two threads on two shared cores, every small op waits
+    for a thread the OS has parked elsewhere, and the suite runs ten times slower when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

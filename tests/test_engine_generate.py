@@ -1,0 +1,160 @@
+"""End to end through `LLMEngine`: greedy output equals transformers' `generate`, under pressure too; sampling,
+stop strings, limits, errors and cancellation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.interface import Request, RequestError, SamplingParams
+from engine.runner import Runner
+from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
+
+PROMPTS = prompts(24, 5, 400, seed=3)
+NEW_TOKENS = [4 + i % 13 for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(tiny_models) -> dict[str, list[list[int]]]:
+    """transformers' greedy continuation of each prompt, run alone (no padding), stopping at EOS."""
+    out = {}
+    for preset in ("tiny", "tiny-untied", "tiny-swa"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_models[preset], dtype=torch.float32).eval()
+        eos = model.generation_config.eos_token_id
+        rows = []
+        for ids, n in zip(PROMPTS, NEW_TOKENS, strict=True):
+            with torch.inference_mode():
+                generated = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                           max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            row = generated[0, len(ids):].tolist()
+            rows.append(row[: row.index(eos)] if eos in row else row)
+        out[preset] = rows
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-untied", "tiny-swa"])
+@pytest.mark.parametrize("pressure", [False, True], ids=["roomy", "preempting"])
+def test_greedy_matches_transformers(tiny_models, hf_outputs, preset, pressure):
+    path = tiny_models[preset]
+    if pressure:
+        # 48 blocks of 16 tokens for ~5k tokens of work, 64-token prefill chunks, 96 tokens a step
+        engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=8,
+                             max_num_batched_tokens=96, prefill_chunk_size=64, max_num_seqs=32)
+    else:
+        engine = make_engine(path)
+    requests = [Request(str(i), ids, greedy(n, ignore_eos=False))
+                for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
+    done = run_all(engine, requests)
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs[preset]
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    if pressure:
+        assert stats["preemptions"] > 0
+        assert sum(c.timings.preemptions for c in done.values()) == stats["preemptions"]
+        assert stats["kv_blocks_total"] <= stats["kv_blocks_max"]
+
+
+def test_dense_decode_rows_follow_preemption(tiny_models, hf_outputs):
+    path = tiny_models["tiny"]
+    engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=8,
+                         max_num_batched_tokens=96, prefill_chunk_size=64, max_num_seqs=32)
+    engine.runner.dense.max_bytes = 1 << 30  # every decode through dense rows, however small the pool
+    requests = [Request(str(i), ids, greedy(n, ignore_eos=False))
+                for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
+    done = run_all(engine, requests)
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny"]
+    assert engine.stats()["preemptions"] > 0 and engine.memory_report()["dense_decode_bytes"] > 0
+
+
+def test_timings_are_filled(tiny_model):
+    engine = make_engine(tiny_model)
+    done = run_all(engine, [Request(str(i), ids, greedy(8)) for i, ids in enumerate(prompts(4, 10, 50))])
+    for c in done.values():
+        t = c.timings
+        assert 0 <= t.queue_wait_ms <= t.ttft_ms
+        assert t.prefill_ms > 0 and t.decode_ms > 0
+        assert t.batch_size == 4 and t.preemptions == 0 and t.prompt_tokens_reused == 0
+
+
+def test_seeded_sampling_is_reproducible(tiny_model):
+    def sampled(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=seed, ignore_eos=True)
+
+    engine = make_engine(tiny_model)
+    prompt = prompts(1, 30, 30, seed=5)[0]
+    # the same seed in different batch company, and in a later run, gives the same tokens
+    first = run_all(engine, [Request("a", prompt, sampled(7)), Request("b", prompt, sampled(7)),
+                             Request("c", prompt, sampled(8))])
+    again = run_all(engine, [Request("a", prompt, sampled(7))] + [Request(f"x{i}", p, greedy(5))
+                                                                   for i, p in enumerate(prompts(5, 5, 40))])
+    assert first["a"].token_ids == first["b"].token_ids == again["a"].token_ids
+    assert first["a"].token_ids != first["c"].token_ids
+    greedy_ids = run_all(engine, [Request("g", prompt, greedy(24))])["g"].token_ids
+    assert first["a"].token_ids != greedy_ids
+
+
+def test_stop_strings_and_length(tiny_model):
+    engine = make_engine(tiny_model)
+    prompt = prompts(1, 20, 20, seed=6)[0]
+    full = run_all(engine, [Request("full", prompt, greedy(40))])["full"]
+    assert full.finish_reason == "length" and len(full.token_ids) == 40
+    stop = full.text[len(full.text) // 2:][:3]
+    stopped = run_all(engine, [Request("s", prompt, SamplingParams(max_new_tokens=40, stop=(stop,), ignore_eos=True))])["s"]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.find(stop)]
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)] and len(stopped.token_ids) < 40
+
+
+def test_eos_ends_a_request_unless_ignored(tiny_model):
+    engine = make_engine(tiny_model)
+    prompt = prompts(1, 20, 20, seed=6)[0]
+    first = run_all(engine, [Request("a", prompt, greedy(1))])["a"].token_ids[0]
+    engine.eos_ids = {first}  # pretend the model's first answer is its end-of-sequence token
+    assert run_all(engine, [Request("b", prompt, greedy(5, ignore_eos=False))])["b"].finish_reason == "stop"
+    kept = run_all(engine, [Request("c", prompt, greedy(5, ignore_eos=True))])["c"]
+    assert kept.finish_reason == "length" and kept.token_ids[0] == first and len(kept.token_ids) == 5
+
+
+def test_requests_that_can_never_run(tiny_model):
+    engine = make_engine(tiny_model)
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request(Request("long", [5] * engine.max_model_len))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request(Request("empty", []))
+    small = make_engine(tiny_model, kv_cache_memory=8 * kv_block_bytes(tiny_model))
+    with pytest.raises(RequestError, match="KV blocks"):
+        small.add_request(Request("big", [5] * 200, greedy(10)))
+    # through the runner the failure is that request's completion, and the engine keeps serving
+    runner = Runner(engine)
+    try:
+        failed = runner.submit(Request("long", [5] * 2000)).result(60)
+        ok = runner.submit(Request("ok", [5] * 10, greedy(3))).result(60)
+    finally:
+        runner.close()
+    assert failed.finish_reason == "error" and "context" in failed.error
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
+
+
+def test_cancel(tiny_model):
+    engine = make_engine(tiny_model)
+    for i, ids in enumerate(prompts(4, 20, 40)):
+        engine.add_request(Request(str(i), ids, greedy(50)))
+    engine.add_request(Request("queued", [5] * 10, greedy(50)))
+    for _ in range(3):
+        engine.step()
+    used = engine.stats()["kv_blocks_used"]
+    cancelled = engine.abort_request("1")
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) == 3
+    assert engine.stats()["kv_blocks_used"] < used  # its blocks came back at once
+    assert engine.abort_request("1") is None and engine.abort_request("unknown") is None
+    done = run_all(engine, [])
+    assert sorted(done) == ["0", "2", "3", "queued"]
+    assert all(len(c.token_ids) == 50 for c in done.values())
+
+
+def test_bfloat16_on_cpu(tiny_model):
+    engine = make_engine(tiny_model, dtype="bfloat16")
+    assert engine.model.lm_head.weight.dtype == torch.bfloat16
+    done = run_all(engine, [Request(str(i), ids, greedy(6)) for i, ids in enumerate(prompts(3, 5, 80))])
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in done.values())

@@ -1,0 +1,157 @@
+"""Prometheus metrics: the API's scrape against real PostgreSQL and Redis, and the worker's registry."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+import redis
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import create_app
+from api.metrics import ServiceCollector
+from engine.interface import Completion, Timings
+from jobs.db import make_engine, make_sessions
+from jobs.settings import Settings
+from jobs.tables import utcnow
+from tests.conftest import API_KEY
+from worker.metrics import EngineCollector, WorkerMetrics
+from worker.payload import Outcome
+from worker.results import Claimed, Stored, finished_status, timing_row
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture
+def settings(database, broker, tiny_model) -> Settings:
+    return Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model))
+
+
+def scrape(client: TestClient) -> dict[tuple[str, frozenset], float]:
+    r = client.get("/metrics")  # no API key: scraped like Flower's metrics
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def submit(client: TestClient, priority: int, kind: str = "chat") -> None:
+    job = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": priority, "kind": kind}
+    assert client.post("/v1/jobs", json=job, headers=AUTH).status_code == 202
+
+
+def depth(samples: dict, queue: str, priority: int) -> float:
+    return samples["convoq_queue_messages", frozenset({"queue": queue, "priority": str(priority)}.items())]
+
+
+def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, database, broker):
+    with TestClient(create_app(settings)) as client:
+        for priority in (9, 9, 7):
+            submit(client, priority)
+        for priority in (0, 0, 0, 1):
+            submit(client, priority, kind="summarize")
+        engine = sa.create_engine(database)
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE jobs SET status = 'succeeded' WHERE priority = 1"))
+            conn.execute(sa.text("INSERT INTO batches (id, status, priority, total, line_errors, metadata, created_at)"
+                                 " VALUES (:id, 'in_progress', 1, 0, '[]', '{}', now())"), {"id": uuid.uuid4()})
+        engine.dispose()
+        redis.Redis.from_url(broker).hset("unacked", "delivery-tag", "message")
+
+        samples = scrape(client)
+
+    assert depth(samples, "convoq.interactive", 9) == 2
+    assert depth(samples, "convoq.interactive", 7) == 1
+    assert depth(samples, "convoq.bulk", 0) == 3
+    assert depth(samples, "convoq.bulk", 1) == 1
+    levels = [depth(samples, q, p) for q in ("convoq.interactive", "convoq.bulk") for p in range(10)]
+    assert sum(levels) == 7 and len(levels) == 20
+    assert samples["convoq_broker_unacked_messages", frozenset()] == 1
+    assert samples["convoq_jobs", frozenset({"status": "queued"}.items())] == 6
+    assert samples["convoq_jobs", frozenset({"status": "succeeded"}.items())] == 1
+    assert samples["convoq_jobs", frozenset({"status": "failed"}.items())] == 0
+    assert samples["convoq_batches", frozenset({"status": "in_progress"}.items())] == 1
+
+
+def test_database_metrics_survive_an_unreachable_broker(settings):
+    down = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
+    names = {m.name for m in ServiceCollector(down, make_sessions(make_engine(down.database_url))).collect()}
+    assert names == {"convoq_jobs", "convoq_batches"}
+
+
+def outcome(finish_reason: str = "stop") -> tuple[Claimed, Outcome]:
+    created = utcnow() - timedelta(seconds=3)
+    claimed = Claimed(uuid.uuid4(), {"priority": 7, "kind": "chat"}, created, created + timedelta(seconds=2), None, 1)
+    timings = Timings(queue_wait_ms=100, ttft_ms=250, prefill_ms=150, decode_ms=400, prompt_tokens_reused=32,
+                      host_tokens_reused=16, batch_size=5, batch_id=3)
+    return claimed, Outcome(Completion("r", [1, 2, 3, 4], "text", 64, finish_reason, timings=timings), engine_ms=700)
+
+
+def stored(claimed: Claimed, done: Outcome) -> Stored:
+    """What `results.store` reports for this outcome (without a database)."""
+    status = finished_status(done.completion)
+    ok = done.completion.ok
+    return Stored(status, timing_row(claimed, done, "w", utcnow()) if ok else None)
+
+
+def test_worker_metrics_observe_a_stored_job():
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    claimed, done = outcome()
+    metrics.observe(7, stored(claimed, done), 4)
+    value = registry.get_sample_value
+    p7 = {"priority": "7"}
+    assert value("convoq_job_queue_wait_seconds_sum", p7) == pytest.approx(2.1)
+    assert value("convoq_job_time_to_first_token_seconds_sum", p7) == pytest.approx(2.25)
+    assert value("convoq_job_prefill_seconds_sum", p7) == pytest.approx(0.15)
+    assert value("convoq_job_decode_seconds_sum", p7) == pytest.approx(0.4)
+    assert 3.0 <= value("convoq_job_end_to_end_seconds_sum", p7) < 10.0
+    assert value("convoq_job_end_to_end_seconds_count", p7) == 1
+    assert value("convoq_job_batch_size_bucket", {"le": "4.0"}) == 0
+    assert value("convoq_job_batch_size_bucket", {"le": "8.0"}) == 1
+    assert value("convoq_jobs_finished_total", {"status": "succeeded"}) == 1
+    assert value("convoq_generated_tokens_total") == 4
+    assert value("convoq_prompt_tokens_reused_total") == 32
+    assert value("convoq_host_tokens_reused_total") == 16
+
+
+def test_worker_metrics_count_failures_retries_and_cancellations():
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    claimed, done = outcome("cancelled")
+    metrics.observe(7, stored(claimed, done), 0)
+    metrics.retried()
+    metrics.gave_up()
+    value = registry.get_sample_value
+    assert value("convoq_jobs_finished_total", {"status": "cancelled"}) == 1
+    assert value("convoq_jobs_finished_total", {"status": "failed"}) == 1
+    assert value("convoq_job_retries_total") == 1
+    assert value("convoq_job_end_to_end_seconds_count", {"priority": "7"}) is None  # no timings row either
+
+
+def test_engine_gauges_expose_the_stats_the_engine_reports():
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: {"running": 3, "kv_usage": 0.25, "preemptions": 2, "steps": 9}))
+    value = registry.get_sample_value
+    assert value("convoq_engine_running_requests") == 3
+    assert value("convoq_engine_kv_usage_ratio") == 0.25
+    assert value("convoq_engine_preemptions_total") == 2
+    assert value("convoq_engine_waiting_requests") is None
+    assert value("convoq_engine_prefix_cache_hit_ratio") is None
+
+
+def test_worker_serves_its_registry_and_survives_a_taken_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    WorkerMetrics.start(port, lambda: {"waiting": 4})
+    WorkerMetrics.start(port, lambda: {"waiting": 5})  # a second worker on the same port: logged, not raised
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert "convoq_engine_waiting_requests 4.0" in text
+    assert "convoq_job_end_to_end_seconds" in text

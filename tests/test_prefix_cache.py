@@ -1,0 +1,107 @@
+"""Prefix reuse: identical outputs with and without the cache, shared blocks never freed while in use, and
+conversations coming back from the host tier without recomputation."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.interface import Request
+from engine.llm_engine import LLMEngine
+from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
+
+
+def check_blocks(engine: LLMEngine, seen: dict[int, tuple[int, torch.Tensor]]) -> None:
+    """Reference counts match the live block tables, no block is both free and cached, and a cached block's
+    K/V never changes while it stays cached (`seen`: block -> (key, K/V when first seen cached))."""
+    pool, prefix = engine.blocks.pools[0], engine.blocks.prefix
+    refs = [0] * pool.capacity
+    for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
+        for block in seq.block_tables[0]:
+            refs[block] += 1
+    assert refs == pool.ref_counts
+    free, parked = set(pool.free), set(prefix.parked)
+    assert len(free) == len(pool.free) and not free & parked and not free & set(prefix.entries)
+    assert all(refs[b] == 0 for b in free | parked)
+    for block in [b for b in seen if b not in prefix.entries]:
+        del seen[block]  # evicted: the block may now hold anything
+    for block, entry in prefix.entries.items():
+        data = pool.cache.data[:, :, block]
+        if block in seen and seen[block][0] == entry.key:
+            # not exact: a block evicted and recomputed with the same tokens in one step differs by rounding
+            assert torch.allclose(seen[block][1], data, rtol=0, atol=1e-4), f"block {block} was overwritten"
+        else:
+            seen[block] = (entry.key, data.clone())
+
+
+def converse(engine: LLMEngine, system: list[int], conversations: int, turns: int, seed: int,
+             check=None) -> list[list[int]]:
+    """`conversations` chats of `turns` turns, all at once turn by turn; each turn's prompt is the previous
+    one, the reply and a new user message. Returns every reply in order."""
+    rng = random.Random(seed)
+    history = [list(system) for _ in range(conversations)]
+    replies = []
+    for turn in range(turns):
+        requests = []
+        for c in rng.sample(range(conversations), conversations):
+            history[c] += prompts(1, 5, 20, seed=rng.randrange(1 << 30))[0]
+            requests.append(Request(f"c{c}-t{turn}", list(history[c]), greedy(rng.randint(4, 12)),
+                                    conversation_id=f"c{c}"))
+        done = run_all(engine, requests, check)
+        for request in requests:
+            reply = done[request.request_id].token_ids
+            history[int(request.conversation_id[1:])] += reply
+            replies.append(reply)
+    return replies
+
+
+def test_ten_turn_conversations_match_without_cache(tiny_model):
+    system = prompts(1, 40, 40, seed=5)[0]
+    # six conversations of up to 15 blocks, two at a time, in a 40-block pool: blocks go to the host and back
+    small = dict(kv_cache_memory=40 * kv_block_bytes(tiny_model), initial_blocks=8, max_num_seqs=2,
+                 max_num_batched_tokens=64)
+    reference = converse(make_engine(tiny_model, enable_prefix_cache=False, **small), system, 6, 10, seed=1)
+    engine = make_engine(tiny_model, **small)
+    seen: dict[int, tuple[int, torch.Tensor]] = {}
+    assert converse(engine, system, 6, 10, seed=1, check=lambda e: check_blocks(e, seen)) == reference
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0.5 * stats["prefix_cache_queries_tokens"]
+    assert stats["evictions"] > 100 and stats["host_hit_tokens"] > 0
+
+
+def test_shared_system_prompt_many_concurrent_sequences(tiny_model):
+    system = prompts(1, 100, 100, seed=3)[0]
+    users = prompts(24, 1, 40, seed=4)
+    requests = lambda: [Request(str(i), system + u, greedy(10)) for i, u in enumerate(users)]  # noqa: E731
+    budget = dict(kv_cache_memory=60 * kv_block_bytes(tiny_model), initial_blocks=8,
+                  max_num_batched_tokens=256, prefill_chunk_size=64, host_cache_memory=0)
+    reference = run_all(make_engine(tiny_model, enable_prefix_cache=False, **budget), requests())
+    engine = make_engine(tiny_model, **budget)
+    seen: dict[int, tuple[int, torch.Tensor]] = {}
+    done = run_all(engine, requests(), lambda e: check_blocks(e, seen))
+    assert {k: c.token_ids for k, c in done.items()} == {k: c.token_ids for k, c in reference.items()}
+    stats = engine.stats()
+    # the six blocks of the system prompt were computed once (or again after pre-emption), not per request
+    assert stats["tokens_computed"] < engine.stats()["prefix_cache_queries_tokens"] - 18 * 96
+    # only the first request computed the prompt: the others waited a step rather than prefill it alongside
+    assert sorted(c.timings.prompt_tokens_reused >= 96 for c in done.values()) == [False] + [True] * 23
+    assert stats["kv_blocks_used"] == 0 and engine.blocks.pools[0].num_cached > 0
+
+
+def test_returning_conversation_comes_back_from_host(tiny_model):
+    engine = make_engine(tiny_model, kv_cache_memory=24 * kv_block_bytes(tiny_model), initial_blocks=8)
+    first = prompts(1, 160, 160, seed=7)[0]
+    reply = run_all(engine, [Request("a1", first, greedy(8), conversation_id="a")])["a1"].token_ids
+    # other traffic fills the pool and pushes conversation a's blocks out to the host tier
+    run_all(engine, [Request(f"x{i}", ids, greedy(4)) for i, ids in enumerate(prompts(4, 150, 170, seed=8))])
+    assert engine.stats()["evictions"] >= 10
+    computed = engine.stats()["tokens_computed"]
+    second = first + reply + prompts(1, 9, 9, seed=9)[0]  # 10 blocks cached: the 11th was not full
+    done = run_all(engine, [Request("a2", second, greedy(4), conversation_id="a")])["a2"]
+    assert done.timings.prompt_tokens_reused == done.timings.host_tokens_reused == 160
+    stats = engine.stats()
+    assert stats["tokens_computed"] - computed == len(second) - 160 + 3  # one prompt token, then 3 decodes
+    assert stats["host_prefetch_hit_rate"] == 1.0
+    cold = make_engine(tiny_model, enable_prefix_cache=False)
+    assert run_all(cold, [Request("a2", second, greedy(4))])["a2"].token_ids == done.token_ids

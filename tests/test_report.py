@@ -1,0 +1,108 @@
+"""`convoq report` against a seeded PostgreSQL database: sections, inline plots, and numbers that match."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from cli.main import app
+from cli.report import Finished, parse_since, render, write_report
+from jobs.tables import Job, Result, Timing
+
+NOW = datetime.now(UTC)
+SUCCEEDED = 240
+OTHERS = {"failed": 30, "queued": 20, "cancelled": 10}
+PRIORITIES = (9, 5, 1)
+SECTIONS = ("statuses", "latency-summary", "latency", "throughput", "wait-vs-compute", "batch-size", "prefix-reuse")
+
+
+def e2e_ms(i: int) -> float:
+    return (i + 1) * 10.0  # 10 ms .. 2.4 s: a distribution whose percentiles are known
+
+
+def succeeded(i: int, created: datetime) -> tuple[dict, dict, dict]:
+    job_id = uuid.uuid4()
+    finished = created + timedelta(milliseconds=e2e_ms(i))
+    job = dict(id=job_id, status="succeeded", kind="chat", priority=PRIORITIES[i % 3], payload={},
+               created_at=created, finished_at=finished)
+    result = dict(job_id=job_id, text="ok", prompt_tokens=100, completion_tokens=20, finish_reason="stop",
+                  created_at=finished)
+    timing = dict(job_id=job_id, queue_wait_ms=e2e_ms(i) / 2, ttft_ms=e2e_ms(i) * 0.6, prefill_ms=e2e_ms(i) / 10,
+                  decode_ms=e2e_ms(i) * 0.4, engine_ms=e2e_ms(i) / 2, end_to_end_ms=e2e_ms(i), tokens_per_s=40.0,
+                  batch_id=f"w:{i // 4}", batch_size=i % 16 + 1, prompt_tokens_reused=(i % 3) * 30,
+                  host_tokens_reused=(i % 3) * 10, created_at=finished)
+    return job, result, timing
+
+
+def seed(database: str) -> None:
+    """Jobs over the last three hours, plus older ones that a one-day window must leave out."""
+    recent = [succeeded(i, NOW - timedelta(hours=3) + timedelta(seconds=45 * i)) for i in range(SUCCEEDED)]
+    old = [succeeded(i, NOW - timedelta(days=3)) for i in range(20)]
+    jobs, results, timings = (list(rows) for rows in zip(*recent, *old, strict=True))
+    for status, n in OTHERS.items():
+        created = NOW - timedelta(minutes=n + 1)
+        jobs += [dict(id=uuid.uuid4(), status=status, kind="summarize", priority=1, payload={}, created_at=created,
+                      finished_at=None if status == "queued" else created) for _ in range(n)]
+    engine = sa.create_engine(database)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(Job), jobs)
+        conn.execute(sa.insert(Result), results)
+        conn.execute(sa.insert(Timing), timings)
+    engine.dispose()
+
+
+def test_report_of_a_seeded_database(database, tmp_path):
+    seed(database)
+    out = write_report(database, parse_since("1d", NOW), tmp_path / "report.html")
+
+    page = out.read_text()
+    for anchor in SECTIONS:
+        assert f'<section id="{anchor}">' in page
+    assert page.count('src="data:image/png;base64,') == 5
+    assert "<tr><td>succeeded</td><td>240</td></tr>" in page  # the 20 older jobs are outside the window
+    for status, n in OTHERS.items():
+        assert f"<tr><td>{status}</td><td>{n}</td></tr>" in page
+    assert "<tr><td>total</td><td>300</td></tr>" in page
+    e2e = np.array([e2e_ms(i) for i in range(SUCCEEDED)]) / 1e3
+    p50, p95, p99 = (f"{np.percentile(e2e, q):.3f}" for q in (50, 95, 99))
+    assert p50 == "1.205"
+    assert f"<tr><td>all</td><td>240</td><td>{p50}</td><td>{p95}</td><td>{p99}</td>" in page
+    # mean batch size, share of prompt tokens reused, output tokens: all priorities
+    assert f"<td>8.5</td><td>30.0</td><td>{SUCCEEDED * 20}</td></tr></tbody>" in page
+
+
+def test_report_of_an_empty_window(database, tmp_path):
+    page = write_report(database, parse_since("2h", NOW), tmp_path / "empty.html").read_text()
+    assert "nothing to report" in page
+    assert "<img" not in page
+
+
+def test_report_of_jobs_that_have_not_succeeded_yet():
+    page = render({"queued": 3, "failed": 1}, Finished.from_rows([]), NOW - timedelta(hours=1), NOW)
+    assert "<tr><td>total</td><td>4</td></tr>" in page
+    assert "nothing to plot" in page and "<img" not in page
+
+
+def test_report_command_writes_the_page(database, tmp_path, monkeypatch):
+    seed(database)
+    monkeypatch.setenv("CONVOQ_DATABASE_URL", database)
+    out = tmp_path / "cli.html"
+    result = CliRunner().invoke(app, ["report", "--since", "30m", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.exists() and "<h1>convoq report</h1>" in out.read_text()
+    assert CliRunner().invoke(app, ["report", "--since", "yesterday"]).exit_code == 2
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("2h", NOW - timedelta(hours=2)),
+    ("1.5d", NOW - timedelta(hours=36)),
+    ("2026-01-02T03:04:05", datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)),
+    ("2026-01-02T03:04:05+02:00", datetime(2026, 1, 2, 1, 4, 5, tzinfo=UTC)),
+])
+def test_since_accepts_spans_and_iso_times(text, expected):
+    assert parse_since(text, NOW) == expected

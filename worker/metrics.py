@@ -1,0 +1,114 @@
+"""A worker process's Prometheus metrics: where each job's time went, tokens, retries, and the engine's state.
+
+Job metrics carry the same numbers as the job's timings row, observed once that row is committed. Engine
+gauges are read from `Runner.stats()` at scrape time. Each process serves its own registry on
+`CONVOQ_WORKER_METRICS_PORT`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from jobs.schemas import JobStatus
+from worker.results import Stored
+
+log = logging.getLogger(__name__)
+
+# from an interactive reply (tens of ms) to bulk work that waited behind others for hours
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 14400)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# stats() key -> (metric name, kind, help); keys an engine does not report are left out
+ENGINE_STATS = {
+    "running": ("convoq_engine_running_requests", "gauge", "Requests the engine is running"),
+    "waiting": ("convoq_engine_waiting_requests", "gauge", "Requests waiting in the engine's scheduler"),
+    "kv_usage": ("convoq_engine_kv_usage_ratio", "gauge", "Fraction of the KV cache budget in use"),
+    "preemptions": ("convoq_engine_preemptions", "counter", "Sequences pre-empted to free KV cache"),
+    "prefix_cache_hit_rate": ("convoq_engine_prefix_cache_hit_ratio", "gauge",
+                              "Fraction of prompt tokens served from the prefix cache"),
+}
+
+
+class EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.stats()
+        except Exception as exc:  # the engine thread changes its state while we read it; try next scrape
+            log.warning("worker metrics: engine stats unavailable (%s)", exc)
+            return
+        for key, (name, kind, documentation) in ENGINE_STATS.items():
+            if key in stats:
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, documentation, value=float(stats[key]))
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+
+        def seconds(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, ["priority"], buckets=SECONDS_BUCKETS, registry=self.registry)
+
+        self.queue_wait = seconds("convoq_job_queue_wait_seconds", "Job created -> first scheduled by the engine")
+        self.ttft = seconds("convoq_job_time_to_first_token_seconds", "Job created -> first generated token")
+        self.prefill = seconds("convoq_job_prefill_seconds", "Engine time in steps that prefilled the job")
+        self.decode = seconds("convoq_job_decode_seconds", "First -> last generated token")
+        self.end_to_end = seconds("convoq_job_end_to_end_seconds", "Job created -> result stored")
+        self.batch_size = Histogram("convoq_job_batch_size", "Largest engine batch the job ran in",
+                                    buckets=BATCH_BUCKETS, registry=self.registry)
+        self.finished = Counter("convoq_jobs_finished", "Jobs this worker brought to a terminal status",
+                                ["status"], registry=self.registry)
+        self.generated = Counter("convoq_generated_tokens", "Tokens generated for stored results",
+                                 registry=self.registry)
+        self.reused = Counter("convoq_prompt_tokens_reused", "Prompt tokens whose KV came from the prefix cache",
+                              registry=self.registry)
+        self.host_reused = Counter("convoq_host_tokens_reused",
+                                   "Reused prompt tokens brought back from the host-memory tier",
+                                   registry=self.registry)
+        self.retries = Counter("convoq_job_retries", "Failed attempts sent back to the queue for another try",
+                               registry=self.registry)
+
+    @classmethod
+    def start(cls, port: int, engine_stats: Callable[[], dict[str, float]]) -> WorkerMetrics:
+        """Metrics for this process, served on `port` (0: recorded, not served)."""
+        metrics = cls()
+        metrics.registry.register(EngineCollector(engine_stats))
+        if port:
+            try:
+                start_http_server(port, registry=metrics.registry)
+            except OSError as exc:  # a taken port must not keep the worker from running jobs
+                log.error("worker metrics not served: port %d: %s (give each worker process its own "
+                          "CONVOQ_WORKER_METRICS_PORT)", port, exc)
+        return metrics
+
+    def observe(self, priority: int, stored: Stored, generated_tokens: int) -> None:
+        """A job whose outcome `results.store` has committed, with the timings row it wrote."""
+        self.finished.labels(stored.status.value).inc()
+        t = stored.timing
+        if t is None:
+            return
+        label = str(priority)
+        self.queue_wait.labels(label).observe(t["queue_wait_ms"] / 1e3)
+        self.ttft.labels(label).observe(t["ttft_ms"] / 1e3)
+        self.prefill.labels(label).observe(t["prefill_ms"] / 1e3)
+        self.decode.labels(label).observe(t["decode_ms"] / 1e3)
+        self.end_to_end.labels(label).observe(t["end_to_end_ms"] / 1e3)
+        self.batch_size.observe(t["batch_size"])
+        self.generated.inc(generated_tokens)
+        self.reused.inc(t["prompt_tokens_reused"])
+        self.host_reused.inc(t["host_tokens_reused"])
+
+    def gave_up(self) -> None:
+        """A job failed for good after its last attempt."""
+        self.finished.labels(JobStatus.failed.value).inc()
+
+    def retried(self) -> None:
+        self.retries.inc()
