@@ -65,13 +65,17 @@ def drain(engine: StepEngine, requests: list[Request], label: str) -> tuple[int,
 
 
 def measure(engine: StepEngine, preset: str, vocab: int, seed: int, label: str, repeat: int) -> float:
-    """Best tokens/s of `repeat` runs of the workload, after a short warm-up."""
+    """Best tokens/s of `repeat` runs of the workload, after a short warm-up.
+
+    Each run draws fresh prompts (seed + 1000 * run; both sides see the same ones), so that a repeat cannot
+    be served from the engine's prefix cache.
+    """
     warmup = [replace(r, sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
               for r in make_requests(preset, vocab, seed + 1, "warmup")[:2]]
     drain(engine, warmup, f"{label} warm-up")
     rates = []
     for run in range(repeat):
-        tokens, seconds = drain(engine, make_requests(preset, vocab, seed, f"{label}{run}"), label)
+        tokens, seconds = drain(engine, make_requests(preset, vocab, seed + 1000 * run, f"{label}{run}"), label)
         rates.append(tokens / seconds)
         print(f"{label:>6}: {tokens} tokens in {seconds:.2f} s = {rates[-1]:.0f} tok/s")
     return max(rates)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 
@@ -54,9 +53,6 @@ class WorkerContext:
 @worker_init.connect
 def _start(sender=None, **_) -> None:
     # The model is loaded here, in the process that runs it, before the worker consumes anything.
-    # The engine thread runs Python between kernels; a short GIL switch interval keeps the consumer and the
-    # database threads responsive while it does.
-    sys.setswitchinterval(0.0005)
     app.convoq_context = WorkerContext.start(get_settings(), app)
     log.info("engine ready: %s", app.convoq_context.settings.model)
 
