@@ -1,10 +1,12 @@
-"""A backend for fault tests: transformers' generate, except that any batch holding a POISON prompt raises.
+"""Backends for fault tests: transformers' generate, except that some prompts make a batch fail.
 
 The worker loads it through the `package.module:factory` form of CONVOQ_BACKEND, the way a deployment
 would plug in a backend of its own.
 """
 
 from __future__ import annotations
+
+import torch
 
 from engine.hf_backend import HFEngine
 from engine.interface import Request
@@ -20,3 +22,17 @@ class PoisonEngine(HFEngine):
 
 def create(model: str, device: str, dtype: str) -> PoisonEngine:
     return PoisonEngine(model, device=device, dtype=dtype, max_batch_size=8)
+
+
+class OutOfMemoryEngine(HFEngine):
+    """Runs out of device memory on any batch holding an OOM prompt: the engine's state is then unknown."""
+
+    def _take_batch(self) -> list[Request]:
+        batch = super()._take_batch()
+        if any("OOM" in self.tokenizer.decode(r.prompt_ids) for r in batch):
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return batch
+
+
+def create_oom(model: str, device: str, dtype: str) -> OutOfMemoryEngine:
+    return OutOfMemoryEngine(model, device=device, dtype=dtype, max_batch_size=8)

@@ -144,3 +144,19 @@ def test_warm_shutdown_finishes_or_returns_in_flight_jobs(service_env, database,
         stack.start_worker()
         counts = wait_for(database, lambda c: c.get("succeeded", 0) + c.get("failed", 0) >= 60, 240, "all 60")
     assert counts.get("succeeded") == 60 and counts["results"] == 60, counts
+
+
+def test_engine_out_of_memory_exits_the_worker_and_its_jobs_run_elsewhere(service_env, database, tmp_path):
+    env = {**service_env, **FAST_RECOVERY, "CONVOQ_BACKEND": "tests.poison_backend:create_oom"}
+    with Stack(env, tmp_path / "logs") as stack:
+        stack.start_api()
+        with Client(stack.api_url, API_KEY) as client:
+            ids = [client.submit(job(i)).id for i in range(10)]
+            ids.append(client.submit(job(10, "This prompt will OOM the device")).id)
+            crashing = stack.start_worker()
+            assert crashing.wait(120) == 3  # fails fast and says so, for its supervisor to restart it
+            stack.env["CONVOQ_BACKEND"] = "engine"  # the replacement worker has the memory it needs
+            stack.start_worker()
+            done = [client.wait(i, timeout=120) for i in ids]
+    assert [j.status for j in done] == ["succeeded"] * 11
+    assert tally(database)["results"] == 11
