@@ -102,6 +102,40 @@ def report(
     typer.echo(str(write_report(get_settings().database_url, start, out)))
 
 
+@app.command()
+def tune(
+    jobs: Annotated[Path | None, typer.Option(help="JSONL of batch lines; default: recent jobs from the database")] = None,
+    sample: Annotated[int, typer.Option(min=1, help="jobs to replay per setting")] = 64,
+    seqs: Annotated[str, typer.Option(help="max_num_seqs values to try")] = "8,16,32,64,128,256",
+    tokens: Annotated[str, typer.Option(help="max_num_batched_tokens values to try")] = "1024,2048,4096,8192",
+    plateau: Annotated[float, typer.Option(help="throughput within this fraction of the best counts as best")] = 0.05,
+) -> None:
+    """Sweep the engine's batch limits on real jobs; print throughput, latency, memory and the settings to use."""
+    from cli.tune import recommend, sample_from_database, sample_from_file, sweep
+    from engine.config import EngineConfig
+    from worker.bridge import resolve_device
+
+    settings = get_settings()
+    payloads = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url, sample)
+    if not payloads:
+        typer.echo("no jobs to replay: pass --jobs FILE or run some jobs first", err=True)
+        raise typer.Exit(2)
+    base = EngineConfig(model=settings.model, device=resolve_device(settings.device), dtype=settings.dtype,
+                        kv_cache_memory=settings.kv_cache_memory, kv_cache_dtype=settings.kv_cache_dtype)
+    trials = sweep(base, payloads, [int(x) for x in seqs.split(",")], [int(x) for x in tokens.split(",")])
+    typer.echo(f"{'max_num_seqs':>12} {'max_tokens':>10} {'tok/s':>9} {'p50 s':>7} {'p95 s':>7} {'peak KV':>8}")
+    for t in trials:
+        typer.echo(f"{t.max_num_seqs:>12} {t.max_num_batched_tokens:>10} {t.tok_s:>9.1f} {t.latency_p50_s:>7.2f} "
+                   f"{t.latency_p95_s:>7.2f} {t.peak_kv_usage:>7.0%}{'' if t.fits else '  over 90%'}")
+    best = recommend(trials, plateau)
+    if best is None:
+        typer.echo("every setting took the KV cache past 90% of its budget: raise CONVOQ_KV_CACHE_MEMORY", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"use: CONVOQ_MAX_NUM_SEQS={best.max_num_seqs} CONVOQ_MAX_NUM_BATCHED_TOKENS={best.max_num_batched_tokens}"
+               f"  ({best.tok_s:.0f} tok/s, p95 {best.latency_p95_s:.2f} s, peak KV {best.peak_kv_usage:.0%})")
+    typer.echo(json.dumps({"trials": [t.__dict__ for t in trials], "recommended": best.__dict__}))
+
+
 @app.command("tiny-model")
 def tiny_model(path: Path, preset: str = "tiny", seed: int = 0) -> None:
     """Write a small random Qwen3 checkpoint folder (loads like a real Qwen/Qwen3-* folder)."""
