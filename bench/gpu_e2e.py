@@ -5,7 +5,7 @@ against the weight-bandwidth floor measured in the same run, and response time f
 
 The model has Qwen3-32B's shapes (64 layers, hidden 5120, 64 query / 8 KV heads of 128, intermediate 25600,
 untied embeddings, vocab 151936), about 65.5 GB of bf16. Its weights are drawn on the GPU tensor by tensor.
-By default they are handed to the engine's loader (`engine.loader.load_model`) in memory, in place of the
+By default they are handed to the engine in memory (`LLMEngine(config, weights)`), in place of the
 tensors it would read from *.safetensors files: the model is still built, named, fused and checked by the
 loader exactly as for a real checkpoint, only the file reads are skipped (writing and reading 65 GB would take
 minutes and nearly the whole disk). With `--checkpoint DIR` the weights are written there as sharded
@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,7 +41,6 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-import engine.loader
 from engine.config import EngineConfig
 from engine.interface import Completion, Request, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -153,18 +151,6 @@ def write_shards(path: Path) -> float:
     return time.perf_counter() - start
 
 
-@contextmanager
-def weights_in_memory() -> Iterator[None]:
-    """While active, the loader takes its checkpoint tensors from `random_weights` instead of *.safetensors."""
-    read_files = engine.loader._checkpoint_tensors
-    generator = torch.Generator("cuda").manual_seed(0)
-    engine.loader._checkpoint_tensors = lambda _path: random_weights(generator)
-    try:
-        yield
-    finally:
-        engine.loader._checkpoint_tensors = read_files
-
-
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy of a 4 GiB tensor, bytes read plus bytes written per second, in GB/s."""
     src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda")
@@ -189,11 +175,8 @@ def build_engine(model_dir: Path, in_memory: bool) -> tuple[LLMEngine, float]:
     never invalidates captured CUDA graphs) while being timed. Returns the engine and seconds to build it."""
     config = EngineConfig(model=str(model_dir), device="cuda", initial_blocks=1 << 30)
     start = time.perf_counter()
-    if in_memory:
-        with weights_in_memory():
-            llm = LLMEngine(config)
-    else:
-        llm = LLMEngine(config)
+    weights = random_weights(torch.Generator("cuda").manual_seed(0)) if in_memory else None
+    llm = LLMEngine(config, weights)
     torch.cuda.synchronize()
     return llm, time.perf_counter() - start
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 from transformers import AutoTokenizer
@@ -26,7 +27,8 @@ from engine.text import cut_at_stop, finish_text
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """`weights` (checkpoint names and tensors) stands in for the folder's *.safetensors when given."""
         self.config = config
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
@@ -35,7 +37,7 @@ class LLMEngine:
         cache_dtype = config.cache_dtype
         fp8 = cache_dtype.itemsize == 1
         ops = select_ops(config.attention_backend, self.device, shape.head_dim, scaled_kv=fp8)
-        self.model = load_model(config.model, self.device, dtype, ops)
+        self.model = load_model(config.model, self.device, dtype, ops, weights)
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
         self.eos_ids = read_eos_ids(config.model)
 

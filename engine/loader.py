@@ -7,7 +7,7 @@ is copied straight into its parameter (or its shard of a fused one), so the weig
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -88,14 +88,22 @@ def _checkpoint_names(model: Qwen3ForCausalLM) -> set[str]:
     return names
 
 
-def load_model(model_path: str | Path, device: torch.device, dtype: torch.dtype, ops: Ops) -> Qwen3ForCausalLM:
+def load_model(
+    model_path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops: Ops,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> Qwen3ForCausalLM:
+    """Our modules from the folder's config and weights; `tensors` (checkpoint names) replaces the
+    *.safetensors files, e.g. weights generated on the device for a benchmark too large to write to disk."""
     model_path = Path(model_path)
     shape = read_shape(model_path)
     with torch.device(device), _default_dtype(dtype):
         model = Qwen3ForCausalLM(shape, ops)
     params = dict(model.named_parameters())
     missing = _checkpoint_names(model)
-    for name, tensor in _checkpoint_tensors(model_path):
+    for name, tensor in tensors if tensors is not None else _checkpoint_tensors(model_path):
         if name not in missing:
             continue  # e.g. lm_head.weight written out for a tied model
         missing.discard(name)

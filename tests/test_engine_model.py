@@ -7,12 +7,15 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from engine.config import EngineConfig
 from engine.interface import Request
+from engine.llm_engine import LLMEngine
 from engine.loader import read_shape
 from engine.memory import split_budget
-from tests.engine_helpers import make_engine, prompts, single_thread  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-untied", "tiny-swa"])
@@ -72,3 +75,13 @@ def test_budget_split_between_pools():
     assert split_budget(1000, [2, 2], [10, 10], [1000, 1000]) == [50, 50]
     assert split_budget(1000, [2, 2], [10, 10], [1000, 5]) == [95, 5]
     assert split_budget(1000, [3], [7], [10]) == [10]
+
+
+def test_weights_given_in_memory_load_like_the_checkpoint_files(tiny_model):
+    tensors = load_file(str(tiny_model / "model.safetensors"))
+    from_files = make_engine(tiny_model)
+    in_memory = LLMEngine(EngineConfig(model=str(tiny_model)), weights=tensors.items())
+    requests = [Request(str(i), p, greedy(8)) for i, p in enumerate(prompts(4, 10, 60, seed=3))]
+    a = run_all(from_files, requests)
+    b = run_all(in_memory, [Request(r.request_id, r.prompt_ids, r.sampling) for r in requests])
+    assert {k: v.token_ids for k, v in a.items()} == {k: v.token_ids for k, v in b.items()}
