@@ -26,7 +26,7 @@ class EngineConfig:
     # Priority points a waiting request gains per second, so low-priority work is never starved forever.
     ageing_rate: float = 0.05
     attention_backend: str = "auto"  # "auto" (triton on CUDA when available, else torch) | "torch" | "triton"
-    # CPU: decoding sequences also keep dense K/V rows (up to half the KV budget again), so decode attention
+    # CPU: decoding sequences also keep dense K/V rows (up to the KV budget again), so decode attention
     # reads views instead of gathering every block at every layer (see engine.dense_decode)
     dense_decode: bool = True
     cuda_graphs: bool = True  # capture decode steps on CUDA (needs a backend that does not sync the host)

@@ -80,7 +80,7 @@ class LLMEngine:
         full_dense = 0 in self.windows and all(p.window == 0 for p, w in zip(policies, rings, strict=True) if w == 0)
         if self.device.type == "cpu" and ops.backend == "torch" and config.dense_decode and full_dense and not fp8:
             full = self.windows.index(0)
-            dense = DenseDecodeKV(caches[full], full, max_blocks[full] * block_bytes[full] // 2)
+            dense = DenseDecodeKV(caches[full], full, max_blocks[full] * block_bytes[full], self.max_model_len)
         self.runner = ModelRunner(self.model, caches, layer_slots, ops, config.block_size, graphs, dense)
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0

@@ -28,7 +28,9 @@ def make_sessions(engine: Engine) -> sessionmaker[Session]:
 
 
 def insert_ignore(session: Session, table, rows: dict | list[dict]) -> None:
-    """INSERT ... ON CONFLICT DO NOTHING: at-least-once delivery may write the same row twice."""
+    """INSERT ... ON CONFLICT DO NOTHING: at-least-once delivery may write the same row twice.
+
+    One statement run for every row (executemany), so its compiled form is cached whatever the row count."""
     dialect = session.get_bind().dialect.name
     insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
-    session.execute(insert(table).values(rows).on_conflict_do_nothing())
+    session.connection().execute(insert(table.__table__).on_conflict_do_nothing(), rows)

@@ -44,6 +44,7 @@ def publish(
     except Exception:  # the broker is down or refused: the committed rows keep the jobs
         log.exception("published %d of %d jobs; the rest stay queued for the reconciler", len(sent), len(jobs))
     if sent:
-        session.execute(update(Job).where(Job.id.in_(sent)).values(published_at=utcnow()))
+        jobs_table = Job.__table__  # Core: nothing reads `published_at` back from these objects
+        session.execute(update(jobs_table).where(jobs_table.c.id.in_(sent)).values(published_at=utcnow()))
         session.commit()
     return sent

@@ -75,7 +75,9 @@ class Settings(BaseSettings):
     # Seconds a delivered but unacknowledged message stays invisible before Redis hands it out again:
     # longer than the longest queue wait plus run time, or long jobs would run twice.
     visibility_timeout: int = Field(4 * 3600, ge=60)
-    worker_concurrency: int = Field(64, ge=1, le=1024)  # Celery threads feeding one engine
+    # Celery threads feeding one engine: as many as the engine batches (max_num_seqs), so every message the
+    # worker holds is in the engine, where priorities and batching happen
+    worker_concurrency: int = Field(256, ge=1, le=1024)
 
     # Failure handling: a job is tried at most `max_attempts` times, waiting retry_backoff_s * 2**(n-1)
     # between tries; a worker silent for dead_after_s is dead and its running jobs are handed back.

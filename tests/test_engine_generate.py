@@ -158,3 +158,17 @@ def test_bfloat16_on_cpu(tiny_model):
     assert engine.model.lm_head.weight.dtype == torch.bfloat16
     done = run_all(engine, [Request(str(i), ids, greedy(6)) for i, ids in enumerate(prompts(3, 5, 80))])
     assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in done.values())
+
+
+def test_dense_rows_grow_geometrically_up_to_the_context():
+    from engine.dense_decode import DenseDecodeKV
+    from engine.kv_cache import KVCache
+
+    cache = KVCache(2, 4, 16, 2, 8, torch.float32, torch.device("cpu"))
+    per_token = 2 * 2 * 2 * 8 * 4
+    dense = DenseDecodeKV(cache, 0, max_bytes=64 * 300 * per_token, max_length=300)
+    assert dense._fit(4, 10, final_length=40) and dense.data.shape[2:4] == (4, 64)  # the final length, aligned
+    assert dense._fit(5, 70, final_length=90) and dense.data.shape[2:4] == (6, 128)  # 1.5x rows, 1.5x length
+    assert dense._fit(6, 200, final_length=280) and dense.data.shape[2:4] == (6, 300)  # never past the context
+    assert dense._fit(64, 300, final_length=300) and dense.data.shape[2:4] == (64, 300)  # exactly what fits
+    assert not dense._fit(65, 300, final_length=300)  # over the budget: the step runs paged

@@ -100,3 +100,78 @@ def test_reconciler_hands_back_a_dead_workers_jobs_and_publishes_stranded_ones(d
     assert counts(engine, alive)[0] == "running" and counts(engine, dead)[0] == "queued"
     assert redis.Redis.from_url(broker).llen("convoq.interactive:4") == 1  # priority 5 -> broker 4
     assert reconcile(sessions, celery, settings)["published"] == 0  # published now: nothing left to do
+
+
+def test_many_jobs_are_claimed_and_stored_in_one_transaction_each(database):
+    from jobs.tables import Batch
+
+    engine = make_engine(database)
+    sessions = make_sessions(engine)
+    with sessions.begin() as session:
+        batch = Batch(status="in_progress", priority=1, total=3)
+        session.add(batch)
+    ids = [new_job(sessions) for _ in range(4)]
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET batch_id = :b WHERE id <> :solo"),
+                     {"b": batch.id, "solo": uuid.UUID(ids[3])})
+    finished = results.claim(sessions, ids[2], "w0", 3)
+    results.store(sessions, finished, outcome(ids[2]), "w0")
+
+    claimed = results.claim_many(sessions, [ids[0], ids[1], ids[0], ids[2], ids[3]], "w1", 3)
+    # the repeated id is claimed once, by its first entry; the finished job is not claimed again
+    assert [c is not None for c in claimed] == [True, True, False, False, True]
+    assert [str(c.job_id) for c in claimed if c] == [ids[0], ids[1], ids[3]]
+    failed = Outcome(Completion(ids[3], [], "", 7, "error", "bad prompt", Timings()), 1.0)
+    stored = results.store_many(sessions, [(claimed[0], outcome(ids[0], "one")), (claimed[1], outcome(ids[1], "two")),
+                                           (claimed[4], failed)], "w1")
+    assert [s.status.value for s in stored] == ["succeeded", "succeeded", "failed"]
+    assert stored[0].timing["job_id"] == claimed[0].job_id and stored[2].timing is None
+    with engine.connect() as conn:
+        rows = dict(conn.execute(sa.text("SELECT j.id, r.text FROM jobs j LEFT JOIN results r ON r.job_id = j.id")).all())
+        statuses = dict(conn.execute(sa.text("SELECT id, status FROM jobs")).all())
+        batch_status = conn.execute(sa.text("SELECT status FROM batches")).scalar_one()
+    assert [rows[uuid.UUID(i)] for i in ids] == ["one", "two", "fine", None]
+    assert [statuses[uuid.UUID(i)] for i in ids] == ["succeeded", "succeeded", "succeeded", "failed"]
+    assert batch_status == "completed"  # every job of the batch finished, so the store settled it
+
+
+def test_group_commit_writes_waiting_items_together_and_isolates_a_bad_one():
+    import threading
+    import time
+
+    from worker.group_commit import GroupCommit
+
+    flushes: list[list[int]] = []
+    started = threading.Event()
+
+    def flush(items: list[int]) -> list[int]:
+        started.set()
+        time.sleep(0.05)  # a slow transaction: the other callers queue up behind it
+        flushes.append(items)
+        if -1 in items:
+            raise ValueError("bad item")
+        return [i * 10 for i in items]
+
+    writer = GroupCommit(flush, "test-writer")
+    out: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        try:
+            out[i] = writer(i)
+        except ValueError as exc:
+            out[i] = exc
+
+    first = threading.Thread(target=call, args=(0,))
+    first.start()
+    started.wait()
+    threads = [threading.Thread(target=call, args=(i,)) for i in [1, 2, -1, 3]]
+    for t in threads:
+        t.start()
+    for t in [first, *threads]:
+        t.join()
+    writer.close()
+    assert {i: out[i] for i in (0, 1, 2, 3)} == {0: 0, 1: 10, 2: 20, 3: 30}
+    assert isinstance(out[-1], ValueError)
+    # the four that waited went in one flush, which failed; then each alone, so only the bad one failed
+    assert flushes[0] == [0] and sorted(flushes[1]) == [-1, 1, 2, 3]
+    assert sorted(len(f) for f in flushes[2:]) == [1, 1, 1, 1]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
 
-from sqlalchemy import update
+from sqlalchemy import bindparam, or_, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -86,32 +86,43 @@ def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> None:
 
 
 def claim(sessions: sessionmaker[Session], job_id: str, worker: str, max_attempts: int) -> Claimed | None:
-    """Mark a queued job running; None if it is not queued (a duplicate message, or already taken).
+    """Mark a queued job running; None if it is not queued (a duplicate message, or already taken)."""
+    return claim_many(sessions, [job_id], worker, max_attempts)[0]
+
+
+def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
+               max_attempts: int) -> list[Claimed | None]:
+    """`claim` for many jobs in one statement; an id listed twice is claimed once, by its first entry.
 
     A job that has used up its attempts (it crashed or failed that often) is failed here instead of run.
     """
+    jobs = Job.__table__
 
-    def action() -> tuple[Claimed, int, str | None] | None:
+    def action() -> tuple[dict[uuid.UUID, tuple], datetime]:
         now = utcnow()
         with sessions.begin() as session:
-            row = session.execute(
-                update(Job)
-                .where(Job.id == uuid.UUID(job_id), Job.status == JobStatus.queued.value)
-                .values(status=JobStatus.running.value, attempts=Job.attempts + 1, worker=worker, started_at=now)
-                .returning(Job.payload, Job.created_at, Job.batch_id, Job.attempts, Job.error)
-            ).one_or_none()
-        if row is None:
-            return None
-        return Claimed(uuid.UUID(job_id), row.payload, row.created_at, now, row.batch_id, row.attempts), row.attempts, row.error
+            rows = session.execute(
+                update(jobs)
+                .where(jobs.c.id.in_({uuid.UUID(i) for i in job_ids}), jobs.c.status == JobStatus.queued.value)
+                .values(status=JobStatus.running.value, attempts=jobs.c.attempts + 1, worker=worker, started_at=now)
+                .returning(jobs.c.id, jobs.c.payload, jobs.c.created_at, jobs.c.batch_id, jobs.c.attempts,
+                           jobs.c.error)
+            ).all()
+        return {row.id: row for row in rows}, now
 
-    claimed = retrying(action, f"claim {job_id}")
-    if claimed is None:
-        return None
-    job, attempts, last_error = claimed
-    if attempts > max_attempts:
-        fail(sessions, job, f"gave up after {max_attempts} attempts; last error: {last_error or 'the worker died'}")
-        return None
-    return job
+    rows, now = retrying(action, f"claim {len(job_ids)} jobs")
+    out: list[Claimed | None] = []
+    for job_id in job_ids:
+        row = rows.pop(uuid.UUID(job_id), None)
+        if row is None:
+            out.append(None)
+            continue
+        job = Claimed(row.id, row.payload, row.created_at, now, row.batch_id, row.attempts)
+        if row.attempts > max_attempts:
+            fail(sessions, job, f"gave up after {max_attempts} attempts; last error: {row.error or 'the worker died'}")
+            job = None
+        out.append(job)
+    return out
 
 
 def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
@@ -164,31 +175,47 @@ def timing_row(claimed: Claimed, outcome: Outcome, batch_prefix: str, now: datet
 
 
 def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, batch_prefix: str) -> Stored:
-    c = outcome.completion
-    status = finished_status(c)
+    return store_many(sessions, [(claimed, outcome)], batch_prefix)[0]
 
-    def action() -> dict | None:
+
+def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcome]], batch_prefix: str) -> list[Stored]:
+    """Results, timings and final statuses of finished jobs in one transaction; then their batches settle."""
+    jobs = Job.__table__
+    finish = (
+        update(jobs)
+        # spelled out, not IN: an IN list cannot be part of a statement run for many rows
+        .where(jobs.c.id == bindparam("job"), or_(*(jobs.c.status == s for s in NOT_TERMINAL)))
+        .values(status=bindparam("new_status"), error=bindparam("new_error"), finished_at=bindparam("now"))
+    )
+
+    def action() -> list[Stored]:
         now = utcnow()
-        timing = timing_row(claimed, outcome, batch_prefix, now) if c.ok else None
-        with sessions.begin() as session:
+        stored, result_rows, timing_rows, finished = [], [], [], []
+        for claimed, outcome in done:
+            c = outcome.completion
+            timing = timing_row(claimed, outcome, batch_prefix, now) if c.ok else None
             if timing is not None:
-                insert_ignore(session, Result, dict(
+                result_rows.append(dict(
                     job_id=claimed.job_id, text=storable(c.text), prompt_tokens=c.prompt_tokens,
                     completion_tokens=len(c.token_ids), finish_reason=c.finish_reason, created_at=now,
                     chunks=outcome.chunks, levels=outcome.levels,
                 ))
-                insert_ignore(session, Timing, timing)
-            session.execute(
-                update(Job)
-                .where(Job.id == claimed.job_id, Job.status.in_(NOT_TERMINAL))
-                .values(status=status.value, error=c.error and storable(c.error), finished_at=now)
-            )
-        return timing
+                timing_rows.append(timing)
+            status = finished_status(c)
+            finished.append(dict(job=claimed.job_id, new_status=status.value,
+                                 new_error=c.error and storable(c.error), now=now))
+            stored.append(Stored(status, timing))
+        with sessions.begin() as session:
+            if result_rows:
+                insert_ignore(session, Result, result_rows)
+                insert_ignore(session, Timing, timing_rows)
+            session.connection().execute(finish, finished)
+        return stored
 
-    timing = retrying(action, f"store {claimed.job_id}")
-    if claimed.batch_id is not None:
-        retrying(lambda: _settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
-    return Stored(status, timing)
+    stored = retrying(action, f"store {len(done)} jobs")
+    for batch_id in dict.fromkeys(claimed.batch_id for claimed, _ in done if claimed.batch_id is not None):
+        retrying(lambda b=batch_id: _settle(sessions, b), f"settle batch {batch_id}")
+    return stored
 
 
 def _settle(sessions: sessionmaker[Session], batch_id: uuid.UUID) -> None:

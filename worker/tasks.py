@@ -21,7 +21,9 @@ from jobs.tables import Job
 from worker import results
 from worker.bridge import Bridge
 from worker.celery_app import app
+from worker.group_commit import GroupCommit
 from worker.metrics import WorkerMetrics
+from worker.payload import Outcome
 from worker.reconciler import Reconciler, hand_back
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ class WorkerContext:
     reconciler: Reconciler
     name: str
     metrics: WorkerMetrics
+    claim: GroupCommit[str, results.Claimed | None]  # job id -> the claimed job, or None: not queued
+    store: GroupCommit[tuple[results.Claimed, Outcome], results.Stored]
 
     @classmethod
     def start(cls, settings: Settings, celery: Celery) -> WorkerContext:
@@ -47,7 +51,15 @@ class WorkerContext:
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         reconciler = Reconciler(sessions, celery, settings, name).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.runner.stats)
-        return cls(settings, sessions, bridge, reconciler, name, metrics)
+        claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts), "claims")
+        store = GroupCommit(lambda done: results.store_many(sessions, done, batch_prefix=name), "stores")
+        return cls(settings, sessions, bridge, reconciler, name, metrics, claim, store)
+
+    def close(self) -> None:
+        self.reconciler.stop()
+        self.bridge.close()
+        self.claim.close()
+        self.store.close()
 
 
 @worker_init.connect
@@ -62,8 +74,7 @@ def _stop(sender=None, **_) -> None:
     ctx: WorkerContext | None = getattr(app, "convoq_context", None)
     if ctx is None:
         return
-    ctx.reconciler.stop()
-    ctx.bridge.close()
+    ctx.close()
     returned = hand_back(ctx.sessions, ctx.name)
     if returned:
         log.warning("handed %d unfinished jobs back to the queue", returned)
@@ -72,7 +83,7 @@ def _stop(sender=None, **_) -> None:
 @app.task(name=TASK_RUN_JOB, bind=True)
 def run_job(self: Task, job_id: str) -> None:
     ctx: WorkerContext = self.app.convoq_context
-    claimed = results.claim(ctx.sessions, job_id, worker=ctx.name, max_attempts=ctx.settings.max_attempts)
+    claimed = ctx.claim(job_id)
     if claimed is None:
         log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
         return
@@ -80,7 +91,7 @@ def run_job(self: Task, job_id: str) -> None:
         outcome = ctx.bridge.run(job_id, claimed.payload)
         if outcome.completion.retryable:
             raise RuntimeError(outcome.completion.error)
-        stored = results.store(ctx.sessions, claimed, outcome, batch_prefix=ctx.name)
+        stored = ctx.store((claimed, outcome))
         ctx.metrics.observe(claimed.payload["priority"], stored, len(outcome.completion.token_ids))
     except EngineDead:
         # the model's state is unknown: exit so the supervisor restarts the worker; the reconciler hands this
