@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 
 from api import metrics
@@ -24,7 +27,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     if not settings.api_key_scopes:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
+    check = PromptCheck(settings.model)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(check.load)  # the tokenizer now, not in the first request (or batch) that needs it
+        yield
+
     app = FastAPI(
+        lifespan=lifespan,
         title="convoq",
         version="0.1.0",
         description="Queue-fed batch inference for Qwen3 models. Priority 0..9, 9 is the most urgent.",
@@ -33,7 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions = make_sessions(make_engine(settings.database_url))
     app.state.celery = create_celery(settings)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
-    app.state.prompt_check = PromptCheck(settings.model)
+    app.state.prompt_check = check
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.include_router(health.router)

@@ -24,7 +24,7 @@ class PromptCheck:
         self._tokenizer = None
         self.context: int | None = None
 
-    def _load(self) -> None:
+    def load(self) -> None:
         with self._lock:
             if self._loaded:
                 return
@@ -39,7 +39,7 @@ class PromptCheck:
 
     def problem(self, job: JobIn) -> tuple[str, str] | None:
         """(field, message) if the job can never run on this model, else None."""
-        self._load()
+        self.load()
         if self.context is None:
             return None
         max_new = job.sampling.max_new_tokens

@@ -85,6 +85,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(WORKLOADS), default="tiny")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations, the same on both sides")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=1, help="runs per side; the best counts (noisy machines)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
@@ -92,16 +94,18 @@ def main() -> None:
     torch.manual_seed(args.seed)
     path = model_folder(args.model)
 
-    engine = LLMEngine(EngineConfig(model=str(path), device=args.device))
+    engine = LLMEngine(EngineConfig(model=str(path), device=args.device, dtype=args.dtype))
     vocab = len(engine.tokenizer)
     engine_rate = measure(engine, args.model, vocab, args.seed, "engine", args.repeat)
+    dtype = str(engine.config.torch_dtype).removeprefix("torch.")
     del engine
-    hf = HFEngine(str(path), device=args.device, max_batch_size=16)
+    hf = HFEngine(str(path), device=args.device, dtype=args.dtype, max_batch_size=16)
     hf_rate = measure(hf, args.model, vocab, args.seed, "hf", args.repeat)
     print(f" ratio: {engine_rate / hf_rate:.2f}x")
     if args.json:
         print(json.dumps({"engine_tok_s": round(engine_rate, 1), "hf_tok_s": round(hf_rate, 1),
-                          "ratio": round(engine_rate / hf_rate, 2), "model": args.model, "device": args.device}))
+                          "ratio": round(engine_rate / hf_rate, 2), "model": args.model, "device": args.device,
+                          "dtype": dtype}))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,27 @@ def test_chunks_keep_every_turn_in_order_and_split_only_oversized_turns():
     assert len(split_turn(turns[1], fits)) == 4 and flat[0] == turns[0]
 
 
+def test_chunks_are_as_large_as_fits_with_few_prompt_checks():
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    turns = [{"role": "user", "content": " ".join("w" * rng.randint(1, 9))} for _ in range(400)]
+    calls = 0
+
+    def fits(ts):
+        nonlocal calls
+        calls += 1
+        return sum(len(t["content"].split()) for t in ts) <= 120
+
+    chunks = plan_chunks(turns, fits)
+    # one check per turn (is it oversized?), then about 2 log2(turns in a chunk) per chunk, not one per turn
+    assert calls < len(turns) + 12 * len(chunks) < 2 * len(turns)
+    assert [t for c in chunks for t in c] == turns
+    # greedy and maximal: every chunk fits, and would not with the next turn added
+    assert all(fits(c) for c in chunks) and all(not fits([*c, n[0]]) for c, n in itertools.pairwise(chunks))
+
+
 def test_a_budget_too_small_to_combine_fails_clearly(bridge):
     payload = {"kind": "summarize", "priority": 1, "messages": transcript(120),
                "sampling": {"max_new_tokens": 480}}

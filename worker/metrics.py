@@ -29,6 +29,9 @@ ENGINE_STATS = {
     "waiting": ("convoq_engine_waiting_requests", "gauge", "Requests waiting in the engine's scheduler"),
     "kv_usage": ("convoq_engine_kv_usage_ratio", "gauge", "Fraction of the KV cache budget in use"),
     "preemptions": ("convoq_engine_preemptions", "counter", "Sequences pre-empted to free KV cache"),
+    "steps": ("convoq_engine_steps", "counter", "Forward passes the engine ran (each one batch)"),
+    "tokens_computed": ("convoq_engine_tokens_computed", "counter",
+                        "Tokens run through the model (prompt tokens not served from cache, and generated ones)"),
     "prefix_cache_hit_rate": ("convoq_engine_prefix_cache_hit_ratio", "gauge",
                               "Fraction of prompt tokens served from the prefix cache"),
 }

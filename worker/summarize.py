@@ -43,17 +43,28 @@ def split_turn(turn: dict, fits: Callable[[Turns], bool]) -> Turns:
 
 
 def plan_chunks(turns: Turns, fits: Callable[[Turns], bool]) -> list[Turns]:
-    """Consecutive groups of turns, each as large as fits."""
+    """Consecutive groups of turns, each as large as fits.
+
+    A chunk's end is found by doubling then bisecting, so a chunk of n turns costs about 2 log2(n) prompt
+    tokenizations rather than n (each of a whole chunk): what fits only grows with fewer turns.
+    """
+    pieces = [piece for turn in turns for piece in split_turn(turn, fits)]
     chunks: list[Turns] = []
-    current: Turns = []
-    for turn in turns:
-        for piece in split_turn(turn, fits):
-            if current and not fits([*current, piece]):
-                chunks.append(current)
-                current = []
-            current.append(piece)
-    if current:
-        chunks.append(current)
+    start = 0
+    while start < len(pieces):
+        fit, step = start + 1, 1  # pieces[start:fit] fits: a piece on its own always does
+        while fit + step <= len(pieces) and fits(pieces[start:fit + step]):
+            fit += step
+            step *= 2
+        over = min(fit + step, len(pieces) + 1)  # pieces[start:over] does not fit, or runs past the end
+        while over - fit > 1:
+            mid = (fit + over) // 2
+            if fits(pieces[start:mid]):
+                fit = mid
+            else:
+                over = mid
+        chunks.append(pieces[start:fit])
+        start = fit
     return chunks
 
 
