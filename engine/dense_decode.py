@@ -42,15 +42,16 @@ class DenseDecodeKV:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def sync(self, seqs: list[Sequence]) -> list[Sequence] | None:
-        """Rows for this step's decoding `seqs`; returns them in row order (the order the step must use), or
-        None when they do not fit in `max_bytes` (the copy is then dropped and the step runs paged)."""
+    def sync(self, seqs: list[Sequence], step_size: int) -> list[Sequence] | None:
+        """Rows for this step's decoding `seqs` (of the step's `step_size` sequences, the rest prefilling, to
+        decode soon); returns them in row order (the order the step must use), or None when they do not fit
+        in `max_bytes` (the copy is then dropped and the step runs paged)."""
         live = set(seqs)
         for seq in [s for s in self.order if s not in live or self.filled[s] != s.num_computed]:
             self._drop(seq)
         longest = max(seq.num_computed + 1 for seq in seqs)
         final = max(seq.num_prompt_tokens + seq.params.max_new_tokens for seq in seqs)
-        if not self._fit(len(seqs), longest, final):
+        if not self._fit(len(seqs), longest, step_size, final):
             self.order, self.filled = [], {}
             return None
         self._fill([seq for seq in seqs if seq not in self.filled])
@@ -80,14 +81,15 @@ class DenseDecodeKV:
             self.data[:, :, row, : self.filled[last]] = self.data[:, :, len(self.order), : self.filled[last]]
             self.order[row] = last
 
-    def _fit(self, rows: int, length: int, final_length: int) -> bool:
+    def _fit(self, rows: int, length: int, final_rows: int, final_length: int) -> bool:
         """Room for `rows` rows of `length` tokens. What grows, grows at least 1.5x (every growth copies
-        everything and touches fresh memory), the length straight to `final_length`, the longest these
-        sequences can get, and never past `max_length`; when that is too big, to what this step needs."""
+        everything and touches fresh memory): rows to at least `final_rows` (the sequences that will decode
+        soon), the length to `final_length` (the longest these sequences can get) but never past
+        `max_length`; when that is too big, to what this step needs."""
         old_rows, old_length = self.data.shape[2], self.data.shape[3]
         if rows <= old_rows and length <= old_length:
             return True
-        grown_rows = max(rows, math.ceil(old_rows * GROWTH)) if rows > old_rows else old_rows
+        grown_rows = max(rows, final_rows, math.ceil(old_rows * GROWTH)) if rows > old_rows else old_rows
         grown_length = old_length
         if length > old_length:
             grown_length = min(max(length, final_length, math.ceil(old_length * GROWTH)), self.max_length)

@@ -64,7 +64,7 @@ class ModelRunner:
         """The step's inputs on the host: single-query sequences first (the backend takes them in one call, in
         the dense rows' order when those serve them), then prefill chunks by length."""
         decodes = [seq for seq, n in batch if n == 1]
-        ordered = self.dense.sync(decodes) if self.dense is not None and decodes else None
+        ordered = self.dense.sync(decodes, len(batch)) if self.dense is not None and decodes else None
         batch = [(seq, 1) for seq in ordered or decodes] + sorted(((s, n) for s, n in batch if n > 1),
                                                                   key=lambda item: item[1])
         seqs = [seq for seq, _ in batch]

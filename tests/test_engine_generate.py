@@ -167,8 +167,10 @@ def test_dense_rows_grow_geometrically_up_to_the_context():
     cache = KVCache(2, 4, 16, 2, 8, torch.float32, torch.device("cpu"))
     per_token = 2 * 2 * 2 * 8 * 4
     dense = DenseDecodeKV(cache, 0, max_bytes=64 * 300 * per_token, max_length=300)
-    assert dense._fit(4, 10, final_length=40) and dense.data.shape[2:4] == (4, 64)  # the final length, aligned
-    assert dense._fit(5, 70, final_length=90) and dense.data.shape[2:4] == (6, 128)  # 1.5x rows, 1.5x length
-    assert dense._fit(6, 200, final_length=280) and dense.data.shape[2:4] == (6, 300)  # never past the context
-    assert dense._fit(64, 300, final_length=300) and dense.data.shape[2:4] == (64, 300)  # exactly what fits
-    assert not dense._fit(65, 300, final_length=300)  # over the budget: the step runs paged
+    # rows for every sequence of the step, the length they will reach (aligned)
+    assert dense._fit(3, 10, final_rows=4, final_length=40) and dense.data.shape[2:4] == (4, 64)
+    assert dense._fit(4, 20, final_rows=4, final_length=40) and dense.data.shape[2:4] == (4, 64)  # no growth
+    assert dense._fit(5, 70, final_rows=5, final_length=90) and dense.data.shape[2:4] == (6, 128)  # 1.5x both
+    assert dense._fit(6, 200, final_rows=6, final_length=280) and dense.data.shape[2:4] == (6, 300)  # context cap
+    assert dense._fit(64, 300, final_rows=64, final_length=300) and dense.data.shape[2:4] == (64, 300)  # all fits
+    assert not dense._fit(65, 300, final_rows=65, final_length=300)  # over the budget: the step runs paged
