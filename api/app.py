@@ -17,6 +17,7 @@ from api.prompt_check import PromptCheck
 from api.ratelimit import RateLimiter
 from api.routes import batches, health, jobs
 from jobs.db import make_engine, make_sessions
+from jobs.publish import stamp_writer
 from jobs.settings import Settings, get_settings
 from worker.celery_app import create_celery
 
@@ -28,11 +29,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.api_key_scopes:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
     check = PromptCheck(settings.model)
+    sessions = make_sessions(make_engine(settings.database_url))
+    stamps = stamp_writer(sessions)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(check.load)  # the tokenizer now, not in the first request (or batch) that needs it
         yield
+        await run_in_threadpool(stamps.close)  # the `published_at` stamps still waiting
 
     app = FastAPI(
         lifespan=lifespan,
@@ -41,7 +45,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Queue-fed batch inference for Qwen3 models. Priority 0..9, 9 is the most urgent.",
     )
     app.state.settings = settings
-    app.state.sessions = make_sessions(make_engine(settings.database_url))
+    app.state.sessions = sessions
+    app.state.stamps = stamps
     app.state.celery = create_celery(settings)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     app.state.prompt_check = check

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from celery import Celery
 from sqlalchemy import update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.group_commit import GroupCommit
 from jobs.queues import TASK_RUN_JOB, broker_priority, queue_for
 from jobs.settings import Settings
 from jobs.tables import Job, utcnow
@@ -18,9 +19,11 @@ log = logging.getLogger(__name__)
 
 
 def publish(
-    celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings, countdown: float = 0
+    celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings, countdown: float = 0,
+    stamp: Callable[[list[uuid.UUID]], object] | None = None,
 ) -> list[uuid.UUID]:
-    """Send one message per job over one connection, then stamp `published_at` on those that went out.
+    """Send one message per job over one connection, then stamp `published_at` on those that went out: in
+    this session, or by handing their ids to `stamp` (a `stamp_writer`'s `submit`).
 
     A job whose message could not be sent stays `queued` with no `published_at`: the row keeps it, and the
     reconciler publishes it later. Returns the ids of the jobs that went out.
@@ -43,8 +46,34 @@ def publish(
                 sent.append(job.id)
     except Exception:  # the broker is down or refused: the committed rows keep the jobs
         log.exception("published %d of %d jobs; the rest stay queued for the reconciler", len(sent), len(jobs))
-    if sent:
-        jobs_table = Job.__table__  # Core: nothing reads `published_at` back from these objects
-        session.execute(update(jobs_table).where(jobs_table.c.id.in_(sent)).values(published_at=utcnow()))
-        session.commit()
+    if sent and stamp is not None:
+        stamp(sent)
+    elif sent:
+        mark_published(session, sent)
     return sent
+
+
+def mark_published(session: Session, job_ids: list[uuid.UUID]) -> None:
+    jobs_table = Job.__table__  # Core: nothing reads `published_at` back from the callers' objects
+    session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids)).values(published_at=utcnow()))
+    session.commit()
+
+
+def stamp_writer(sessions: sessionmaker[Session]) -> GroupCommit[list[uuid.UUID], None]:
+    """Stamps `published_at` in the background, for everything published meanwhile in one statement.
+
+    The API's jobs take this path, so a submission costs one transaction, not two. A stamp that never lands
+    (the process died first, or the database is away) only makes the reconciler publish that job again once
+    `unpublished_grace_s` has passed, and the duplicate message is dropped at claim.
+    """
+
+    def flush(batches: list[list[uuid.UUID]]) -> list[None]:
+        try:
+            with sessions() as session:
+                mark_published(session, [job_id for ids in batches for job_id in ids])
+        except Exception:
+            log.exception("could not stamp %d published jobs; the reconciler will publish them again",
+                          sum(map(len, batches)))
+        return [None] * len(batches)
+
+    return GroupCommit(flush, "published-stamps")

@@ -118,6 +118,19 @@ def test_idempotency_key_returns_the_same_job_once(client, database, broker):
     assert job_rows(database) == 1 and queued_messages(broker) == 1
 
 
+def test_published_jobs_are_stamped_in_the_background(database, broker, tiny_model):
+    settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model))
+    with TestClient(create_app(settings)) as c:
+        ids = [c.post("/v1/jobs", json=GOOD, headers=AUTH).json()["id"] for _ in range(5)]
+    # leaving the client shuts the app down, which writes the stamps still waiting
+    engine = sa.create_engine(database)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, published_at FROM jobs")).all()
+    engine.dispose()
+    assert sorted(str(r.id) for r in rows) == sorted(ids) and all(r.published_at is not None for r in rows)
+    assert queued_messages(broker) == 5
+
+
 def test_broker_down_keeps_the_job_queued_and_unpublished(database, redis_url):
     settings = Settings(database_url=database, broker_url="redis://127.0.0.1:1/0", api_keys=API_KEY)
     with TestClient(create_app(settings)) as c:

@@ -139,7 +139,7 @@ def test_group_commit_writes_waiting_items_together_and_isolates_a_bad_one():
     import threading
     import time
 
-    from worker.group_commit import GroupCommit
+    from jobs.group_commit import GroupCommit
 
     flushes: list[list[int]] = []
     started = threading.Event()

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from engine.runner import EngineDead
 from jobs.db import make_engine, make_sessions
+from jobs.group_commit import GroupCommit
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_JOB
 from jobs.settings import Settings, get_settings
@@ -21,7 +22,6 @@ from jobs.tables import Job
 from worker import results
 from worker.bridge import Bridge
 from worker.celery_app import app
-from worker.group_commit import GroupCommit
 from worker.metrics import WorkerMetrics
 from worker.payload import Outcome
 from worker.reconciler import Reconciler, hand_back

@@ -52,7 +52,7 @@ def submit_job(
         response.status_code = status.HTTP_200_OK
         return JobAccepted(id=existing.id, status=JobStatus(existing.status), created=False)
     job = Job(**row)
-    publish(celery, session, [job], settings)
+    publish(celery, session, [job], settings, stamp=request.app.state.stamps.submit)
     return JobAccepted(id=job.id, status=JobStatus.queued, created=True)
 
 

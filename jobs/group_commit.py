@@ -1,11 +1,11 @@
 """Many threads' database writes of one kind, committed together.
 
-Every Celery thread of a worker claims its job before the run and stores the outcome after it. Done one by
-one, each write is its own transaction and round trips, and their Python cost under the GIL is what limits a
-worker's jobs per second. Here callers hand their item to one writer thread and wait; the writer takes
-everything that is waiting and runs it through `flush` as one transaction, so a burst of N jobs costs a few
-statements instead of N transactions. A flush that raises is retried item by item, so one bad item fails
-alone and the others still commit.
+Every Celery thread of a worker claims its job before the run and stores the outcome after it, and the API
+stamps each job it publishes. Done one by one, each write is its own transaction and round trips, and their
+Python cost under the GIL is what limits a process's jobs per second. Here callers hand their item to one
+writer thread (and wait for it, or not); the writer takes everything that is waiting and runs it through
+`flush` as one transaction, so a burst of N jobs costs a few statements instead of N transactions. A flush
+that raises is retried item by item, so one bad item fails alone and the others still commit.
 """
 
 from __future__ import annotations
@@ -31,9 +31,13 @@ class GroupCommit(Generic[In, Out]):
 
     def __call__(self, item: In) -> Out:
         """Write `item` with whatever else is waiting; returns its output once committed (or raises its error)."""
+        return self.submit(item).result()
+
+    def submit(self, item: In) -> Future[Out]:
+        """Queue `item` for the next flush without waiting for it."""
         future: Future[Out] = Future()
         self._queue.put((item, future))
-        return future.result()
+        return future
 
     def close(self) -> None:
         """Let the writer finish what is queued, then stop it."""
