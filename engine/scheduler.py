@@ -69,7 +69,10 @@ class Scheduler:
                 budget -= n
                 self._mark_computing(seq, n, computing)
 
-        cached = {seq: len(self.blocks.cached_prefix(seq)) for seq in self.waiting}
+        # cached prefixes only order admissions; with every sequence slot taken none is admitted this step
+        # (short of pre-emption, which goes by priority), so skip looking up every waiting prompt
+        room = len(self.running) < self.config.max_num_seqs
+        cached = {seq: len(self.blocks.cached_prefix(seq)) for seq in self.waiting} if room else {}
         self.waiting.sort(key=lambda s: self._admission_order(s, now, cached.get(s, 0)))
         i = 0
         while i < len(self.waiting) and budget > 0:

@@ -86,3 +86,19 @@ def test_sliding_window_blocks_stay_bounded(tiny_models):
     assert seen["full"] >= 600 // 16  # full attention keeps everything
     assert seen["window"] <= math.ceil(64 / 16) + 1  # the ring: the window plus the block being filled
     assert window_pool.num_used == 0
+
+
+def test_waiting_prompts_are_not_looked_up_while_every_slot_is_taken(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=2)
+    for i, ids in enumerate(prompts(12, 40, 60)):
+        engine.add_request(Request(str(i), ids, greedy(6)))
+    lookups = []
+    cached_prefix = engine.blocks.cached_prefix
+    engine.blocks.cached_prefix = lambda seq: lookups.append(seq) or cached_prefix(seq)
+    engine.step()  # admits two; ten wait
+    lookups.clear()
+    engine.step()  # both slots taken: no admission, so no cache lookups for the waiting ten
+    assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 10
+    assert lookups == []
+    while engine.has_unfinished():
+        engine.step()
