@@ -55,7 +55,8 @@ def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> datetime:
 
     Polls five times a second: on a small machine the poll itself takes CPU from the service it measures.
     """
-    query = sa.select(sa.func.count()).where(Job.id.in_([uuid.UUID(i) for i in ids]), Job.status.in_(TERMINAL))
+    mine = Job.id.in_([uuid.UUID(i) for i in ids])
+    query = sa.select(sa.func.count()).where(mine, Job.status.in_(TERMINAL))
     deadline = time.monotonic() + timeout
     with tqdm(total=len(ids), desc="jobs", file=sys.stderr) as bar:
         while True:
@@ -64,8 +65,7 @@ def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> datetime:
             bar.update(done - bar.n)
             if done >= len(ids):
                 with engine.connect() as conn:
-                    return as_utc(conn.execute(sa.select(sa.func.max(Job.finished_at)).where(
-                        Job.id.in_([uuid.UUID(i) for i in ids]))).scalar_one())
+                    return as_utc(conn.execute(sa.select(sa.func.max(Job.finished_at)).where(mine)).scalar_one())
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{done}/{len(ids)} jobs finished within {timeout}s")
             time.sleep(0.2)

@@ -21,7 +21,7 @@ from jobs.batches import PENDING, settle_batch
 from jobs.publish import publish
 from jobs.schemas import BatchLineError, BatchOut, BatchStatus, JobStatus, RequestCounts
 from jobs.settings import Settings
-from jobs.tables import Batch, Job, Result, as_utc, utcnow
+from jobs.tables import Batch, Job, Result, as_utc, job_row, utcnow
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -70,19 +70,13 @@ def ingest(sessions: sessionmaker[Session], celery, settings: Settings, check: P
                     errors.append(LineError(p.line, p.custom_id, f"{problem[0]}: {problem[1]}"))
             errors.sort(key=lambda e: e.line)
             now = utcnow()
-            rows = [
-                dict(id=uuid.uuid4(), kind=p.job.kind, priority=p.job.priority, payload=p.job.model_dump(mode="json"),
-                     conversation_id=p.job.conversation_id, batch_id=batch_id, custom_id=p.custom_id,
-                     status=JobStatus.queued.value, attempts=0, created_at=now)
-                for p in parsed
-            ]
+            rows = [job_row(p.job, batch_id=batch_id, custom_id=p.custom_id) for p in parsed]
             batch.total, batch.line_errors = total, [e.as_dict() for e in errors]
             if not rows:
                 batch.status, batch.failed_at = BatchStatus.failed.value, now
             elif batch.status == BatchStatus.validating.value:
                 batch.status, batch.in_progress_at = BatchStatus.in_progress.value, now
-                # one Core statement for every row: the ORM's unit of work costs milliseconds per job here
-                session.execute(insert(Job.__table__), rows)
+                session.execute(insert(Job.__table__), rows)  # one statement run for every row
             else:  # cancelled while validating: record the lines, run nothing
                 batch.status, batch.cancelled_at = BatchStatus.cancelled.value, now
                 rows = []

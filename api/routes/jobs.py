@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from uuid import UUID, uuid4
+from uuid import UUID
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.deps import CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
 from jobs.publish import publish
 from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut
-from jobs.tables import Job, Result, Timing, utcnow
+from jobs.tables import Job, Result, Timing, job_row
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -29,19 +29,8 @@ def submit_job(
         field, message = problem
         loc = ["body", "messages"] if field == "messages" else ["body", "sampling", field]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": loc, "msg": message, "type": "value_error"}])
-    row = dict(
-        id=uuid4(),
-        kind=job_in.kind,
-        priority=job_in.priority,
-        payload=job_in.model_dump(mode="json"),
-        conversation_id=job_in.conversation_id,
-        idempotency_key=job_in.idempotency_key,
-        status=JobStatus.queued.value,
-        attempts=0,
-        created_at=utcnow(),
-    )
+    row = job_row(job_in)
     try:
-        # a Core insert: the ORM's unit of work would cost more than the rest of the request
         session.execute(insert(Job.__table__), row)
         session.commit()  # the row exists before any message does: a lost publish is recoverable
     except IntegrityError:
