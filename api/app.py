@@ -16,10 +16,10 @@ from api.limits import BodyLimit
 from api.prompt_check import PromptCheck
 from api.ratelimit import RateLimiter
 from api.routes import batches, health, jobs
-from jobs.db import make_engine, make_sessions
+from jobs.broker import create_celery
+from jobs.db import make_db_engine, make_sessions
 from jobs.publish import stamp_writer
 from jobs.settings import Settings, get_settings
-from worker.celery_app import create_celery
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.api_key_scopes:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
     check = PromptCheck(settings.model)
-    sessions = make_sessions(make_engine(settings.database_url))
+    sessions = make_sessions(make_db_engine(settings.database_url))
     stamps = stamp_writer(sessions)
 
     @asynccontextmanager

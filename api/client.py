@@ -52,9 +52,10 @@ class Client:
             if job.status in TERMINAL or remaining <= 0:
                 return job
 
-    def create_batch(self, data: bytes, name: str = "batch.jsonl", priority: int = 1,
+    def create_batch(self, data: bytes, name: str = "batch.jsonl", priority: int | None = None,
                      metadata: dict | None = None) -> BatchOut:
-        form = {"priority": str(priority)}
+        """`priority` None leaves it to the API (low: bulk work)."""
+        form = {} if priority is None else {"priority": str(priority)}
         if metadata is not None:
             form["metadata"] = json.dumps(metadata)
         response = self.http.post("/v1/batches", files={"file": (name, data, "application/jsonl")}, data=form)

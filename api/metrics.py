@@ -20,24 +20,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import SessionsDep, SettingsDep
-from jobs.queues import broker_priority
+from jobs.broker import UNACKED_KEY, queue_lists
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Batch, Job
-from worker.celery_app import transport_options
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["metrics"])
-
-PRIORITIES = range(10)
-UNACKED_KEY = "unacked"  # kombu's Redis transport: delivered, not yet acknowledged messages
-
-
-def priority_list(queue: str, priority: int, sep: str) -> str:
-    """The Redis list that holds `queue`'s messages of our `priority` (broker level 0 is the bare name)."""
-    level = broker_priority(priority)
-    return f"{queue}{sep}{level}" if level else queue
-
 
 class ServiceCollector(Collector):
     def __init__(self, settings: Settings, sessions: sessionmaker[Session]) -> None:
@@ -58,14 +47,13 @@ class ServiceCollector(Collector):
             return []
 
     def _read_broker(self) -> list[Metric]:
-        queues = [self.settings.interactive_queue, self.settings.bulk_queue]
-        sep = transport_options(self.settings)["sep"]
+        lists = queue_lists(self.settings)
         client = redis.Redis.from_url(self.settings.broker_url, socket_timeout=2, socket_connect_timeout=2)
         try:
             pipe = client.pipeline(transaction=False)
-            for queue in queues:
-                for priority in PRIORITIES:
-                    pipe.llen(priority_list(queue, priority, sep))
+            for names in lists.values():
+                for name in names:
+                    pipe.llen(name)
             pipe.hlen(UNACKED_KEY)
             *lengths, unacked = pipe.execute()
         finally:
@@ -73,8 +61,8 @@ class ServiceCollector(Collector):
         depth = GaugeMetricFamily("convoq_queue_messages", "Messages waiting in the broker, by queue and job "
                                   "priority (9 is the most urgent)", labels=["queue", "priority"])
         counts = iter(lengths)
-        for queue in queues:
-            for priority in PRIORITIES:
+        for queue, names in lists.items():
+            for priority in range(len(names)):
                 depth.add_metric([queue, str(priority)], next(counts))
         return [depth, GaugeMetricFamily("convoq_broker_unacked_messages",
                                          "Messages delivered to a worker and not yet acknowledged", value=unacked)]

@@ -1,4 +1,4 @@
-"""Refusing at the door what the model could never run: a chat prompt plus its output budget over the context.
+"""Refusing at the door what the model could never run (`jobs.chat.problem`).
 
 The API never loads a model, but the tokenizer and config are small: with them a prompt that would fail in
 the worker gets a 422 now and is never enqueued. If the model folder is not readable here (a hub id the API
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from engine.text import encode_chat
+from jobs.chat import problem
 from jobs.schemas import JobIn
 
 log = logging.getLogger(__name__)
@@ -42,15 +42,4 @@ class PromptCheck:
         self.load()
         if self.context is None:
             return None
-        max_new = job.sampling.max_new_tokens
-        if job.kind == "summarize":
-            # map-reduce needs room for at least two partial summaries in one prompt
-            if 3 * max_new > self.context:
-                return "max_new_tokens", (f"max_new_tokens {max_new} is too large to summarize with this model's "
-                                          f"context of {self.context} tokens (at most {self.context // 3})")
-            return None
-        prompt = len(encode_chat(self._tokenizer, [m.model_dump() for m in job.messages]))
-        if prompt + max_new > self.context:
-            return "messages", (f"the prompt has {prompt} tokens; with max_new_tokens {max_new} it exceeds the "
-                                f"model's context of {self.context} tokens")
-        return None
+        return problem(job, self._tokenizer, self.context)

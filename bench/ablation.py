@@ -24,11 +24,11 @@ import time
 import torch
 
 from bench.common import report, tiny_model
+from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.hf_backend import HFEngine
 from engine.interface import Request, SamplingParams, StepEngine
 from engine.llm_engine import LLMEngine
-from engine.tiny import SPECIAL_TOKENS
 
 CONFIGS = {
     "baseline (hf)": None,

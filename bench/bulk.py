@@ -29,10 +29,13 @@ from bench.common import report, tiny_model
 from cli.batch import follow
 from cli.demo import SAMPLES
 from cli.stack import Stack
-from jobs.migrate import upgrade
+from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, as_utc
+from migrations.apply import upgrade
+from worker.backend import load_backend
 from worker.bridge import Bridge
+from worker.summarize import summarize
 
 KEY = "bench-key"
 
@@ -68,14 +71,14 @@ def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple
 
 
 def through_engine(lines: list[dict], settings: Settings, model: Path, threads: int) -> tuple[float, int]:
-    bridge = Bridge.from_settings(settings.model_copy(update={"model": str(model)}))
-    payloads = [{"kind": "summarize", "priority": 1, "messages": x["transcript"],
-                 "sampling": {"max_new_tokens": x["max_new_tokens"]}} for x in lines]
+    bridge = Bridge(load_backend(settings.model_copy(update={"model": str(model)})))
+    jobs = [JobIn(kind="summarize", priority=1, messages=x["transcript"],
+                  sampling={"max_new_tokens": x["max_new_tokens"]}) for x in lines]
     try:
         start = time.monotonic()
         with ThreadPoolExecutor(threads) as pool, tqdm(total=len(lines), desc="engine", file=sys.stderr) as bar:
             outcomes = []
-            for outcome in pool.map(lambda a: bridge.run(*a), [(x["custom_id"], p) for x, p in zip(lines, payloads, strict=True)]):
+            for outcome in pool.map(lambda x, job: summarize(bridge, x["custom_id"], job), lines, jobs):
                 outcomes.append(outcome)
                 bar.update()
         elapsed = time.monotonic() - start

@@ -24,10 +24,10 @@ from tqdm import tqdm
 from api.client import Client
 from bench.common import report, tiny_model
 from cli.stack import Stack
-from jobs.migrate import upgrade
 from jobs.schemas import TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Result
+from migrations.apply import upgrade
 
 KEY = "bench-key"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.tiny import build_tiny_model
+from cli.tiny_model import build_tiny_model
 from jobs.settings import DATA_DIR
 
 

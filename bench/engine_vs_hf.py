@@ -2,7 +2,7 @@
 
     python -m bench.engine_vs_hf --json [--model tiny|0.6b] [--device cpu]
 
-The models are `engine.tiny` presets with random weights, built once into `.convoq/models/`. Every request
+The models are `cli.tiny_model` presets with random weights, built once into `.convoq/models/`. Every request
 ignores EOS, so both sides generate exactly the drawn number of tokens; tokens/s counts generated tokens over
 wall time from submission to the last completion. Progress goes to stderr; the last stdout line is JSON.
 """
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cli.tiny_model import SPECIAL_TOKENS, build_tiny_model
 from engine.config import EngineConfig
 from engine.hf_backend import HFEngine
 from engine.interface import Request, SamplingParams, StepEngine
 from engine.llm_engine import LLMEngine
-from engine.tiny import SPECIAL_TOKENS, build_tiny_model
 
 # model -> (requests, prompt length range, output length range)
 WORKLOADS = {"tiny": (64, (16, 512), (16, 128)), "0.6b": (32, (16, 256), (16, 128))}

@@ -41,10 +41,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
+from cli.tiny_model import build_tokenizer
 from engine.config import EngineConfig
 from engine.interface import Completion, Request, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.tiny import build_tokenizer
 
 QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
@@ -104,7 +104,7 @@ def random_weights(generator: torch.Generator) -> Iterator[tuple[str, torch.Tens
 
 
 def write_config(path: Path) -> None:
-    """config.json and the tokenizer files (engine.tiny's tokenizer; the model's vocab is larger, like `0.6b`)."""
+    """config.json and the tokenizer files (cli.tiny_model's tokenizer; the model's vocab is larger, like `0.6b`)."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     Qwen3Config(

@@ -27,10 +27,10 @@ from tqdm import tqdm
 from api.client import AsyncClient
 from bench.common import percentile, report, tiny_model
 from cli.stack import Stack
-from jobs.migrate import upgrade
 from jobs.schemas import TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Timing, as_utc
+from migrations.apply import upgrade
 
 KEY = "bench-key"
 

@@ -23,10 +23,10 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.common import report, tiny_model
+from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.tiny import SPECIAL_TOKENS
 
 CONVERSATIONS, TURNS, SYSTEM_TOKENS, IN_FLIGHT = 32, 10, 300, 4
 USER_TOKENS, REPLY_TOKENS = (8, 24), (8, 16)

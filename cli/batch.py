@@ -70,7 +70,7 @@ def _write(client: Client, batch_id: str, path: Path, errors: bool) -> int:
 def submit(
     file: Path,
     wait: Annotated[bool, typer.Option(help="follow progress until the batch settles")] = False,
-    priority: Annotated[int, typer.Option(min=0, max=9, help="0..9, 9 most urgent")] = 1,
+    priority: Annotated[int | None, typer.Option(min=0, max=9, help="0..9, 9 most urgent [default: the API's, low]")] = None,
     out: Annotated[Path | None, typer.Option(help="with --wait: write the output lines here")] = None,
     url: str = URL,
     api_key: str = KEY,

@@ -22,12 +22,12 @@ from api.client import Client
 from cli.batch import follow
 from cli.servers import RedisServer, ServerUnavailable, port_open
 from cli.stack import Stack
-from engine.tiny import build_tiny_model
-from jobs.db import make_engine
-from jobs.migrate import upgrade
+from cli.tiny_model import build_tiny_model
+from jobs.db import make_db_engine
 from jobs.schemas import JobIn
 from jobs.settings import DATA_DIR, Settings
 from jobs.tables import Job, Result, Timing, as_utc
+from migrations.apply import upgrade
 
 DEMO_KEY = "demo-key"
 SAMPLES = Path(__file__).parent / "samples" / "transcripts.jsonl"
@@ -87,8 +87,9 @@ def run_demo(max_new_tokens: int = 48) -> int:
             with Client(stack.api_url, key) as client:
                 start = time.monotonic()
                 upload = "\n".join(json.dumps(line) for line in lines).encode()
-                batch = client.create_batch(upload, name=SAMPLES.name, priority=1)
-                print(f"batch {batch.id}: {len(lines)} transcripts to summarize at priority 1 (bulk queue)")
+                batch = client.create_batch(upload, name=SAMPLES.name)
+                print(f"batch {batch.id}: {len(lines)} transcripts to summarize at priority {batch.priority} "
+                      "(bulk queue)")
                 while client.get_batch(batch.id).status == "validating":
                     time.sleep(0.05)
                 time.sleep(1.0)  # the batch's items are in the engine now
@@ -115,7 +116,7 @@ def run_demo(max_new_tokens: int = 48) -> int:
 
 def batch_jobs(database_url: str, batch_id) -> list[dict]:
     """Every job of the batch with its result and timings, read straight from the database."""
-    engine = make_engine(database_url)
+    engine = make_db_engine(database_url)
     query = (
         select(Job.custom_id, Job.status, Job.error, Job.finished_at, Result.chunks, Result.levels,
                Result.prompt_tokens, Result.completion_tokens, Timing.queue_wait_ms, Timing.ttft_ms,

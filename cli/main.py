@@ -31,10 +31,10 @@ def worker(
     loglevel: str = "info",
 ) -> None:
     """Run a worker: one engine on this process's device, fed by many Celery threads."""
-    from worker.celery_app import app as celery
+    from worker.tasks import worker_app
 
     settings = get_settings()
-    celery.worker_main([
+    worker_app(settings).worker_main([
         "worker",
         "--pool=threads",
         f"--concurrency={concurrency or settings.worker_concurrency}",
@@ -51,9 +51,10 @@ def worker(
 @app.command()
 def flower(port: Annotated[int | None, typer.Option()] = None) -> None:
     """Run Flower on our Celery app, behind basic auth from CONVOQ_FLOWER_USER / CONVOQ_FLOWER_PASSWORD."""
-    from worker.celery_app import app as celery
+    from jobs.broker import create_celery
 
     settings = get_settings()
+    celery = create_celery(settings)
     if not settings.flower_password.get_secret_value():
         typer.echo("set CONVOQ_FLOWER_PASSWORD (and CONVOQ_FLOWER_USER): Flower shows every job", err=True)
         raise typer.Exit(2)
@@ -67,7 +68,7 @@ def flower(port: Annotated[int | None, typer.Option()] = None) -> None:
 @app.command()
 def migrate(revision: str = "head", down: bool = False) -> None:
     """Bring the database schema to `revision` (alembic upgrade head), or down to it with --down."""
-    from jobs.migrate import downgrade, upgrade
+    from migrations.apply import downgrade, upgrade
 
     url = get_settings().database_url
     (downgrade if down else upgrade)(url, "base" if down and revision == "head" else revision)
@@ -77,12 +78,12 @@ def migrate(revision: str = "head", down: bool = False) -> None:
 @app.command()
 def reconcile() -> None:
     """One sweep of the reconciler: hand back dead workers' jobs, publish stranded queued ones."""
-    from jobs.db import make_engine, make_sessions
-    from worker.celery_app import create_celery
+    from jobs.broker import create_celery
+    from jobs.db import make_db_engine, make_sessions
     from worker.reconciler import reconcile as sweep
 
     settings = get_settings()
-    typer.echo(json.dumps(sweep(make_sessions(make_engine(settings.database_url)), create_celery(settings), settings)))
+    typer.echo(json.dumps(sweep(make_sessions(make_db_engine(settings.database_url)), create_celery(settings), settings)))
 
 
 @app.command()
@@ -112,17 +113,13 @@ def tune(
 ) -> None:
     """Sweep the engine's batch limits on real jobs; print throughput, latency, memory and the settings to use."""
     from cli.tune import recommend, sample_from_database, sample_from_file, sweep
-    from engine.config import EngineConfig
-    from worker.bridge import resolve_device
 
     settings = get_settings()
-    payloads = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url, sample)
-    if not payloads:
+    sampled = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url, sample)
+    if not sampled:
         typer.echo("no jobs to replay: pass --jobs FILE or run some jobs first", err=True)
         raise typer.Exit(2)
-    base = EngineConfig(model=settings.model, device=resolve_device(settings.device), dtype=settings.dtype,
-                        kv_cache_memory=settings.kv_cache_memory, kv_cache_dtype=settings.kv_cache_dtype)
-    trials = sweep(base, payloads, [int(x) for x in seqs.split(",")], [int(x) for x in tokens.split(",")])
+    trials = sweep(settings, sampled, [int(x) for x in seqs.split(",")], [int(x) for x in tokens.split(",")])
     typer.echo(f"{'max_num_seqs':>12} {'max_tokens':>10} {'tok/s':>9} {'p50 s':>7} {'p95 s':>7} {'peak KV':>8}")
     for t in trials:
         typer.echo(f"{t.max_num_seqs:>12} {t.max_num_batched_tokens:>10} {t.tok_s:>9.1f} {t.latency_p50_s:>7.2f} "
@@ -139,7 +136,7 @@ def tune(
 @app.command("tiny-model")
 def tiny_model(path: Path, preset: str = "tiny", seed: int = 0) -> None:
     """Write a small random Qwen3 checkpoint folder (loads like a real Qwen/Qwen3-* folder)."""
-    from engine.tiny import build_tiny_model
+    from cli.tiny_model import build_tiny_model
 
     typer.echo(str(build_tiny_model(path, preset=preset, seed=seed)))
 
@@ -150,8 +147,8 @@ def submit(
     url: str = "http://127.0.0.1:8000",
     api_key: Annotated[str, typer.Option(envvar="CONVOQ_API_KEY")] = "",
     kind: str = "chat",
-    priority: int = 5,
-    max_new_tokens: int = 64,
+    priority: Annotated[int | None, typer.Option(help="0..9, 9 most urgent [default: the API's]")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="[default: the API's]")] = None,
     wait: Annotated[float, typer.Option(help="seconds to wait for the result")] = 60.0,
 ) -> None:
     """Submit one job over the HTTP API and print it as JSON once it finishes."""
@@ -159,8 +156,10 @@ def submit(
     from jobs.schemas import JobIn
 
     try:
-        job = JobIn(messages=[{"role": "user", "content": text}], kind=kind, priority=priority,
-                    sampling={"max_new_tokens": max_new_tokens})
+        given = {} if priority is None else {"priority": priority}
+        if max_new_tokens is not None:
+            given["sampling"] = {"max_new_tokens": max_new_tokens}
+        job = JobIn.model_validate({"messages": [{"role": "user", "content": text}], "kind": kind, **given})
     except ValueError as exc:
         typer.echo(f"invalid job: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobs.db import make_engine, make_sessions
+from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobStatus
 from jobs.tables import Job, Result, Timing, as_utc
 
@@ -292,7 +292,7 @@ def render(statuses: dict[str, int], jobs: Finished, since: datetime, now: datet
 
 def write_report(database_url: str, since: datetime, out: Path) -> Path:
     now = datetime.now(UTC)
-    engine = make_engine(database_url, pool_size=1)
+    engine = make_db_engine(database_url, pool_size=1)
     try:
         with make_sessions(engine)() as session:
             statuses, jobs = load(session, since)

@@ -1,41 +1,23 @@
-"""What the attention layers of one step need to reach the paged KV cache, and which kernels run the model.
+"""What the attention layers of one step need to reach the paged KV cache.
 
 Kernels follow the layout of `kernels.attention_ref` (its docstring is the contract). A step's sequences are
 laid out decodes first, then prefill chunks; each run goes to the backend in its own call, so decodes take the
 backend's batched single-query path instead of the general one. On CPU the plain-PyTorch ops of
-`engine.torch_ops` stand in for the references (except attention over fp8 caches, which only the references
+`kernels.torch_ops` stand in for the references (except attention over fp8 caches, which only the references
 dequantize), and decodes may read `DenseDecodeKV` rows. Each layer attends with its own `AttentionPolicy`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from engine import torch_ops
 from engine.dense_decode import DenseDecodeKV
 from engine.kv_cache import KVCache
-from kernels.dispatch import Ops, get_ops, triton_ops
+from kernels.dispatch import Ops
 from kernels.sparse import AttentionPolicy
-
-
-def select_ops(backend: str, device: torch.device, head_dim: int, scaled_kv: bool = False) -> Ops:
-    """The kernels for `EngineConfig.attention_backend` ("auto": Triton on CUDA when the shapes allow).
-    "triton" is honoured on any device: CPU tensors run in Triton's interpreter (tests)."""
-    if backend == "triton":
-        return triton_ops()
-    # the Triton attention kernels take power-of-two head dims of at least 16
-    triton_shapes = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-    ops = get_ops(device, force_reference=backend == "torch" or not triton_shapes)
-    if ops.backend == "triton":
-        return ops
-    fast = replace(ops, backend="torch", rms_norm=torch_ops.rms_norm, add_rms_norm=torch_ops.add_rms_norm,
-                   qk_norm_rope=torch_ops.qk_norm_rope)
-    if scaled_kv:  # the fast CPU attention reads unscaled caches only; the references dequantize fp8
-        return fast
-    return replace(fast, paged_attention=torch_ops.paged_attention, store_kv=torch_ops.store_kv)
 
 
 class LayerSlot(NamedTuple):

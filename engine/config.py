@@ -7,8 +7,25 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention_policy import parse_policy
-from engine.hf_backend import load_dtype
-from kernels.kv_store import kv_cache_dtype
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def model_dtype(name: str, device: str) -> torch.dtype:
+    """The weights' dtype for a `dtype` option: "auto" is bf16 on CUDA, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[name]
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype for a `kv_cache_dtype` option: "auto" keeps the model's dtype."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; expected 'auto' or one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 @dataclass
@@ -60,7 +77,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return load_dtype(self.dtype, self.device)
+        return model_dtype(self.dtype, self.device)
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ import torch
 from engine.block_manager import GROWTH, table_tensor
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence
-from engine.torch_ops import decode_attention, gather_blocks
+from kernels.torch_ops import decode_attention, gather_blocks
 
 LENGTH_ALIGN = 64
 

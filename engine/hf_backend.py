@@ -14,6 +14,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
+from engine.config import model_dtype
 from engine.interface import Completion, Request, RequestError, Timings
 from engine.text import finish_text
 
@@ -30,17 +31,11 @@ class _Clock(LogitsProcessor):
         return scores
 
 
-def load_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class HFEngine:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 16):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype(dtype, device))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_dtype(dtype, device))
         self.model.to(device).eval()
         self.device = device
         self.max_batch_size = max_batch_size

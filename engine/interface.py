@@ -1,6 +1,6 @@
 """What a backend takes in and gives back: the contract between the worker and any engine.
 
-Both backends (the `hf` reference and our own `LLMEngine`) implement `StepEngine`; `engine.runner.Runner`
+Both backends (the `hf` reference and our own `LLMEngine`) implement `StepEngine`; `engine.engine_thread.EngineThread`
 wraps either in the one thread that owns the model and hands out futures.
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
@@ -26,7 +26,7 @@ class SamplingParams:
 class Request:
     request_id: str
     prompt_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams
     priority: int = 0  # 0..9, 9 is the most urgent
     conversation_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
@@ -68,7 +68,7 @@ class RequestError(ValueError):
 
 
 class StepEngine(Protocol):
-    """A model plus its scheduler, driven from a single thread (see `engine.runner.Runner`)."""
+    """A model plus its scheduler, driven from a single thread (see `engine.engine_thread.EngineThread`)."""
 
     tokenizer: object
     max_model_len: int

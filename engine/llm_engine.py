@@ -8,22 +8,22 @@ from collections.abc import Iterable
 import torch
 from transformers import AutoTokenizer
 
-from engine.attention import LayerSlot, select_ops
-from engine.attention_policy import layer_policies, parse_policy, ring_window
-from engine.block_manager import BlockManager, BlockPool, blocks_per_seq
+from engine.block_manager import BlockManager, BlockPool
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.dense_decode import DenseDecodeKV
 from engine.host_cache import HostCache
 from engine.interface import Completion, Request, RequestError
 from engine.kv_cache import KVCache
+from engine.kv_plan import plan_kv
 from engine.loader import load_model, read_eos_ids, read_shape
-from engine.memory import kv_budget, split_budget, weights_bytes
+from engine.memory import weights_bytes
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.text import cut_at_stop, finish_text
+from kernels.dispatch import select_ops
 
 
 class LLMEngine:
@@ -41,55 +41,40 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
         self.eos_ids = read_eos_ids(config.model)
 
-        # one KV pool per attention kind: full attention (window 0) and each ring-recycled sliding window in use
-        policies = layer_policies(shape.windows, parse_policy(config.attention_policy))
-        rings = [ring_window(p) for p in policies]
-        self.windows = sorted(set(rings))
-        layers = [rings.count(w) for w in self.windows]
-        layer_slots = [LayerSlot(self.windows.index(w), rings[:i].count(w), p)
-                       for i, (w, p) in enumerate(zip(rings, policies, strict=True))]
-        self.kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * cache_dtype.itemsize
-        block_bytes = [n * self.kv_bytes_per_token // shape.num_layers * config.block_size for n in layers]
-        self.chunk = min(config.prefill_chunk_size, config.max_num_batched_tokens)
-        per_seq = blocks_per_seq(self.windows, config.block_size, self.max_model_len, self.chunk)
-        self.kv_budget_bytes = kv_budget(config.kv_cache_memory, self.device)
-        max_blocks = split_budget(self.kv_budget_bytes, layers, block_bytes, [b * config.max_num_seqs for b in per_seq])
-        if min(max_blocks) < 2:
-            raise ValueError(f"a KV budget of {self.kv_budget_bytes} bytes does not hold even two blocks per pool")
+        self.plan = plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
+        self.windows = plan.windows
         caches = [
             KVCache(n, min(config.initial_blocks, m), config.block_size, shape.num_kv_heads, shape.head_dim,
                     cache_dtype, self.device)
-            for n, m in zip(layers, max_blocks, strict=True)
+            for n, m in zip(plan.layers, plan.max_blocks, strict=True)
         ]
         prefix = None
-        if config.enable_prefix_cache and self.windows == [0]:
+        if config.enable_prefix_cache and plan.windows == [0]:
             host_blocks = config.host_cache_memory // caches[0].bytes_per_block
             prefix = PrefixCache(HostCache(caches[0], host_blocks) if host_blocks > 0 else None)
         pools = [BlockPool(c, m, prefix if i == 0 else None)
-                 for i, (c, m) in enumerate(zip(caches, max_blocks, strict=True))]
-        self.blocks = BlockManager(pools,
-                                   self.windows, config.block_size)
+                 for i, (c, m) in enumerate(zip(caches, plan.max_blocks, strict=True))]
+        self.blocks = BlockManager(pools, plan.windows, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
         graphs = None
         # the Triton decode path syncs with the host only to plan windowed tiles
-        dense_only = all(p.window == 0 for p in policies)
-        if self.device.type == "cuda" and config.cuda_graphs and ops.backend == "triton" and dense_only:
-            graphs = DecodeGraphs(self.model, ops, caches, layer_slots, config.max_num_seqs, per_seq)
+        if self.device.type == "cuda" and config.cuda_graphs and ops.backend == "triton" and plan.dense_only:
+            per_seq = plan.blocks_per_seq(config.block_size, self.max_model_len)
+            graphs = DecodeGraphs(self.model, ops, caches, plan.layer_slots, config.max_num_seqs, per_seq)
         dense = None
         # the dense rows stand in for the fast CPU ops' attention over a full-attention pool of plain, unscaled K/V
-        full_dense = 0 in self.windows and all(p.window == 0 for p, w in zip(policies, rings, strict=True) if w == 0)
+        full_dense = 0 in plan.windows and all(s.policy.window == 0 for s in plan.layer_slots
+                                               if plan.windows[s.pool] == 0)
         if self.device.type == "cpu" and ops.backend == "torch" and config.dense_decode and full_dense and not fp8:
-            full = self.windows.index(0)
-            dense = DenseDecodeKV(caches[full], full, max_blocks[full] * block_bytes[full], self.max_model_len)
-        self.runner = ModelRunner(self.model, caches, layer_slots, ops, config.block_size, graphs, dense)
+            full = plan.windows.index(0)
+            dense = DenseDecodeKV(caches[full], full, plan.max_blocks[full] * plan.block_bytes[full],
+                                  self.max_model_len)
+        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, dense)
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
         self._tokens_generated = 0
         self._tokens_computed = 0
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        return cls(config)
+        self._peak_blocks = 0  # most KV blocks in use after any step's scheduling
 
     def add_request(self, request: Request) -> None:
         n, p = len(request.prompt_ids), request.sampling
@@ -102,7 +87,7 @@ class LLMEngine:
         if p.max_new_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
             raise RequestError(f"invalid sampling parameters {p}")
         longest = min(n + p.max_new_tokens, self.max_model_len)
-        needed = blocks_per_seq(self.windows, self.config.block_size, longest, self.chunk)
+        needed = self.plan.blocks_per_seq(self.config.block_size, longest)
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
@@ -126,6 +111,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(start)
         if not batch:
             return []
+        self._peak_blocks = max(self._peak_blocks, sum(p.num_used for p in self.blocks.pools))
         sampled = self.runner.run(batch)
         end = time.monotonic()
         self._steps += 1
@@ -172,6 +158,7 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": total,
             "kv_blocks_used": used,
+            "kv_blocks_peak": self._peak_blocks,
             "kv_blocks_max": ceiling,
             "kv_usage": used / ceiling,  # of the memory budget, not of what is allocated so far
             "preemptions": self.scheduler.num_preemptions,
@@ -205,12 +192,12 @@ class LLMEngine:
         """Where the memory goes, and how much work fits in the KV budget."""
         pools = self.blocks.pools
         block_bytes = [p.cache.bytes_per_block for p in pools]
-        per_seq_at_max = blocks_per_seq(self.windows, self.config.block_size, self.max_model_len, self.chunk)
+        per_seq_at_max = self.plan.blocks_per_seq(self.config.block_size, self.max_model_len)
         full = [p.max_blocks for p, w in zip(pools, self.windows, strict=True) if w == 0]
         return {
             "weights_bytes": weights_bytes(self.model),
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "kv_budget_bytes": self.kv_budget_bytes,
+            "kv_bytes_per_token": self.plan.kv_bytes_per_token,
+            "kv_budget_bytes": self.plan.budget_bytes,
             "block_size": self.config.block_size,
             "pool_blocks": sum(p.capacity for p in pools),
             "pool_blocks_used": sum(p.num_used for p in pools),

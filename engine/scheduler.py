@@ -41,9 +41,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in [*self.waiting, *self.running] if s.request_id == request_id), None)
-
     def finish(self, seq: Sequence) -> None:
         """Take `seq` out wherever it is and give its blocks back at once."""
         (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)

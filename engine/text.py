@@ -1,19 +1,8 @@
-"""Text in and out of token ids: chat templates, decoding, stop strings."""
+"""Generated token ids to text: decoding, EOS and stop strings."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-
-def encode_chat(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Token ids of a chat, ending with the assistant's turn opener (the model's chat template)."""
-    enc = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
-        add_generation_prompt=True,
-        tokenize=True,
-    )
-    # transformers 5 returns a BatchEncoding, older versions a plain list
-    return list(enc["input_ids"] if isinstance(enc, Mapping) else enc)
+from collections.abc import Sequence
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:

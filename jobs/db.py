@@ -7,7 +7,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def make_engine(url: str, pool_size: int = 16, pre_ping: bool = True) -> Engine:
+def make_db_engine(url: str, pool_size: int = 16, pre_ping: bool = True) -> Engine:
     """`pre_ping` costs a round trip per checkout; callers that retry on a dropped connection turn it off."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})

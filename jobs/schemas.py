@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 200_000
 MAX_NEW_TOKENS = 4096
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_PRIORITY = 5  # a job submitted on its own
+DEFAULT_BATCH_PRIORITY = 1  # bulk work: low, so that chats overtake it
 
 
 class JobStatus(enum.StrEnum):
@@ -38,7 +41,7 @@ class Message(Strict):
 
 
 class Sampling(Strict):
-    max_new_tokens: int = Field(256, ge=1, le=MAX_NEW_TOKENS)
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1000, description="0 means off")
@@ -52,7 +55,7 @@ Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^
 class JobIn(Strict):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     kind: Literal["chat", "summarize"] = "chat"
-    priority: int = Field(5, ge=0, le=9, description="0..9, 9 is the most urgent")
+    priority: int = Field(DEFAULT_PRIORITY, ge=0, le=9, description="0..9, 9 is the most urgent")
     conversation_id: Key | None = None
     idempotency_key: Key | None = None
     sampling: Sampling = Field(default_factory=Sampling)

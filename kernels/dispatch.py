@@ -1,22 +1,24 @@
-"""The one place that picks the kernels: Triton for CUDA tensors, the PyTorch references elsewhere.
+"""The one place that picks the kernels: Triton on CUDA, fast plain-PyTorch ops on CPU, or the references.
 
-The engine asks once, `ops = get_ops(device)`, then calls `ops.paged_attention(...)`, `ops.store_kv(...)`,
-`ops.rms_norm(...)`, `ops.add_rms_norm(...)`, `ops.qk_norm_rope(...)` and `ops.swiglu(...)`; both backends take
-the same arguments and give the same results. Importing this module imports no Triton: ask for the ops at run
-time, not at import time, since Triton's interpreter mode (tests) is fixed when Triton is first imported.
+The engine asks once, `ops = select_ops(backend, device, head_dim)`, then calls `ops.paged_attention(...)`,
+`ops.store_kv(...)`, `ops.rms_norm(...)`, `ops.add_rms_norm(...)`, `ops.qk_norm_rope(...)` and `ops.swiglu(...)`;
+every set takes the same arguments and gives the same results. Three sets exist: the Triton kernels, their
+PyTorch references (the readable ground truth) and `kernels.torch_ops` (the references organised for speed,
+for CPUs). Importing this module imports no Triton: ask for the ops at run time, not at import time, since
+Triton's interpreter mode (tests) is fixed when Triton is first imported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 
 @dataclass(frozen=True)
 class Ops:
-    backend: str  # "triton" or "reference"
+    backend: str  # "triton", "reference" or "torch"
     paged_attention: Callable[..., torch.Tensor]
     store_kv: Callable[..., None]
     rms_norm: Callable[..., torch.Tensor]
@@ -60,3 +62,23 @@ def get_ops(device: torch.device | str, force_reference: bool = False) -> Ops:
     if torch.device(device).type == "cuda" and not force_reference:
         return triton_ops()
     return reference_ops()
+
+
+def select_ops(backend: str, device: torch.device | str, head_dim: int, scaled_kv: bool = False) -> Ops:
+    """The kernels for an engine's `attention_backend`: "auto" takes Triton on CUDA when the shapes allow and
+    `torch_ops` elsewhere, "torch" forces `torch_ops`, "triton" forces Triton on any device (CPU tensors run in
+    Triton's interpreter: tests). `scaled_kv`: the K/V cache is fp8 with per-head scales."""
+    if backend == "triton":
+        return triton_ops()
+    # the Triton attention kernels take power-of-two head dims of at least 16
+    triton_shapes = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    ops = get_ops(device, force_reference=backend == "torch" or not triton_shapes)
+    if ops.backend == "triton":
+        return ops
+    from kernels import torch_ops
+
+    fast = replace(ops, backend="torch", rms_norm=torch_ops.rms_norm, add_rms_norm=torch_ops.add_rms_norm,
+                   qk_norm_rope=torch_ops.qk_norm_rope)
+    if scaled_kv:  # the fast CPU attention reads unscaled caches only; the references dequantize fp8
+        return fast
+    return replace(fast, paged_attention=torch_ops.paged_attention, store_kv=torch_ops.store_kv)

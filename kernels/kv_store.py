@@ -1,4 +1,4 @@
-"""Writing new K/V into the paged cache (Triton; reference `attention_ref.store_kv_ref`), and the cache dtypes.
+"""Writing new K/V into the paged cache (Triton; reference `attention_ref.store_kv_ref`).
 
 An fp8 e4m3 cache stores each value divided by its KV head's scale (`[num_kv_heads]` float32 per layer), which
 the attention kernels multiply back in; a bf16/fp16/fp32 cache stores values as they are.
@@ -9,17 +9,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-
-
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache dtype for a `kv_cache_dtype` option: "auto" keeps the model's dtype."""
-    if name == "auto":
-        return model_dtype
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}; expected 'auto' or one of {sorted(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[name]
 
 
 @triton.jit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from jobs.db import make_engine
+from jobs.db import make_db_engine
 from jobs.settings import get_settings
 from jobs.tables import Base
 
@@ -19,7 +19,7 @@ def run_offline() -> None:
 
 
 def run_online() -> None:
-    engine = make_engine(url)
+    engine = make_db_engine(url)
     with engine.connect() as connection:
         # SQLite alters tables by copying them: batch mode makes the same migrations work there
         context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True)

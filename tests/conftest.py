@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny import build_tiny_model
+from cli.tiny_model import build_tiny_model
 
 API_KEY = "test-key"
 
@@ -85,7 +85,7 @@ def empty_database(postgres_url) -> str:
 @pytest.fixture
 def database(empty_database) -> str:
     """A freshly migrated database of its own for this test."""
-    from jobs.migrate import upgrade
+    from migrations.apply import upgrade
 
     upgrade(empty_database)
     return empty_database

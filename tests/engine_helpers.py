@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Completion, Request, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.tiny import SPECIAL_TOKENS
 
 
 def make_engine(path: Path, **overrides) -> LLMEngine:

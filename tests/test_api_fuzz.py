@@ -45,7 +45,7 @@ bodies = jobs.map(lambda j: json.dumps(j).encode()) | json_values.map(lambda v: 
 
 @pytest.fixture(scope="module")
 def client(tiny_models, postgres_url, redis_url, tmp_path_factory):
-    from jobs.migrate import upgrade
+    from migrations.apply import upgrade
     from tests.conftest import _new_database
 
     database = _new_database(postgres_url)
@@ -79,7 +79,7 @@ def test_post_batches_never_5xx(client, upload, priority):
 
 
 def test_every_v1_route_refuses_missing_wrong_and_wrong_scope_keys(tiny_models, postgres_url, redis_url):
-    from jobs.migrate import upgrade
+    from migrations.apply import upgrade
     from tests.conftest import _new_database
 
     database = _new_database(postgres_url)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.engine_thread import EngineThread
 from engine.interface import Request, RequestError, SamplingParams
-from engine.runner import Runner
 from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
 
 PROMPTS = prompts(24, 5, 400, seed=3)
@@ -119,16 +119,16 @@ def test_eos_ends_a_request_unless_ignored(tiny_model):
 def test_requests_that_can_never_run(tiny_model):
     engine = make_engine(tiny_model)
     with pytest.raises(RequestError, match="context"):
-        engine.add_request(Request("long", [5] * engine.max_model_len))
+        engine.add_request(Request("long", [5] * engine.max_model_len, greedy(1)))
     with pytest.raises(RequestError, match="empty"):
-        engine.add_request(Request("empty", []))
+        engine.add_request(Request("empty", [], greedy(1)))
     small = make_engine(tiny_model, kv_cache_memory=8 * kv_block_bytes(tiny_model))
     with pytest.raises(RequestError, match="KV blocks"):
         small.add_request(Request("big", [5] * 200, greedy(10)))
-    # through the runner the failure is that request's completion, and the engine keeps serving
-    runner = Runner(engine)
+    # through the engine thread the failure is that request's completion, and the engine keeps serving
+    runner = EngineThread(engine)
     try:
-        failed = runner.submit(Request("long", [5] * 2000)).result(60)
+        failed = runner.submit(Request("long", [5] * 2000, greedy(1))).result(60)
         ok = runner.submit(Request("ok", [5] * 10, greedy(3))).result(60)
     finally:
         runner.close()

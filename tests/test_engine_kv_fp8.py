@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from engine.config import kv_cache_dtype
 from engine.interface import Request
 from engine.llm_engine import LLMEngine
 from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (autouse)
@@ -54,3 +55,8 @@ def test_fp8_halves_kv_bytes_of_bf16(tiny_models):
 def test_unknown_kv_cache_dtype_is_refused(tiny_model):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_engine(tiny_model, kv_cache_dtype="int4")
+
+
+def test_kv_cache_dtype_option():
+    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert kv_cache_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn

@@ -25,7 +25,7 @@ def test_packed_forward_logits_match_transformers(tiny_models, preset):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # three sequences packed into one forward; the longest crosses the sliding window (64) twice over
     for i, ids in enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]):
-        engine.add_request(Request(str(i), ids))
+        engine.add_request(Request(str(i), ids, greedy(1)))
     step = engine.runner.pack(engine.scheduler.schedule(time.monotonic()))
     assert len(step.seqs) == 4 and step.num_decodes == 0
     logits = engine.model.compute_logits(engine.runner.forward(step))

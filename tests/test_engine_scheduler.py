@@ -20,7 +20,7 @@ def test_pool_too_small_for_everything_at_once(tiny_model):
     def check(engine) -> None:
         stats = engine.stats()
         assert stats["kv_blocks_used"] <= stats["kv_blocks_total"] <= budget_blocks
-        assert engine.memory_report()["pool_bytes"] <= engine.kv_budget_bytes
+        assert engine.memory_report()["pool_bytes"] <= engine.plan.budget_bytes
         if pool.capacity != capacities[-1]:
             capacities.append(pool.capacity)
 

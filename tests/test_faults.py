@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from api.client import Client
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
-from jobs.migrate import upgrade
 from jobs.schemas import JobIn
+from migrations.apply import upgrade
 from tests.conftest import API_KEY
 
 pytestmark = pytest.mark.slow

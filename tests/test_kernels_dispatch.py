@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention, kv_store, qk_norm_rope, rms_norm, swiglu
-from kernels.dispatch import get_ops, reference_ops, triton_ops
+from kernels import attention, kv_store, qk_norm_rope, rms_norm, swiglu, torch_ops
+from kernels.attention_ref import paged_attention_ref
+from kernels.dispatch import get_ops, reference_ops, select_ops, triton_ops
 from kernels.qk_norm_rope import rope_tables
 from tests.test_kernels_support import assert_close, interpret_kernels
 
@@ -16,6 +17,16 @@ interpreted_kernels = interpret_kernels(attention, kv_store, rms_norm, qk_norm_r
 def test_cpu_and_forced_reference_get_the_reference():
     assert get_ops("cpu").backend == "reference"
     assert get_ops(torch.device("cuda"), force_reference=True).backend == "reference"
+
+
+def test_engine_backends_choose_their_ops_in_one_place():
+    fast = select_ops("auto", "cpu", head_dim=32)
+    assert fast.backend == "torch" and fast.paged_attention is torch_ops.paged_attention
+    # fp8 caches need dequantizing attention: the reference's, with the fast norms
+    fp8 = select_ops("torch", "cpu", head_dim=32, scaled_kv=True)
+    assert fp8.paged_attention is paged_attention_ref and fp8.rms_norm is torch_ops.rms_norm
+    assert select_ops("auto", "cuda", head_dim=48).backend == "torch"  # no Triton kernel for this head size
+    assert select_ops("triton", "cpu", head_dim=32).backend == "triton"
 
 
 def _step(ops, caches, k_new, v_new, q, slots, cu, lens, tables, window):

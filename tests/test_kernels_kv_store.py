@@ -56,9 +56,3 @@ def test_fp8_cache_with_per_head_scales():
     _assert_same(v_cache, v_ref)
     assert k_cache.view(-1, kv_heads, head_dim)[3, 1, 2].float() == 448.0
 
-
-def test_kv_cache_dtype_option():
-    assert kv_store.kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
-    assert kv_store.kv_cache_dtype("fp8", torch.bfloat16) == FP8
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        kv_store.kv_cache_dtype("int4", torch.bfloat16)

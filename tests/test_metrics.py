@@ -17,12 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from api.metrics import ServiceCollector
 from engine.interface import Completion, Timings
-from jobs.db import make_engine, make_sessions
+from jobs.db import make_db_engine, make_sessions
+from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import utcnow
 from tests.conftest import API_KEY
 from worker.metrics import EngineCollector, WorkerMetrics
-from worker.payload import Outcome
+from worker.outcome import Outcome
 from worker.results import Claimed, Stored, finished_status, timing_row
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -81,13 +82,14 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
 
 def test_database_metrics_survive_an_unreachable_broker(settings):
     down = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
-    names = {m.name for m in ServiceCollector(down, make_sessions(make_engine(down.database_url))).collect()}
+    names = {m.name for m in ServiceCollector(down, make_sessions(make_db_engine(down.database_url))).collect()}
     assert names == {"convoq_jobs", "convoq_batches"}
 
 
 def outcome(finish_reason: str = "stop") -> tuple[Claimed, Outcome]:
     created = utcnow() - timedelta(seconds=3)
-    claimed = Claimed(uuid.uuid4(), {"priority": 7, "kind": "chat"}, created, created + timedelta(seconds=2), None, 1)
+    job = JobIn(messages=[{"role": "user", "content": "hi"}], priority=7)
+    claimed = Claimed(uuid.uuid4(), job, created, created + timedelta(seconds=2), None, 1)
     timings = Timings(queue_wait_ms=100, ttft_ms=250, prefill_ms=150, decode_ms=400, prompt_tokens_reused=32,
                       host_tokens_reused=16, batch_size=5, batch_id=3)
     return claimed, Outcome(Completion("r", [1, 2, 3, 4], "text", 64, finish_reason, timings=timings), engine_ms=700)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from jobs.migrate import downgrade, upgrade
 from jobs.tables import Base
+from migrations.apply import downgrade, upgrade
 
 
 @pytest.fixture(params=["postgres", "sqlite"])

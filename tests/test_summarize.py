@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.chat import chat_for
+from jobs.schemas import JobIn, Message
 from jobs.settings import Settings
-from worker.bridge import Bridge, load_backend
-from worker.prompts import chat_for
-from worker.summarize import plan_chunks, split_turn
+from worker.backend import load_backend
+from worker.bridge import Bridge
+from worker.summarize import plan_chunks, split_turn, summarize
 
 
 @pytest.fixture(scope="module", params=["engine", "hf"])
@@ -17,45 +19,47 @@ def bridge(request, tiny_model):
     b.close()
 
 
-def transcript(turns: int) -> list[dict]:
+def transcript(turns: int) -> list[Message]:
     lines = [
         "My router keeps dropping the connection every evening around eight, and I work from home.",
         "I'm sorry about that. Let's check the line: could you read me the light pattern on the front?",
         "The power light is green, the internet light blinks orange, then goes green after a minute.",
         "Thanks. I see three resyncs yesterday. I'll reset the port and send a replacement filter.",
     ]
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"({i}) {lines[i % 4]}"} for i in range(turns)]
+    return [Message(role="user" if i % 2 == 0 else "assistant", content=f"({i}) {lines[i % 4]}") for i in range(turns)]
+
+
+def summary_job(turns: list[Message], max_new_tokens: int) -> JobIn:
+    return JobIn(kind="summarize", priority=1, messages=turns, sampling={"max_new_tokens": max_new_tokens})
 
 
 def spy_prompts(bridge: Bridge) -> list[int]:
     """Record the prompt length of every request the bridge sends to the engine."""
     lengths: list[int] = []
-    submit = bridge.runner.submit
+    submit = bridge.thread.submit
 
     def recording(request):
         lengths.append(len(request.prompt_ids))
         return submit(request)
 
-    bridge.runner.submit = recording
+    bridge.thread.submit = recording
     return lengths
 
 
 def test_short_transcript_is_one_request(bridge):
     lengths = spy_prompts(bridge)
-    payload = {"kind": "summarize", "priority": 1, "messages": transcript(6), "sampling": {"max_new_tokens": 16}}
-    outcome = bridge.run("short", payload)
+    outcome = summarize(bridge, "short", summary_job(transcript(6), 16))
     assert outcome.completion.ok and outcome.completion.text
     assert (outcome.chunks, outcome.levels) == (1, 1) and len(lengths) == 1
 
 
 def test_transcript_five_times_the_context_goes_through_map_reduce(bridge):
-    turns = transcript(360)
-    whole = len(bridge.prompt_ids(chat_for("summarize", turns)))
+    turns = transcript(250)
+    whole = len(bridge.prompt_ids(chat_for(summary_job(turns, 48))))
     assert whole > 5 * bridge.context
     lengths = spy_prompts(bridge)
     max_new = 48
-    payload = {"kind": "summarize", "priority": 1, "messages": turns, "sampling": {"max_new_tokens": max_new}}
-    outcome = bridge.run("long", payload)
+    outcome = summarize(bridge, "long", summary_job(turns, max_new))
     assert outcome.completion.ok, outcome.completion.error
     assert outcome.chunks >= 5 and outcome.levels >= 2
     assert len(lengths) >= outcome.chunks + 1
@@ -66,14 +70,14 @@ def test_transcript_five_times_the_context_goes_through_map_reduce(bridge):
 
 def test_chunks_keep_every_turn_in_order_and_split_only_oversized_turns():
     def fits(turns):
-        return sum(len(t["content"].split()) for t in turns) <= 10
+        return sum(len(t.content.split()) for t in turns) <= 10
 
-    turns = [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": " ".join("x" * 25)},
-             {"role": "user", "content": "d e"}]
+    turns = [Message(role="user", content="a b c"), Message(role="assistant", content=" ".join("x" * 25)),
+             Message(role="user", content="d e")]
     chunks = plan_chunks(turns, fits)
     assert all(fits(c) for c in chunks)
     flat = [t for c in chunks for t in c]
-    assert " ".join(t["content"] for t in flat).split() == " ".join(t["content"] for t in turns).split()
+    assert " ".join(t.content for t in flat).split() == " ".join(t.content for t in turns).split()
     assert len(split_turn(turns[1], fits)) == 4 and flat[0] == turns[0]
 
 
@@ -82,13 +86,13 @@ def test_chunks_are_as_large_as_fits_with_few_prompt_checks():
     import random
 
     rng = random.Random(0)
-    turns = [{"role": "user", "content": " ".join("w" * rng.randint(1, 9))} for _ in range(400)]
+    turns = [Message(role="user", content=" ".join("w" * rng.randint(1, 9))) for _ in range(400)]
     calls = 0
 
     def fits(ts):
         nonlocal calls
         calls += 1
-        return sum(len(t["content"].split()) for t in ts) <= 120
+        return sum(len(t.content.split()) for t in ts) <= 120
 
     chunks = plan_chunks(turns, fits)
     # one check per turn (is it oversized?), then about 2 log2(turns in a chunk) per chunk, not one per turn
@@ -99,8 +103,18 @@ def test_chunks_are_as_large_as_fits_with_few_prompt_checks():
 
 
 def test_a_budget_too_small_to_combine_fails_clearly(bridge):
-    payload = {"kind": "summarize", "priority": 1, "messages": transcript(120),
-               "sampling": {"max_new_tokens": 480}}
-    outcome = bridge.run("hopeless", payload)
+    outcome = summarize(bridge, "hopeless", summary_job(transcript(120), 480))
     assert outcome.completion.finish_reason == "error"
     assert "max_new_tokens" in outcome.completion.error
+
+
+def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge):
+    from jobs.chat import problem
+    from worker.tasks import reply
+
+    job = JobIn(messages=[{"role": "user", "content": "where is my parcel " * 200}], sampling={"max_new_tokens": 64})
+    lengths = spy_prompts(bridge)
+    outcome = reply(bridge, "too-long", job)
+    assert outcome.completion.finish_reason == "error" and not outcome.completion.retryable
+    assert outcome.completion.error == problem(job, bridge.engine.tokenizer, bridge.context)[1]
+    assert lengths == []  # refused before the engine saw it

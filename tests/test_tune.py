@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from cli.tune import Trial, recommend, sweep
-from engine.config import EngineConfig
+from jobs.schemas import JobIn
+from jobs.settings import Settings
+from worker.backend import engine_config
+from worker.summarize import summarize
+from worker.tasks import RUN_BY_KIND
 
 
 def test_sweep_measures_every_setting(tiny_model):
-    payloads = [{"kind": "chat", "priority": 5, "messages": [{"role": "user", "content": f"Where is order {i}?"}],
-                 "sampling": {"max_new_tokens": 6}} for i in range(6)]
-    trials = sweep(EngineConfig(model=str(tiny_model), kv_cache_memory=64 * 2**20), payloads, [2, 8], [256, 4])
+    jobs = [JobIn(messages=[{"role": "user", "content": f"Where is order {i}?"}], sampling={"max_new_tokens": 6})
+            for i in range(6)]
+    trials = sweep(Settings(model=str(tiny_model), kv_cache_memory=64 * 2**20, device="cpu"), jobs, [2, 8], [256, 4])
     # a token budget below the sequence limit could not decode every sequence: (8, 4) is not tried
     assert [(t.max_num_seqs, t.max_num_batched_tokens) for t in trials] == [(2, 256), (2, 4), (8, 256)]
     for t in trials:
@@ -22,3 +26,25 @@ def test_recommend_takes_the_smallest_setting_on_the_plateau_under_the_memory_ce
     assert (recommend(trials).max_num_seqs, recommend(trials).max_num_batched_tokens) == (32, 1024)
     assert recommend(trials, plateau=0.0).max_num_seqs == 64
     assert recommend([Trial(8, 1024, 100, 1, 2, 0.95)]) is None
+
+
+def test_tune_runs_the_engine_the_worker_runs_and_map_reduces_long_transcripts(tiny_model, monkeypatch):
+    settings = Settings(model=str(tiny_model), device="cpu", kv_cache_memory=64 * 2**20, attention_policy="sliding:256",
+                        enable_prefix_cache=False, host_cache_memory=0)
+    tuned = engine_config(settings, max_num_seqs=8, max_num_batched_tokens=512)
+    worker = engine_config(settings)
+    assert (tuned.attention_policy, tuned.enable_prefix_cache, tuned.host_cache_memory) == ("sliding:256", False, 0)
+    assert {**tuned.__dict__, "max_num_seqs": 0, "max_num_batched_tokens": 0} == \
+        {**worker.__dict__, "max_num_seqs": 0, "max_num_batched_tokens": 0}
+    long = " ".join(f"turn {i}: my parcel number {i} has not arrived, please check the tracking." for i in range(300))
+    summary = JobIn(kind="summarize", messages=[{"role": "user", "content": long}], sampling={"max_new_tokens": 16})
+    outcomes = []
+
+    def recording(bridge, job_id, job):
+        outcomes.append(summarize(bridge, job_id, job))
+        return outcomes[-1]
+
+    monkeypatch.setitem(RUN_BY_KIND, "summarize", recording)
+    [trial] = sweep(Settings(model=str(tiny_model), device="cpu", kv_cache_memory=64 * 2**20), [summary], [8], [512])
+    [outcome] = outcomes  # a transcript several times the context, map-reduced rather than cut
+    assert outcome.completion.ok and outcome.chunks >= 3 and trial.tok_s > 0

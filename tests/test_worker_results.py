@@ -5,19 +5,20 @@ from __future__ import annotations
 import uuid
 
 import sqlalchemy as sa
+from sqlalchemy import insert
 
 from engine.interface import Completion, Timings
-from jobs.db import make_engine, make_sessions
-from jobs.tables import Job
+from jobs.db import make_db_engine, make_sessions
+from jobs.schemas import JobIn
+from jobs.tables import Job, job_row
 from worker import results
-from worker.payload import Outcome
+from worker.outcome import Outcome
 
 
 def new_job(sessions) -> str:
     with sessions.begin() as session:
-        job = Job(kind="chat", priority=5, payload={"kind": "chat", "priority": 5, "messages": []}, status="queued")
-        session.add(job)
-    return str(job.id)
+        session.execute(insert(Job.__table__), row := job_row(JobIn(messages=[{"role": "user", "content": "hi"}])))
+    return str(row["id"])
 
 
 def counts(engine, job_id: str) -> tuple[str, int, int]:
@@ -33,7 +34,7 @@ def outcome(job_id: str, text: str = "fine") -> Outcome:
 
 
 def test_a_message_delivered_twice_stores_one_result(database):
-    engine = make_engine(database)
+    engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
     first = results.claim(sessions, job_id, "w1", 3)
@@ -45,7 +46,7 @@ def test_a_message_delivered_twice_stores_one_result(database):
 
 
 def test_nul_in_generated_text_is_stored(database):
-    engine = make_engine(database)
+    engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
     results.store(sessions, results.claim(sessions, job_id, "w", 3), outcome(job_id, "a\x00b"), "w")
@@ -54,7 +55,7 @@ def test_nul_in_generated_text_is_stored(database):
 
 
 def test_a_crashed_run_marks_the_job_failed(database):
-    engine = make_engine(database)
+    engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
     results.fail(sessions, results.claim(sessions, job_id, "w", 3), "RuntimeError: boom")
@@ -64,7 +65,7 @@ def test_a_crashed_run_marks_the_job_failed(database):
 
 
 def test_attempts_are_bounded(database):
-    engine = make_engine(database)
+    engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
     for attempt in (1, 2):
@@ -80,13 +81,13 @@ def test_attempts_are_bounded(database):
 def test_reconciler_hands_back_a_dead_workers_jobs_and_publishes_stranded_ones(database, broker):
     import redis
 
+    from jobs.broker import create_celery
     from jobs.settings import Settings
-    from worker.celery_app import create_celery
     from worker.reconciler import beat, reconcile
 
     settings = Settings(database_url=database, broker_url=broker, dead_after_s=60, unpublished_grace_s=0)
     celery = create_celery(settings)
-    engine = make_engine(database)
+    engine = make_db_engine(database)
     sessions = make_sessions(engine)
     alive, dead = new_job(sessions), new_job(sessions)
     beat(sessions, "alive-worker")
@@ -105,7 +106,7 @@ def test_reconciler_hands_back_a_dead_workers_jobs_and_publishes_stranded_ones(d
 def test_many_jobs_are_claimed_and_stored_in_one_transaction_each(database):
     from jobs.tables import Batch
 
-    engine = make_engine(database)
+    engine = make_db_engine(database)
     sessions = make_sessions(engine)
     with sessions.begin() as session:
         batch = Batch(status="in_progress", priority=1, total=3)
@@ -175,3 +176,15 @@ def test_group_commit_writes_waiting_items_together_and_isolates_a_bad_one():
     # the four that waited went in one flush, which failed; then each alone, so only the bad one failed
     assert flushes[0] == [0] and sorted(flushes[1]) == [-1, 1, 2, 3]
     assert sorted(len(f) for f in flushes[2:]) == [1, 1, 1, 1]
+
+
+def test_a_job_whose_payload_is_not_a_job_fails_at_claim(database):
+    engine = make_db_engine(database)
+    sessions = make_sessions(engine)
+    with sessions.begin() as session:
+        job = Job(kind="chat", priority=5, payload={"kind": "chat", "priority": 5, "messages": []}, status="queued")
+        session.add(job)
+    assert results.claim(sessions, str(job.id), "w", 3) is None  # never handed to the engine
+    with engine.connect() as conn:
+        status, error = conn.execute(sa.text("SELECT status, error FROM jobs")).one()
+    assert status == "failed" and "payload is not a valid job" in error and "messages" in error

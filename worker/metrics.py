@@ -1,7 +1,7 @@
 """A worker process's Prometheus metrics: where each job's time went, tokens, retries, and the engine's state.
 
 Job metrics carry the same numbers as the job's timings row, observed once that row is committed. Engine
-gauges are read from `Runner.stats()` at scrape time. Each process serves its own registry on
+gauges are read from `EngineThread.stats()` at scrape time. Each process serves its own registry on
 `CONVOQ_WORKER_METRICS_PORT`.
 """
 

@@ -27,6 +27,7 @@ from celery import Celery
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.broker import UNACKED_INDEX_KEY, UNACKED_KEY, queue_lists
 from jobs.db import insert_ignore
 from jobs.publish import publish
 from jobs.schemas import JobStatus
@@ -82,8 +83,8 @@ class BrokerView:
         """Jobs whose message a consumer fetched over `older_than_s` ago and has not acknowledged."""
         if self.client is None:
             return []
-        tags = self.client.zrangebyscore("unacked_index", 0, time.time() - older_than_s)
-        for tag, raw in zip(tags, self.client.hmget("unacked", tags) if tags else [], strict=True):
+        tags = self.client.zrangebyscore(UNACKED_INDEX_KEY, 0, time.time() - older_than_s)
+        for tag, raw in zip(tags, self.client.hmget(UNACKED_KEY, tags) if tags else [], strict=True):
             if raw and (job_id := _job_id(raw, unacked=True)):
                 self.tags[job_id] = tag
         return list(self.tags)
@@ -92,17 +93,16 @@ class BrokerView:
         """Every job with a message anywhere in the broker; None if the broker cannot be read this way."""
         if self.client is None:
             return None
-        lists = [q + suffix for q in (self.settings.interactive_queue, self.settings.bulk_queue)
-                 for suffix in ["", *(f":{p}" for p in range(1, 10))]]
+        lists = [name for names in queue_lists(self.settings).values() for name in names]
         raws = [raw for name in lists for raw in self.client.lrange(name, 0, -1)]
         ids = {_job_id(raw, unacked=False) for raw in raws}
-        ids |= {_job_id(raw, unacked=True) for raw in self.client.hvals("unacked")}
+        ids |= {_job_id(raw, unacked=True) for raw in self.client.hvals(UNACKED_KEY)}
         return ids - {None}
 
     def forget(self, job_ids: list[uuid.UUID]) -> None:
         tags = [self.tags[i] for i in job_ids if i in self.tags]
         if self.client is not None and tags:
-            self.client.pipeline().zrem("unacked_index", *tags).hdel("unacked", *tags).execute()
+            self.client.pipeline().zrem(UNACKED_INDEX_KEY, *tags).hdel(UNACKED_KEY, *tags).execute()
 
     def close(self) -> None:
         if self.client is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
 
+from pydantic import ValidationError
 from sqlalchemy import bindparam, or_, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,9 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from engine.interface import Completion
 from jobs.batches import settle_batch
 from jobs.db import insert_ignore
-from jobs.schemas import JobStatus
+from jobs.schemas import JobIn, JobStatus
 from jobs.tables import Job, Result, Timing, as_utc, utcnow
-from worker.payload import Outcome
+from worker.outcome import Outcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,7 +36,7 @@ NOT_TERMINAL = (JobStatus.queued.value, JobStatus.running.value)
 @dataclass
 class Claimed:
     job_id: uuid.UUID
-    payload: dict
+    job: JobIn  # the payload, validated once at claim
     created_at: datetime
     claimed_at: datetime
     batch_id: uuid.UUID | None
@@ -71,18 +72,21 @@ def storable(text: str) -> str:
 
 def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> None:
     """A job whose run raised: it ends `failed` with the error instead of staying `running` forever."""
+    _fail(sessions, claimed.job_id, claimed.batch_id, error)
 
+
+def _fail(sessions: sessionmaker[Session], job_id: uuid.UUID, batch_id: uuid.UUID | None, error: str) -> None:
     def action() -> None:
         with sessions.begin() as session:
             session.execute(
                 update(Job)
-                .where(Job.id == claimed.job_id, Job.status.in_(NOT_TERMINAL))
+                .where(Job.id == job_id, Job.status.in_(NOT_TERMINAL))
                 .values(status=JobStatus.failed.value, error=storable(error)[:4000], finished_at=utcnow())
             )
 
-    retrying(action, f"fail {claimed.job_id}")
-    if claimed.batch_id is not None:
-        retrying(lambda: _settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
+    retrying(action, f"fail {job_id}")
+    if batch_id is not None:
+        retrying(lambda: _settle(sessions, batch_id), f"settle batch {batch_id}")
 
 
 def claim(sessions: sessionmaker[Session], job_id: str, worker: str, max_attempts: int) -> Claimed | None:
@@ -94,7 +98,8 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
                max_attempts: int) -> list[Claimed | None]:
     """`claim` for many jobs in one statement; an id listed twice is claimed once, by its first entry.
 
-    A job that has used up its attempts (it crashed or failed that often) is failed here instead of run.
+    A job that has used up its attempts (it crashed or failed that often), or whose payload is not a valid job,
+    is failed here instead of run.
     """
     jobs = Job.__table__
 
@@ -117,11 +122,18 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
         if row is None:
             out.append(None)
             continue
-        job = Claimed(row.id, row.payload, row.created_at, now, row.batch_id, row.attempts)
         if row.attempts > max_attempts:
-            fail(sessions, job, f"gave up after {max_attempts} attempts; last error: {row.error or 'the worker died'}")
-            job = None
-        out.append(job)
+            _fail(sessions, row.id, row.batch_id,
+                  f"gave up after {max_attempts} attempts; last error: {row.error or 'the worker died'}")
+            out.append(None)
+            continue
+        try:
+            job = JobIn.model_validate(row.payload)
+        except ValidationError as exc:
+            _fail(sessions, row.id, row.batch_id, f"the job's payload is not a valid job: {exc}")
+            out.append(None)
+            continue
+        out.append(Claimed(row.id, job, row.created_at, now, row.batch_id, row.attempts))
     return out
 
 

@@ -13,32 +13,30 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from engine.interface import Completion, Timings
-from worker.payload import Outcome, sampling_from
-from worker.prompts import chat_for, combine_chat, part_chat
+from jobs.chat import Chat, chat_for, combine_chat, part_chat, prompt_budget, summary_problem
+from jobs.schemas import JobIn, Message
+from worker.bridge import Bridge
+from worker.outcome import Outcome
 
-if TYPE_CHECKING:
-    from worker.bridge import Bridge
-
-Turns = list[dict]
+Turns = list[Message]
 
 
 class TooLong(ValueError):
     pass
 
 
-def split_turn(turn: dict, fits: Callable[[Turns], bool]) -> Turns:
+def split_turn(turn: Message, fits: Callable[[Turns], bool]) -> Turns:
     """A turn too long for any chunk, as consecutive pieces that each fit (split on word boundaries)."""
     if fits([turn]):
         return [turn]
-    words = turn["content"].split(" ")
+    words = turn.content.split(" ")
     if len(words) < 2:
         raise TooLong("a single word does not fit the model's context")
     half = len(words) // 2
-    head = {**turn, "content": " ".join(words[:half])}
-    tail = {**turn, "content": " ".join(words[half:])}
+    head = turn.model_copy(update={"content": " ".join(words[:half])})
+    tail = turn.model_copy(update={"content": " ".join(words[half:])})
     return split_turn(head, fits) + split_turn(tail, fits)
 
 
@@ -85,16 +83,17 @@ def merge(completions: list[Completion], final: Completion, started: float, fina
     return replace(final, prompt_tokens=sum(c.prompt_tokens for c in completions), timings=timings)
 
 
-def summarize(bridge: Bridge, job_id: str, payload: dict) -> Outcome:
-    sampling = sampling_from(payload)
-    budget = bridge.context - sampling.max_new_tokens  # prompt tokens that leave room for the summary
+def summarize(bridge: Bridge, job_id: str, job: JobIn) -> Outcome:
     started = time.monotonic()
+    if problem := summary_problem(job.sampling.max_new_tokens, bridge.context):
+        return _too_long(job_id, problem, started)
+    budget = prompt_budget(bridge.context, job.sampling.max_new_tokens)
 
-    def fits_with(make_chat: Callable[[Turns], list[dict]]) -> Callable[[Turns], bool]:
+    def fits_with(make_chat: Callable[[Turns], Chat]) -> Callable[[Turns], bool]:
         return lambda turns: len(bridge.prompt_ids(make_chat(turns))) <= budget
 
-    def run_all(chats: list[list[dict]], level: int) -> list[Completion]:
-        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", chat, sampling, payload)
+    def run_all(chats: list[Chat], level: int) -> list[Completion]:
+        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", bridge.prompt_ids(chat), job)
                                  for i, chat in enumerate(chats)]
         return [f.result() for f in futures]
 
@@ -102,25 +101,24 @@ def summarize(bridge: Bridge, job_id: str, payload: dict) -> Outcome:
         return Outcome(replace(completion, error=f"{what}: {completion.error}"),
                        (time.monotonic() - started) * 1e3)
 
-    turns = payload["messages"]
-    whole = chat_for("summarize", turns)
+    whole = chat_for(job)
     if len(bridge.prompt_ids(whole)) <= budget:
         [completion] = run_all([whole], 1)
         return Outcome(completion, (time.monotonic() - started) * 1e3)
 
     try:
         # sized with a two-digit part header: the real header is never longer
-        chunks = plan_chunks(turns, fits_with(lambda ts: part_chat(ts, 99, 99)))
+        chunks = plan_chunks(job.messages, fits_with(lambda ts: part_chat(ts, 99, 99)))
     except TooLong as exc:
-        return _too_long(job_id, payload, str(exc), started)
+        return _too_long(job_id, str(exc), started)
     done: list[Completion] = run_all([part_chat(c, i, len(chunks)) for i, c in enumerate(chunks, 1)], 1)
     if bad := next((c for c in done if not c.ok), None):
         return failed(bad, "a chunk failed")
     summaries, level = [c.text for c in done], 1
-    combine_fits = fits_with(lambda ts: combine_chat([t["content"] for t in ts]))
+    combine_fits = fits_with(lambda ts: combine_chat([t.content for t in ts]))
     while True:
         level += 1
-        as_turns = [{"role": "user", "content": s} for s in summaries]
+        as_turns = [Message.model_construct(role="user", content=s) for s in summaries]
         if combine_fits(as_turns):
             final_submitted = time.monotonic()
             [final] = run_all([combine_chat(summaries)], level)
@@ -131,15 +129,15 @@ def summarize(bridge: Bridge, job_id: str, payload: dict) -> Outcome:
                            chunks=len(chunks), levels=level)
         groups = plan_chunks(as_turns, combine_fits)
         if len(groups) >= len(summaries):
-            return _too_long(job_id, payload, "the partial summaries do not fit together two at a time; "
-                             "lower max_new_tokens", started)
-        level_done = run_all([combine_chat([t["content"] for t in g]) for g in groups], level)
+            return _too_long(job_id, "the partial summaries do not fit together two at a time; lower "
+                             "max_new_tokens", started)
+        level_done = run_all([combine_chat([t.content for t in g]) for g in groups], level)
         done += level_done
         if bad := next((c for c in level_done if not c.ok), None):
             return failed(bad, "combining the summaries failed")
         summaries = [c.text for c in level_done]
 
 
-def _too_long(job_id: str, payload: dict, why: str, started: float) -> Outcome:
-    error = f"cannot summarize within the model's context: {why}"
-    return Outcome(Completion(job_id, [], "", 0, "error", error), (time.monotonic() - started) * 1e3)
+def _too_long(job_id: str, why: str, started: float) -> Outcome:
+    return Outcome.failed(job_id, f"cannot summarize within the model's context: {why}",
+                          (time.monotonic() - started) * 1e3)

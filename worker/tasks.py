@@ -1,4 +1,8 @@
-"""The task every job message runs: claim the row, run it through the engine, store the outcome."""
+"""The task every job message runs: claim the row, run the job by its kind through the engine, store the outcome.
+
+`worker_app(settings)` is the Celery app of a worker process: the shared app (`jobs.broker`) with this task
+registered, and the process's context (database, engine, reconciler, metrics) created when the worker starts.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +10,45 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from celery import Celery, Task
+from celery import Celery
 from celery.signals import worker_init, worker_shutdown
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.runner import EngineDead
-from jobs.db import make_engine, make_sessions
+from engine.engine_thread import EngineDead
+from jobs.broker import create_celery
+from jobs.chat import chat_for, chat_problem
+from jobs.db import make_db_engine, make_sessions
 from jobs.group_commit import GroupCommit
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_JOB
-from jobs.settings import Settings, get_settings
+from jobs.schemas import JobIn
+from jobs.settings import Settings
 from jobs.tables import Job
 from worker import results
+from worker.backend import load_backend
 from worker.bridge import Bridge
-from worker.celery_app import app
 from worker.metrics import WorkerMetrics
-from worker.payload import Outcome
+from worker.outcome import Outcome
 from worker.reconciler import Reconciler, hand_back
+from worker.summarize import summarize
 
 log = logging.getLogger(__name__)
+
+
+def reply(bridge: Bridge, job_id: str, job: JobIn) -> Outcome:
+    """A chat job: one request, its prompt and output within the model's context."""
+    start = time.monotonic()
+    prompt = bridge.prompt_ids(chat_for(job))
+    if problem := chat_problem(len(prompt), job.sampling.max_new_tokens, bridge.context):
+        return Outcome.failed(job_id, problem)
+    completion = bridge.submit(job_id, prompt, job).result()
+    return Outcome(completion, (time.monotonic() - start) * 1e3)
+
+
+RUN_BY_KIND: dict[str, Callable[[Bridge, str, JobIn], Outcome]] = {"chat": reply, "summarize": summarize}
 
 
 @dataclass
@@ -34,6 +56,7 @@ class WorkerContext:
     """What one worker process holds for its whole life: the database, the engine, the reconciler."""
 
     settings: Settings
+    celery: Celery
     sessions: sessionmaker[Session]
     bridge: Bridge
     reconciler: Reconciler
@@ -45,15 +68,15 @@ class WorkerContext:
     @classmethod
     def start(cls, settings: Settings, celery: Celery) -> WorkerContext:
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
-        engine = make_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
-        sessions = make_sessions(engine)
-        bridge = Bridge.from_settings(settings)
+        db = make_db_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
+        sessions = make_sessions(db)
+        bridge = Bridge(load_backend(settings))
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         reconciler = Reconciler(sessions, celery, settings, name).start()
-        metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.runner.stats)
+        metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, batch_prefix=name), "stores")
-        return cls(settings, sessions, bridge, reconciler, name, metrics, claim, store)
+        return cls(settings, celery, sessions, bridge, reconciler, name, metrics, claim, store)
 
     def close(self) -> None:
         self.reconciler.stop()
@@ -62,45 +85,64 @@ class WorkerContext:
         self.store.close()
 
 
-@worker_init.connect
-def _start(sender=None, **_) -> None:
-    # The model is loaded here, in the process that runs it, before the worker consumes anything.
-    app.convoq_context = WorkerContext.start(get_settings(), app)
-    log.info("engine ready: %s", app.convoq_context.settings.model)
+class Worker:
+    """The context a worker process's task runs with, made once the worker starts."""
+
+    def __init__(self, settings: Settings, celery: Celery) -> None:
+        self.settings = settings
+        self.celery = celery
+        self.context: WorkerContext | None = None
+
+    def start(self, sender=None, **_) -> None:
+        if sender is not None and sender.app is not self.celery:
+            return
+        # The model is loaded here, in the process that runs it, before the worker consumes anything.
+        self.context = WorkerContext.start(self.settings, self.celery)
+        log.info("engine ready: %s", self.settings.model)
+
+    def stop(self, sender=None, **_) -> None:
+        ctx = self.context
+        if ctx is None or (sender is not None and sender.app is not self.celery):
+            return
+        ctx.close()
+        returned = hand_back(ctx.sessions, ctx.name)
+        if returned:
+            log.warning("handed %d unfinished jobs back to the queue", returned)
+
+    def run_job(self, job_id: str) -> None:
+        ctx = self.context
+        claimed = ctx.claim(job_id)
+        if claimed is None:
+            log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
+            return
+        try:
+            outcome = RUN_BY_KIND[claimed.job.kind](ctx.bridge, job_id, claimed.job)
+            if outcome.completion.retryable:
+                raise RuntimeError(outcome.completion.error)
+            stored = ctx.store((claimed, outcome))
+            ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
+        except EngineDead:
+            # the model's state is unknown: exit so the supervisor restarts the worker; the reconciler hands this
+            # worker's jobs back once its heartbeat has stopped
+            log.critical("engine thread is dead; exiting")
+            os._exit(3)
+        except Exception as exc:
+            log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
+            retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
 
 
-@worker_shutdown.connect
-def _stop(sender=None, **_) -> None:
-    ctx: WorkerContext | None = getattr(app, "convoq_context", None)
-    if ctx is None:
-        return
-    ctx.close()
-    returned = hand_back(ctx.sessions, ctx.name)
-    if returned:
-        log.warning("handed %d unfinished jobs back to the queue", returned)
+def worker_app(settings: Settings) -> Celery:
+    """convoq's Celery app with the job task registered, for `convoq worker`."""
+    celery = create_celery(settings)
+    worker = Worker(settings, celery)
+    worker_init.connect(worker.start, weak=False)
+    worker_shutdown.connect(worker.stop, weak=False)
 
+    @celery.task(name=TASK_RUN_JOB)
+    def run_job(job_id: str) -> None:
+        worker.run_job(job_id)
 
-@app.task(name=TASK_RUN_JOB, bind=True)
-def run_job(self: Task, job_id: str) -> None:
-    ctx: WorkerContext = self.app.convoq_context
-    claimed = ctx.claim(job_id)
-    if claimed is None:
-        log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
-        return
-    try:
-        outcome = ctx.bridge.run(job_id, claimed.payload)
-        if outcome.completion.retryable:
-            raise RuntimeError(outcome.completion.error)
-        stored = ctx.store((claimed, outcome))
-        ctx.metrics.observe(claimed.payload["priority"], stored, len(outcome.completion.token_ids))
-    except EngineDead:
-        # the model's state is unknown: exit so the supervisor restarts the worker; the reconciler hands this
-        # worker's jobs back once its heartbeat has stopped
-        log.critical("engine thread is dead; exiting")
-        os._exit(3)
-    except Exception as exc:
-        log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
-        retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
+    return celery
 
 
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:
@@ -114,4 +156,4 @@ def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> N
         ctx.metrics.retried()
         with ctx.sessions() as session:
             job = session.get(Job, claimed.job_id)
-            publish(app, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1))
+            publish(ctx.celery, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1))

@@ -19,7 +19,14 @@ from api.deps import CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, S
 from api.prompt_check import PromptCheck
 from jobs.batches import PENDING, settle_batch
 from jobs.publish import publish
-from jobs.schemas import BatchLineError, BatchOut, BatchStatus, JobStatus, RequestCounts
+from jobs.schemas import (
+    DEFAULT_BATCH_PRIORITY,
+    BatchLineError,
+    BatchOut,
+    BatchStatus,
+    JobStatus,
+    RequestCounts,
+)
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, as_utc, job_row, utcnow
 
@@ -111,7 +118,7 @@ async def create_batch(
     celery: CeleryDep,
     settings: SettingsDep,
     _: SubmitKey,
-    priority: Annotated[int, Form(ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")] = 1,
+    priority: Annotated[int, Form(ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")] = DEFAULT_BATCH_PRIORITY,
     metadata: Annotated[str | None, Form(description="a JSON object kept with the batch")] = None,
 ) -> BatchOut:
     data = await file.read(settings.max_upload_bytes + 1)

@@ -1,4 +1,4 @@
-"""`convoq migrate`: Alembic upgrade/downgrade with the migrations shipped in this package."""
+"""`convoq migrate`: Alembic upgrade/downgrade with the migrations of this package."""
 
 from __future__ import annotations
 
@@ -7,12 +7,10 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-import migrations
-
 
 def alembic_config(database_url: str) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.set_main_option("script_location", str(Path(__file__).parent))
     config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
     return config
 

@@ -6,7 +6,7 @@ engine happens on this thread, so engines need no locks.
 When a step raises, one bad request must not take its batch-mates down: every request in flight is taken
 out and run again alone, so the one that fails again fails by itself (its completion is `retryable`) and the
 others finish. Out-of-memory and device errors are different: the engine's state is then unknown, so the
-runner dies, every pending future fails with `EngineDead`, and the process that owns it exits and lets its
+thread dies, every pending future fails with `EngineDead`, and the process that owns it exits and lets its
 supervisor restart it.
 """
 
@@ -35,7 +35,7 @@ def is_fatal(exc: BaseException) -> bool:
     return "CUDA" in str(exc) or "device-side" in str(exc)
 
 
-class Runner:
+class EngineThread:
     def __init__(self, engine: StepEngine, name: str = "engine") -> None:
         self.engine = engine
         self.error: BaseException | None = None

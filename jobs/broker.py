@@ -1,7 +1,10 @@
-"""Every Celery setting of convoq, in one place. The API imports this too, to publish with the same options.
+"""The Celery app factory and the broker's Redis key layout, shared by the API (publishing, metrics), the
+worker (consuming, reconciling) and Flower. Every Celery setting of convoq is here, explained.
 
-Start a worker with `convoq worker` (threads pool: many Celery threads feed one engine thread per process,
-so the jobs in flight become one batch; CUDA cannot survive a fork, so no prefork pool).
+Nothing here builds an app at import time: callers ask `create_celery(settings)` for one, and the worker
+registers its task on its own app (`worker.tasks.worker_app`). Workers run Celery's threads pool: many
+Celery threads feed one engine thread per process, so the jobs in flight become one batch; CUDA cannot
+survive a fork, so there is no prefork pool.
 """
 
 from __future__ import annotations
@@ -9,23 +12,40 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Queue
 
-from jobs.settings import Settings, get_settings
+from jobs.queues import broker_priority
+from jobs.settings import Settings
+
+PRIORITY_SEP = ":"
+# kombu's Redis transport keeps each delivered, unacknowledged message in this hash, indexed by delivery time
+UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"
 
 
 def transport_options(settings: Settings) -> dict:
     return {
         # Ten real priority levels: a queue `q` becomes Redis lists `q`, `q:1` ... `q:9` (0 served first).
         "priority_steps": list(range(10)),
-        "sep": ":",
+        "sep": PRIORITY_SEP,
         "queue_order_strategy": "priority",
         # Counted from delivery, not from the start of the run: it must exceed queue wait + run time.
         "visibility_timeout": settings.visibility_timeout,
     }
 
 
-def create_celery(settings: Settings | None = None) -> Celery:
-    settings = settings or get_settings()
-    app = Celery("convoq", broker=settings.broker_url, include=["worker.tasks"])
+def priority_list(queue: str, priority: int) -> str:
+    """The Redis list that holds `queue`'s messages of our `priority` (broker level 0 is the bare name)."""
+    level = broker_priority(priority)
+    return f"{queue}{PRIORITY_SEP}{level}" if level else queue
+
+
+def queue_lists(settings: Settings) -> dict[str, list[str]]:
+    """Each of our queues -> its ten Redis lists, by our priority 0..9."""
+    return {queue: [priority_list(queue, p) for p in range(10)]
+            for queue in (settings.interactive_queue, settings.bulk_queue)}
+
+
+def create_celery(settings: Settings) -> Celery:
+    app = Celery("convoq", broker=settings.broker_url)
     app.conf.update(
         # JSON only: a pickled message is code execution for whoever can write to the broker.
         task_serializer="json",
@@ -56,6 +76,3 @@ def create_celery(settings: Settings | None = None) -> Celery:
         worker_soft_shutdown_timeout=30.0,
     )
     return app
-
-
-app = create_celery()

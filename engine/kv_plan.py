@@ -1,0 +1,61 @@
+"""Which KV pools a model needs, which layer keeps its K/V where, and how many blocks each pool may hold.
+
+One pool per attention kind: full attention (window 0) and each ring-recycled sliding window in use. The
+budget (`kv_cache_memory`) is shared among the pools in proportion to their layers, after each sliding-window
+pool took what its rings can ever use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import LayerSlot
+from engine.attention_policy import layer_policies, parse_policy, ring_window
+from engine.block_manager import blocks_per_seq
+from engine.config import EngineConfig
+from engine.memory import kv_budget, split_budget
+from engine.model import ModelShape
+from kernels.sparse import AttentionPolicy
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    policies: list[AttentionPolicy]  # per model layer
+    windows: list[int]  # per pool: 0 for full attention, else the ring's window
+    layers: list[int]  # per pool: how many model layers keep their K/V there
+    layer_slots: list[LayerSlot]  # per model layer: its pool, its index there, its policy
+    kv_bytes_per_token: int  # all layers
+    block_bytes: list[int]  # per pool
+    chunk: int  # the most prompt tokens of one sequence computed in a step
+    budget_bytes: int
+    max_blocks: list[int]  # per pool: its ceiling within the budget
+
+    def blocks_per_seq(self, block_size: int, num_tokens: int) -> list[int]:
+        """The most blocks of each pool one sequence of `num_tokens` tokens holds."""
+        return blocks_per_seq(self.windows, block_size, num_tokens, self.chunk)
+
+    @property
+    def dense_only(self) -> bool:
+        """Every layer attends to every key it has (no window, sinks or strides anywhere)."""
+        return all(p.window == 0 for p in self.policies)
+
+
+def plan_kv(shape: ModelShape, config: EngineConfig, max_model_len: int, cache_dtype: torch.dtype,
+            device: torch.device) -> KVPlan:
+    policies = layer_policies(shape.windows, parse_policy(config.attention_policy))
+    rings = [ring_window(p) for p in policies]
+    windows = sorted(set(rings))
+    layers = [rings.count(w) for w in windows]
+    layer_slots = [LayerSlot(windows.index(w), rings[:i].count(w), p)
+                   for i, (w, p) in enumerate(zip(rings, policies, strict=True))]
+    kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * cache_dtype.itemsize
+    block_bytes = [n * kv_bytes_per_token // shape.num_layers * config.block_size for n in layers]
+    chunk = min(config.prefill_chunk_size, config.max_num_batched_tokens)
+    per_seq = blocks_per_seq(windows, config.block_size, max_model_len, chunk)
+    budget = kv_budget(config.kv_cache_memory, device)
+    max_blocks = split_budget(budget, layers, block_bytes, [b * config.max_num_seqs for b in per_seq])
+    if min(max_blocks) < 2:
+        raise ValueError(f"a KV budget of {budget} bytes does not hold even two blocks per pool")
+    return KVPlan(policies, windows, layers, layer_slots, kv_bytes_per_token, block_bytes, chunk, budget, max_blocks)

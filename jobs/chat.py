@@ -1,0 +1,93 @@
+"""How a job becomes the prompt the model sees, and the one rule for whether it can run on a model.
+
+The API uses it to refuse at the door what could never run, the worker to build the prompts it runs (and to
+fail, with the same reason, what slipped past an API that could not read the model). It needs a tokenizer
+object with the model's chat template, never the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from jobs.schemas import JobIn, Message
+
+Chat = list[dict[str, str]]
+
+SUMMARY_INSTRUCTION = (
+    "You summarize customer-service conversations for the support team. Write a short summary: the customer's "
+    "problem, what the agent did, and whether it was resolved. Do not invent details."
+)
+COMBINE_INSTRUCTION = (
+    "You are given summaries of consecutive parts of one customer-service conversation, in order. Combine them "
+    "into one short summary: the customer's problem, what the agent did, and whether it was resolved."
+)
+
+
+def encode_chat(tokenizer, chat: Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of a chat, ending with the assistant's turn opener (the model's chat template)."""
+    enc = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in chat],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    # transformers 5 returns a BatchEncoding, older versions a plain list
+    return list(enc["input_ids"] if isinstance(enc, Mapping) else enc)
+
+
+def render_transcript(turns: Sequence[Message]) -> str:
+    return "\n".join(f"{m.role}: {m.content}" for m in turns)
+
+
+def chat_for(job: JobIn) -> Chat:
+    """`chat` jobs go to the model as they are; `summarize` jobs wrap the transcript in an instruction."""
+    if job.kind == "summarize":
+        return [
+            {"role": "system", "content": SUMMARY_INSTRUCTION},
+            {"role": "user", "content": "Conversation:\n" + render_transcript(job.messages)},
+        ]
+    return [m.model_dump() for m in job.messages]
+
+
+def part_chat(turns: Sequence[Message], part: int, parts: int) -> Chat:
+    """One chunk of a transcript too long for the model's context."""
+    return [
+        {"role": "system", "content": SUMMARY_INSTRUCTION},
+        {"role": "user", "content": f"Part {part} of {parts} of a longer conversation:\n" + render_transcript(turns)},
+    ]
+
+
+def combine_chat(summaries: Sequence[str]) -> Chat:
+    body = "\n".join(f"Part {i}: {s}" for i, s in enumerate(summaries, 1))
+    return [{"role": "system", "content": COMBINE_INSTRUCTION}, {"role": "user", "content": body}]
+
+
+def prompt_budget(context: int, max_new_tokens: int) -> int:
+    """The most prompt tokens that leave room for `max_new_tokens` of output in the model's context."""
+    return context - max_new_tokens
+
+
+def chat_problem(prompt_tokens: int, max_new_tokens: int, context: int) -> str | None:
+    """Why a prompt of `prompt_tokens` can never run with this output budget, or None: both must fit."""
+    if prompt_tokens > prompt_budget(context, max_new_tokens):
+        return (f"the prompt has {prompt_tokens} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+                f"model's context of {context} tokens")
+    return None
+
+
+def summary_problem(max_new_tokens: int, context: int) -> str | None:
+    """Why no transcript can be summarized with this output budget, or None. A transcript of any length is
+    map-reduced, which needs at least two partial summaries and the output in one prompt."""
+    if 3 * max_new_tokens > context:
+        return (f"max_new_tokens {max_new_tokens} is too large to summarize with this model's context of "
+                f"{context} tokens (at most {context // 3})")
+    return None
+
+
+def problem(job: JobIn, tokenizer, context: int) -> tuple[str, str] | None:
+    """(field, message) when `job` can never run on a model with this tokenizer and context, else None."""
+    max_new = job.sampling.max_new_tokens
+    if job.kind == "summarize":
+        message = summary_problem(max_new, context)
+        return None if message is None else ("max_new_tokens", message)
+    message = chat_problem(len(encode_chat(tokenizer, chat_for(job))), max_new, context)
+    return None if message is None else ("messages", message)

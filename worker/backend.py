@@ -1,0 +1,46 @@
+"""The engine a worker runs, built from settings: the one place settings become an `EngineConfig`."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from engine.config import EngineConfig
+from engine.interface import StepEngine
+from jobs.settings import Settings
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def engine_config(settings: Settings, **overrides) -> EngineConfig:
+    """Our engine's configuration for these settings; `overrides` (EngineConfig fields) win, e.g. in `tune`."""
+    values = dict(
+        model=settings.model, device=resolve_device(settings.device), dtype=settings.dtype,
+        kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens, kv_cache_dtype=settings.kv_cache_dtype,
+        attention_policy=settings.attention_policy, enable_prefix_cache=settings.enable_prefix_cache,
+        host_cache_memory=settings.host_cache_memory,
+    ) | overrides
+    # every running sequence must be able to decode in one step
+    values["max_num_batched_tokens"] = max(values["max_num_batched_tokens"], values["max_num_seqs"])
+    return EngineConfig(**values)
+
+
+def load_backend(settings: Settings) -> StepEngine:
+    """The backend `settings.backend` names: `engine` (ours), `hf` (transformers' generate) or a factory."""
+    device = resolve_device(settings.device)
+    if settings.backend == "hf":
+        from engine.hf_backend import HFEngine
+
+        return HFEngine(settings.model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size)
+    if settings.backend == "engine":
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine(engine_config(settings))
+    module, _, factory = settings.backend.partition(":")
+    return getattr(importlib.import_module(module), factory)(settings.model, device=device, dtype=settings.dtype)

@@ -1,0 +1,20 @@
+"""What running a job gave: the engine's completion (one, or the merge of a map-reduce's), and its cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.interface import Completion
+
+
+@dataclass
+class Outcome:
+    completion: Completion
+    engine_ms: float  # first request submitted -> last completion back
+    chunks: int = 1  # transcript chunks summarized (map-reduce)
+    levels: int = 1  # summarization levels, the final combine included
+
+    @classmethod
+    def failed(cls, request_id: str, error: str, engine_ms: float = 0.0) -> Outcome:
+        """A job that cannot run at all (it does not fit the model): it fails at once, without a retry."""
+        return cls(Completion(request_id, [], "", 0, "error", error), engine_ms)
