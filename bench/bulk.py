@@ -78,7 +78,8 @@ def through_engine(lines: list[dict], settings: Settings, model: Path, threads: 
         start = time.monotonic()
         with ThreadPoolExecutor(threads) as pool, tqdm(total=len(lines), desc="engine", file=sys.stderr) as bar:
             outcomes = []
-            for outcome in pool.map(lambda x, job: summarize(bridge, x["custom_id"], job), lines, jobs):
+            created = datetime.now(UTC)
+            for outcome in pool.map(lambda x, job: summarize(bridge, x["custom_id"], job, created), lines, jobs):
                 outcomes.append(outcome)
                 bar.update()
         elapsed = time.monotonic() - start

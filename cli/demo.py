@@ -3,7 +3,8 @@
 A tiny random Qwen3 checkpoint, a SQLite database, the configured Redis (or a throwaway one, or kombu's
 SQLAlchemy transport when no Redis exists at all), the API and one worker as real processes. The bundled
 transcripts (a few longer than the tiny model's context) go in as one batch at low priority; customer
-chats at priority 9 arrive while it runs and overtake it.
+chats at priority 9 arrive while it runs and overtake it. The same chats are first sent to the idle service,
+so their latency during the batch can be read against it.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def run_demo(max_new_tokens: int = 48) -> int:
             stack.start_api()
             stack.start_worker()
             with Client(stack.api_url, key) as client:
+                idle = [client.wait(i, timeout=300) for i in send_chats(client, ticket=4100)]
+                print(f"{len(idle)} customer chats at priority 9 on the idle service: "
+                      f"{latency_line(idle)}")
                 start = time.monotonic()
                 upload = "\n".join(json.dumps(line) for line in lines).encode()
                 batch = client.create_batch(upload, name=SAMPLES.name)
@@ -93,15 +97,16 @@ def run_demo(max_new_tokens: int = 48) -> int:
                 while client.get_batch(batch.id).status == "validating":
                     time.sleep(0.05)
                 time.sleep(1.0)  # the batch's items are in the engine now
-                chats = [client.submit(JobIn(messages=[{"role": "user", "content": q}], priority=9,
-                                             sampling={"max_new_tokens": 24})).id for q in QUESTIONS]
-                print(f"{len(chats)} customer chats submitted at priority 9 while the batch runs")
+                chats = send_chats(client, ticket=7300)
+                print(f"the same {len(chats)} chats submitted while the batch runs")
                 batch = follow(client, str(batch.id), poll=0.2)
                 chats_done = [client.wait(i, timeout=300) for i in chats]
                 elapsed = time.monotonic() - start
                 jobs = batch_jobs(settings.database_url, batch.id)
             print_results(jobs)
             print_overtaking(chats_done, jobs)
+            print(f"\nchats end to end: idle service {latency_line(idle)}; during the batch "
+                  f"{latency_line(chats_done)}")
             print_summary(jobs + [timing_row(j) for j in chats_done], elapsed, len(lines))
             logs = stack.logdir
     finally:
@@ -112,6 +117,23 @@ def run_demo(max_new_tokens: int = 48) -> int:
           "the model. To run a real model, point CONVOQ_MODEL at a Qwen3 folder (e.g. a downloaded "
           "Qwen/Qwen3-0.6B) and run `make demo` again.")
     return 0 if batch.status == "completed" and all(j.status == "succeeded" for j in chats_done) else 1
+
+
+def send_chats(client: Client, ticket: int) -> list:
+    """The customer chats, one every 0.2 s (as people would write), at priority 9; their ids. The ticket number
+    opens each message, so a second round is not answered from the first one's cached prompt."""
+    ids = []
+    for i, question in enumerate(QUESTIONS):
+        content = f"Ticket {ticket + i}. {question}"
+        ids.append(client.submit(JobIn(messages=[{"role": "user", "content": content}], priority=9,
+                                       sampling={"max_new_tokens": 24})).id)
+        time.sleep(0.2)
+    return ids
+
+
+def latency_line(chats: list) -> str:
+    ms = sorted(c.timings.end_to_end_ms for c in chats if c.timings)
+    return f"p50 {statistics.median(ms):.0f} ms, max {ms[-1]:.0f} ms" if ms else "no timings"
 
 
 def batch_jobs(database_url: str, batch_id) -> list[dict]:

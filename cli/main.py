@@ -91,7 +91,8 @@ def report(
     since: Annotated[str, typer.Option(help="ISO 8601 time, or a span back from now: 30m, 2h, 1d")] = "1d",
     out: Path = Path("report.html"),
 ) -> None:
-    """Write one HTML page: latency per priority, throughput, queue wait vs compute, batch sizes, prefix reuse."""
+    """Write one HTML page: latency per priority, throughput, interactive latency against bulk throughput, queue
+    wait vs compute, batch sizes, prefix reuse."""
     from datetime import UTC, datetime
 
     from cli.report import parse_since, write_report
@@ -100,7 +101,8 @@ def report(
         start = parse_since(since, datetime.now(UTC))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--since") from exc
-    typer.echo(str(write_report(get_settings().database_url, start, out)))
+    settings = get_settings()
+    typer.echo(str(write_report(settings.database_url, start, out, settings.interactive_priority)))
 
 
 @app.command()

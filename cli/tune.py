@@ -13,6 +13,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from tqdm import tqdm
 
@@ -45,8 +46,10 @@ def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> 
     bridge = Bridge(engine)
     start = time.monotonic()
 
+    created = datetime.now(UTC)
+
     def run(i: int) -> float:
-        RUN_BY_KIND[jobs[i].kind](bridge, str(i), jobs[i])
+        RUN_BY_KIND[jobs[i].kind](bridge, str(i), jobs[i], created)
         return time.monotonic() - start
 
     try:

@@ -40,8 +40,29 @@ class EngineConfig:
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 4096  # tokens in one step, decodes and prefill chunks together
     prefill_chunk_size: int = 1024  # the most prompt tokens of one sequence prefilled in a step
-    # Priority points a waiting request gains per second, so low-priority work is never starved forever.
+    # Priority points a waiting request gains per second (counted from its arrival: the job's creation, when
+    # the worker submits it), so low-priority work is never starved forever; see engine.scheduler.
     ageing_rate: float = 0.05
+    # Latency targets (engine.scheduler). Requests of at least this priority are interactive: a person waits on
+    # each token. A step that carries interactive work takes at most `interactive_slowdown` times what that work
+    # alone would take; bulk work fills the rest. `interactive_tpot` / `interactive_ttft` (seconds, 0: off)
+    # replace the slowdown with absolute targets for steps that decode / prefill interactive requests.
+    interactive_priority: int = 7
+    interactive_slowdown: float = 1.5
+    interactive_tpot: float = 0.0
+    interactive_ttft: float = 0.0
+    # For `interactive_window` seconds after an interactive request arrived, steps without interactive work are
+    # sized so that their fixed cost is at least `bulk_step_overhead` of them: bulk gives up about that share of
+    # its throughput so that an urgent newcomer waits at most fixed cost / overhead for the step in flight.
+    # With no interactive traffic, bulk steps have only the token budget.
+    bulk_step_overhead: float = 0.05
+    interactive_window: float = 30.0
+    # Pre-emptions a sequence takes to make room for more urgent newcomers; after that it is left to finish.
+    max_preemptions: int = 2
+    # Waiting requests of one class and aged priority that arrived within this many seconds of each other are
+    # admitted fewest uncached tokens first (short prompts and prefix-cache hits first); a request is never
+    # overtaken by one that arrived later than this.
+    length_window: float = 30.0
     attention_backend: str = "auto"  # "auto" (triton on CUDA when available, else torch) | "torch" | "triton"
     # CPU: decoding sequences also keep dense K/V rows (up to the KV budget again), so decode attention
     # reads views instead of gathering every block at every layer (see engine.dense_decode)
@@ -52,9 +73,6 @@ class EngineConfig:
     # prompts); models with sliding-window layers never use it.
     enable_prefix_cache: bool = True
     host_cache_memory: int = 1 << 30  # bytes of host memory for blocks evicted from the prefix cache; 0: none
-    # Waiting requests of the same (aged) priority that arrived within this many seconds of each other are
-    # admitted longest cached prefix first; a wider window reuses more but lets newcomers overtake for longer.
-    cache_aware_window: float = 1.0
     # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": half the KV bytes of bf16, with per-head scales fixed by
     # each layer's first K/V (see engine.kv_cache)
     kv_cache_dtype: str = "auto"
@@ -67,8 +85,12 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every running sequence can decode")
         if self.prefill_chunk_size < 1 or self.block_size < 1 or self.initial_blocks < 1:
             raise ValueError("prefill_chunk_size, block_size and initial_blocks must be positive")
-        if self.cache_aware_window <= 0 or self.host_cache_memory < 0:
-            raise ValueError("cache_aware_window must be positive and host_cache_memory not negative")
+        if self.length_window <= 0 or self.host_cache_memory < 0:
+            raise ValueError("length_window must be positive and host_cache_memory not negative")
+        if self.interactive_slowdown < 1 or not 0 < self.bulk_step_overhead < 1 or self.max_preemptions < 0:
+            raise ValueError("interactive_slowdown must be >= 1, bulk_step_overhead in (0, 1), max_preemptions >= 0")
+        if self.interactive_tpot < 0 or self.interactive_ttft < 0 or self.interactive_window < 0:
+            raise ValueError("interactive_tpot, interactive_ttft and interactive_window must not be negative")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
         # both raise on a value they do not know

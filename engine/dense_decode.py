@@ -24,11 +24,12 @@ LENGTH_ALIGN = 64
 
 
 class DenseDecodeKV:
-    def __init__(self, cache: KVCache, pool: int, max_bytes: int, max_length: int) -> None:
+    def __init__(self, cache: KVCache, pool: int, max_bytes: int, max_length: int, max_rows: int) -> None:
         self.cache = cache
         self.pool = pool  # the index of `cache` among the engine's pools
         self.max_bytes = max_bytes
         self.max_length = max_length  # no sequence gets longer than this
+        self.max_rows = max_rows  # no step decodes more sequences than this
         num_layers, _, heads, dim = cache.shape
         self.bytes_per_token = 2 * num_layers * heads * dim * cache.data.element_size()
         self.data = torch.zeros(2, num_layers, 0, 0, heads, dim, dtype=cache.dtype, device=cache.device)
@@ -85,23 +86,26 @@ class DenseDecodeKV:
         """Room for `rows` rows of `length` tokens. What grows, grows at least 1.5x (every growth copies
         everything and touches fresh memory): rows to at least `final_rows` (the sequences that will decode
         soon), the length to `final_length` (the longest these sequences can get) but never past
-        `max_length`; when that is too big, to what this step needs."""
+        `max_length`; when that is too big, as far towards it as `max_bytes` allows, at least to what this
+        step needs."""
         old_rows, old_length = self.data.shape[2], self.data.shape[3]
         if rows <= old_rows and length <= old_length:
             return True
-        grown_rows = max(rows, final_rows, math.ceil(old_rows * GROWTH)) if rows > old_rows else old_rows
+        grown_rows = old_rows
+        if rows > old_rows:
+            grown_rows = max(rows, min(max(final_rows, math.ceil(old_rows * GROWTH)), self.max_rows))
         grown_length = old_length
         if length > old_length:
             grown_length = min(max(length, final_length, math.ceil(old_length * GROWTH)), self.max_length)
-        for want_rows in (grown_rows, max(rows, old_rows)):
-            for want_length in (grown_length, max(length, old_length)):
-                target = max(length, min(LENGTH_ALIGN * math.ceil(want_length / LENGTH_ALIGN), self.max_length))
-                if want_rows * target * self.bytes_per_token <= self.max_bytes:
-                    grown = torch.zeros(*self.data.shape[:2], want_rows, target, *self.data.shape[4:],
-                                        dtype=self.data.dtype, device=self.data.device)
-                    grown[:, :, :old_rows, :old_length] = self.data
-                    self.data = grown
-                    return True
+        for want_length in (grown_length, max(length, old_length)):
+            target = max(length, min(LENGTH_ALIGN * math.ceil(want_length / LENGTH_ALIGN), self.max_length))
+            want_rows = min(grown_rows, self.max_bytes // (target * self.bytes_per_token))
+            if want_rows >= max(rows, old_rows):
+                grown = torch.zeros(*self.data.shape[:2], want_rows, target, *self.data.shape[4:],
+                                    dtype=self.data.dtype, device=self.data.device)
+                grown[:, :, :old_rows, :old_length] = self.data
+                self.data = grown
+                return True
         return False
 
     def _fill(self, seqs: list[Sequence]) -> None:

@@ -20,7 +20,7 @@ from engine.loader import load_model, read_eos_ids, read_shape
 from engine.memory import weights_bytes
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, work_of
 from engine.sequence import Sequence
 from engine.text import cut_at_stop, finish_text
 from kernels.dispatch import select_ops
@@ -68,7 +68,7 @@ class LLMEngine:
         if self.device.type == "cpu" and ops.backend == "torch" and config.dense_decode and full_dense and not fp8:
             full = plan.windows.index(0)
             dense = DenseDecodeKV(caches[full], full, plan.max_blocks[full] * plan.block_bytes[full],
-                                  self.max_model_len)
+                                  self.max_model_len, config.max_num_seqs)
         self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, dense)
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
@@ -112,6 +112,7 @@ class LLMEngine:
         if not batch:
             return []
         self._peak_blocks = max(self._peak_blocks, sum(p.num_used for p in self.blocks.pools))
+        work = work_of(batch)
         sampled = self.runner.run(batch)
         end = time.monotonic()
         self._steps += 1
@@ -131,6 +132,8 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 del self._seqs[seq.request_id]
                 done.append(self._completion(seq, reason))
+        # the whole step, planning and bookkeeping included: what an interactive request waits per token
+        self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -153,15 +156,22 @@ class LLMEngine:
         pools = self.blocks.pools
         used, total, ceiling = (sum(p.num_used for p in pools), sum(p.capacity for p in pools),
                                 sum(p.max_blocks for p in pools))
+        s = self.scheduler
         stats = {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "interactive_running": sum(seq.interactive for seq in s.running),
+            "interactive_waiting": sum(seq.interactive for seq in s.waiting),
             "kv_blocks_total": total,
             "kv_blocks_used": used,
             "kv_blocks_peak": self._peak_blocks,
             "kv_blocks_max": ceiling,
             "kv_usage": used / ceiling,  # of the memory budget, not of what is allocated so far
-            "preemptions": self.scheduler.num_preemptions,
+            "preemptions": s.num_preemptions,
+            "preemptions_spared": s.num_preemptions_spared,
+            "bulk_rows_deferred": s.num_rows_deferred,
+            "limited_steps": s.num_limited_steps,
+            **s.cost.coefficients,
             "steps": self._steps,
             "tokens_generated": self._tokens_generated,
             "tokens_computed": self._tokens_computed,

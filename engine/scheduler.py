@@ -1,41 +1,103 @@
-"""Continuous batching: which sequences run in the next step, and with how many new tokens each.
+"""Continuous batching with latency targets: which sequences run in the next step, with how many tokens each.
 
-Every step decodes each running sequence and spends what is left of the token budget on prefill chunks, first
-of running sequences, then of waiting requests admitted in order of urgency (priority, aged by time waited,
-then arrival) while KV blocks and sequence slots last. When blocks run short, the least urgent running
-sequence (lowest priority, most recently admitted) is pre-empted: its blocks are freed and it waits to be
-recomputed. A waiting request may also pre-empt running ones of strictly lower priority, unless ageing already
-made the running one the more urgent.
+Requests are interactive (priority >= `interactive_priority`: a person waits on every token) or bulk. Each
+step is planned in two parts:
 
-With a prefix cache, waiting requests of the same aged priority and age window go longest cached prefix first
-(SGLang's longest-prefix-match order, bounded so it cannot starve anyone), and a request whose next uncached
-block is being prefilled by another sequence in this step waits one step to reuse it instead of computing it
-twice.
+1. Interactive work, whole: every running interactive sequence decodes or prefills its next chunk, and
+   every waiting interactive request is admitted, pre-empting bulk sequences when sequence slots or KV
+   blocks are short (never the reverse).
+2. Bulk work fills the step up to its time limit: bulk decodes (those that ran last step first, then those
+   left out longest), then bulk prefill chunks, of running sequences first, then of waiting requests.
+   With interactive work in the step, the limit is that work's latency target: `interactive_slowdown` times
+   what it would take alone (or `interactive_tpot` / `interactive_ttft` while it decodes / prefills). Without,
+   but with interactive requests seen in the last `interactive_window` seconds, a step is kept short enough
+   that an urgent newcomer does not wait long for it (its fixed cost is `bulk_step_overhead` of it); with no
+   interactive traffic at all, only the token budget (`max_num_batched_tokens`) applies, so bulk alone runs
+   as fast as it ever did. A bulk sequence left out of a step keeps its KV cache and loses only that step.
+
+What a step will take comes from `StepCost`, fitted online to the steps the engine ran.
+
+Waiting requests are admitted by class, then urgency (priority plus `ageing_rate` points per second waited,
+from the request's arrival: the worker passes the job's creation, so time in the broker counts), then
+fewest tokens to compute (prompt minus cached prefix: short prompts and cache hits first), the last only
+among requests that arrived within `length_window` seconds of each other, so a long prompt is never
+overtaken by requests that arrived later than that. A request whose next uncached block another sequence
+prefills in this step waits one step to reuse it instead of computing it twice.
+
+When KV blocks run short, the least urgent running sequence is pre-empted: bulk before interactive, lowest
+priority, most recently admitted; its blocks are freed and it is recomputed later (its full blocks stay in
+the prefix cache, so that is usually cheap). A sequence pre-empted `max_preemptions` times is no longer
+pre-empted to make room for a newcomer, so it cannot be sent back again and again.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import Sequence, Status
+from engine.step_cost import StepCost, Work
+
+
+@dataclass
+class StepPlan:
+    """The step being planned: what runs, and the work that adds up to."""
+
+    tokens_left: int
+    scheduled: dict[Sequence, int] = field(default_factory=dict)
+    computing: set[int] = field(default_factory=set)  # keys of the blocks this step's prefill chunks fill
+    work: Work = field(default_factory=Work)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.scheduled[seq] = n
+        self.tokens_left -= n
+        self.work = plus(self.work, seq, n)
+
+    def remove(self, seq: Sequence) -> None:
+        n = self.scheduled.pop(seq, 0)
+        if n:
+            self.tokens_left += n
+            self.work = plus(self.work, seq, n, sign=-1)
+
+
+def plus(work: Work, seq: Sequence, n: int, sign: int = 1) -> Work:
+    """`work` with `n` more (or, `sign` -1, fewer) tokens of `seq`: a decode row, or a prefill chunk."""
+    if n == 1:
+        return Work(work.prefill_tokens, work.decode_rows + sign, work.decode_context + sign * (seq.num_computed + 1))
+    return Work(work.prefill_tokens + sign * n, work.decode_rows, work.decode_context)
+
+
+def work_of(batch: list[tuple[Sequence, int]]) -> Work:
+    """The work of a scheduled step (before it runs: contexts are counted from `num_computed`)."""
+    work = Work()
+    for seq, n in batch:
+        work = plus(work, seq, n)
+    return work
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, cost: StepCost | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.cost = cost or StepCost()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_preemptions_spared = 0  # newcomers' pre-emptions not done: the victim had taken enough
+        self.num_rows_deferred = 0  # bulk decode rows left out of a step to keep its time limit
+        self.num_limited_steps = 0  # steps that a latency target or a newcomer's wait kept short
         self.num_query_tokens = 0  # tokens of admitted sequences looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens found there
         self.num_host_hit_tokens = 0  # of those, tokens the host tier had brought back
+        self.last_interactive = -math.inf  # when an interactive request last arrived or waited
         self._admissions = itertools.count()
+        self._step = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.interactive = seq.priority >= self.config.interactive_priority
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -49,68 +111,159 @@ class Scheduler:
 
     def schedule(self, now: float) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) for the next step; its blocks are allocated on return."""
-        budget = self.config.max_num_batched_tokens
-        chunk = self.config.prefill_chunk_size
-        scheduled: dict[Sequence, int] = {}
-        computing: set[int] = set()  # keys of the blocks this step's prefill chunks fill
-        # decodes before prefill chunks, most urgent first, so that pre-emption victims come last
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, -s.priority, s.admitted)):
-            n = min(seq.num_uncomputed, chunk, budget)
-            if seq.status is not Status.RUNNING or n == 0:
-                continue
-            self.blocks.recycle(seq)
-            while seq.status is Status.RUNNING and not self.blocks.try_append(seq, n):
-                budget += self._preempt(self._victim(), scheduled)
-            if seq.status is Status.RUNNING:
-                scheduled[seq] = n
-                budget -= n
-                self._mark_computing(seq, n, computing)
-
-        # cached prefixes only order admissions; with every sequence slot taken none is admitted this step
-        # (short of pre-emption, which goes by priority), so skip looking up every waiting prompt
-        room = len(self.running) < self.config.max_num_seqs
-        cached = {seq: len(self.blocks.cached_prefix(seq)) for seq in self.waiting} if room else {}
-        self.waiting.sort(key=lambda s: self._admission_order(s, now, cached.get(s, 0)))
-        i = 0
-        while i < len(self.waiting) and budget > 0:
-            seq = self.waiting[i]
-            if self._next_block_in_flight(seq, computing):
-                i += 1
-                continue
-            if len(self.running) < self.config.max_num_seqs and self._admit(seq, budget):
-                self.waiting.pop(i)
-                scheduled[seq] = n = min(seq.num_uncomputed, chunk, budget)
-                budget -= n
-                self._mark_computing(seq, n, computing)
-                continue
-            victim = self._victim()
-            # higher priority pre-empts, unless the victim has aged past the newcomer (which would thrash)
-            rate = self.config.ageing_rate
-            if victim is None or victim.priority >= seq.priority or victim.urgency(now, rate) >= seq.urgency(now, rate):
+        self._step += 1
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        # 1. interactive work, whole: decodes before prefill chunks, most urgent first
+        for seq in sorted((s for s in self.running if s.interactive),
+                          key=lambda s: (s.num_uncomputed > 1, -s.priority, s.admitted)):
+            self._run(seq, min(seq.num_uncomputed, self.config.prefill_chunk_size, plan.tokens_left), plan)
+        urgent = [s for s in self.waiting if s.interactive]
+        if urgent or plan.scheduled:
+            self.last_interactive = now
+        self._admit(self._admission_order(urgent, now), plan, math.inf, now)
+        # 2. bulk work, up to the step's time limit
+        limit = self._time_limit(plan, now)
+        self.num_limited_steps += limit < math.inf
+        bulk = [s for s in self.running if not s.interactive]
+        decodes = sorted((s for s in bulk if s.num_uncomputed == 1),
+                         key=lambda s: (s.last_step < self._step - 1, s.last_step, s.admitted))
+        for i, seq in enumerate(decodes):
+            if plan.tokens_left < 1 or self.cost.predict(plus(plan.work, seq, 1)) > limit:
+                self.num_rows_deferred += len(decodes) - i  # the rest would not fit either
                 break
-            budget += self._preempt(victim, scheduled)
-        return list(scheduled.items())
+            self._run(seq, 1, plan)
+        for seq in sorted((s for s in bulk if s.num_uncomputed > 1), key=lambda s: s.admitted):
+            if seq.status is Status.RUNNING:
+                self._run(seq, self._chunk(seq, plan, limit), plan)
+        if min(plan.tokens_left, self._spare_tokens(plan, limit)) > 0:  # else ordering the backlog is wasted
+            self._admit(self._admission_order([s for s in self.waiting if not s.interactive], now), plan, limit, now)
+        for seq in plan.scheduled:
+            seq.last_step = self._step
+        return list(plan.scheduled.items())
 
-    def _admission_order(self, seq: Sequence, now: float, cached_blocks: int) -> tuple[float, ...]:
-        urgency = math.floor(seq.urgency(now, self.config.ageing_rate))
-        window = math.floor((now - seq.request.arrival) / self.config.cache_aware_window)
-        return -urgency, -window, -cached_blocks, seq.request.arrival
+    def _time_limit(self, plan: StepPlan, now: float) -> float:
+        """Seconds this step may take once its interactive work is in: that work's latency target, a newcomer's
+        wait while interactive traffic is about, or no limit."""
+        c = self.config
+        if not plan.scheduled:
+            if now - self.last_interactive > c.interactive_window:
+                return math.inf
+            return self.cost.predict(Work()) / c.bulk_step_overhead
+        alone = self.cost.predict(plan.work)
+        limits = []
+        if plan.work.decode_rows:
+            limits.append(c.interactive_tpot or c.interactive_slowdown * alone)
+        if plan.work.prefill_tokens:
+            limits.append(c.interactive_ttft or c.interactive_slowdown * alone)
+        return max(min(limits), alone)
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
-        """Give `seq` its cached prefix and the blocks of its first chunk; False, nothing taken, if short."""
+    def _spare_tokens(self, plan: StepPlan, limit: float) -> int:
+        """Prefill tokens the step's time limit still allows (its token budget aside)."""
+        if limit == math.inf:
+            return plan.tokens_left
+        per_token = self.cost.predict(Work(prefill_tokens=1000)) - self.cost.predict(Work())
+        spare = limit - self.cost.predict(plan.work)
+        return max(0, int(1000 * spare / max(per_token, 1e-9)))
+
+    def _chunk(self, seq: Sequence, plan: StepPlan, limit: float) -> int:
+        """Tokens of `seq`'s prompt to prefill in this step, within the token budget and the time limit; 0 when
+        the time limit leaves only a sliver (less than a block), not worth a pass."""
+        n = min(seq.num_uncomputed, self.config.prefill_chunk_size, plan.tokens_left)
+        timed = min(n, self._spare_tokens(plan, limit))
+        return timed if timed == n or timed >= self.blocks.block_size else 0
+
+    def _run(self, seq: Sequence, n: int, plan: StepPlan) -> None:
+        """Schedule `n` tokens of running `seq`, pre-empting others (or `seq` itself) when blocks are short."""
+        if n <= 0 or seq.status is not Status.RUNNING:
+            return
+        self.blocks.recycle(seq)
+        while seq.status is Status.RUNNING and not self.blocks.try_append(seq, n):
+            self._preempt(self._victim(seq, for_room=True), plan)
+        if seq.status is Status.RUNNING:
+            plan.add(seq, n)
+            self._mark_computing(seq, n, plan.computing)
+
+    def _admission_order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        """`seqs` (waiting, of one class) in the order they are to be admitted."""
+        # cached prefixes only order admissions; with every sequence slot taken only pre-emption lets one in,
+        # which goes by priority, so skip looking up every waiting prompt
+        room = len(self.running) < self.config.max_num_seqs
+        size = self.blocks.block_size
+        cached = {seq: len(self.blocks.cached_prefix(seq)) * size for seq in seqs} if room else {}
+
+        def key(seq: Sequence) -> tuple[float, ...]:
+            urgency = math.floor(seq.urgency(now, self.config.ageing_rate))
+            window = math.floor((now - seq.request.arrival) / self.config.length_window)
+            return -urgency, -window, seq.num_tokens - cached.get(seq, 0), seq.request.arrival
+
+        return sorted(seqs, key=key)
+
+    def _admit(self, candidates: list[Sequence], plan: StepPlan, limit: float, now: float) -> None:
+        """Admit `candidates` in order while the step has room, pre-empting less urgent work for them."""
+        for seq in candidates:
+            if plan.tokens_left <= 0:
+                return
+            if self._next_block_in_flight(seq, plan.computing):
+                continue
+            while (admitted := self._try_admit(seq, plan, limit)) is None:
+                victim = self._victim(seq, for_room=False)
+                if victim is None or not self._may_preempt(seq, victim, now):
+                    return
+                self._preempt(victim, plan)
+            if not admitted:  # the step has no time left for another chunk
+                return
+
+    def _try_admit(self, seq: Sequence, plan: StepPlan, limit: float) -> bool | None:
+        """Give `seq` a slot, its cached prefix and the blocks of its first chunk: True when admitted, False when
+        the step has no time left for it, None (nothing taken) when slots or blocks are short."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
         reused, from_host = self.blocks.reuse(seq)
-        if not self.blocks.try_append(seq, min(seq.num_uncomputed, self.config.prefill_chunk_size, budget)):
+        n = self._chunk(seq, plan, limit)
+        if n == 0 or not self.blocks.try_append(seq, n):
             self.blocks.free(seq)
             seq.num_computed = 0
-            return False
+            return False if n == 0 else None
         if seq.admitted < 0:  # what the request saved, not what a re-admission after pre-emption did
             seq.timings.prompt_tokens_reused, seq.timings.host_tokens_reused = reused, from_host
         self.num_query_tokens += seq.num_tokens
         self.num_hit_tokens += reused
         self.num_host_hit_tokens += from_host
         seq.status, seq.admitted = Status.RUNNING, next(self._admissions)
+        self.waiting.remove(seq)
         self.running.append(seq)
+        plan.add(seq, n)
+        self._mark_computing(seq, n, plan.computing)
         return True
+
+    def _may_preempt(self, newcomer: Sequence, victim: Sequence, now: float) -> bool:
+        """An interactive newcomer may displace any bulk sequence; otherwise only one of strictly lower priority
+        that ageing has not already made the more urgent (which would thrash)."""
+        if newcomer.interactive and not victim.interactive:
+            return True
+        rate = self.config.ageing_rate
+        return victim.priority < newcomer.priority and victim.urgency(now, rate) < newcomer.urgency(now, rate)
+
+    def _victim(self, seq: Sequence, for_room: bool) -> Sequence | None:
+        """The least urgent running sequence `seq` may displace: bulk before interactive, never interactive for
+        bulk. For blocks that running work needs (`for_room`) it may be `seq` itself, which then waits, and
+        sequences pre-empted often are taken last; to admit a newcomer, those are spared."""
+        mine = seq.interactive
+        candidates = [s for s in self.running if mine or not s.interactive]
+        if mine and any(not s.interactive for s in candidates):
+            candidates = [s for s in candidates if not s.interactive]
+
+        def order(s: Sequence) -> tuple[int, ...]:
+            return s.timings.preemptions < self.config.max_preemptions, -s.interactive, -s.priority, s.admitted
+
+        if not for_room:
+            candidates = [s for s in candidates if s is not seq]
+            best = max(candidates, key=order, default=None)
+            if best is not None and best.timings.preemptions >= self.config.max_preemptions:
+                self.num_preemptions_spared += 1
+                return None
+            return best
+        return max(candidates, key=order, default=None)
 
     def _mark_computing(self, seq: Sequence, n: int, computing: set[int]) -> None:
         size = self.blocks.block_size
@@ -123,11 +276,9 @@ class Scheduler:
         blocks = len(self.blocks.cached_prefix(seq))
         return blocks < len(seq.block_keys) and seq.block_keys[blocks].key in computing
 
-    def _victim(self) -> Sequence | None:
-        return max(self.running, key=lambda s: (-s.priority, s.admitted), default=None)
-
-    def _preempt(self, seq: Sequence, scheduled: dict[Sequence, int]) -> int:
-        """Send `seq` back to waiting with no blocks; returns the budget it had taken in this step."""
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Send `seq` back to waiting with no blocks, and out of this step."""
+        plan.remove(seq)
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0
@@ -135,4 +286,3 @@ class Scheduler:
         seq.timings.preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
-        return scheduled.pop(seq, 0)

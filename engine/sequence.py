@@ -31,6 +31,8 @@ class Sequence:
         self.num_indexed = 0  # leading blocks of the first table already offered to the prefix cache
         self.status = Status.WAITING
         self.admitted = -1  # admission counter: the most recently admitted sequence is pre-empted first
+        self.last_step = -1  # the scheduler's last step that ran this sequence
+        self.interactive = False  # a person waits on its tokens (the scheduler decides, from the priority)
         self.timings = Timings()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
@@ -61,7 +63,7 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     def urgency(self, now: float, ageing_rate: float) -> float:
-        """Priority plus what it gained by waiting since arrival."""
+        """Priority plus what it gained by waiting since arrival (for a job: since it was created)."""
         return self.request.priority + ageing_rate * (now - self.request.arrival)
 
     def record_step(self, step: int, start: float, end: float, batch_size: int, prefilled: bool) -> None:

@@ -36,7 +36,7 @@ def publish(
                     TASK_RUN_JOB,
                     args=[str(job.id)],
                     task_id=str(job.id),
-                    queue=queue_for(job.kind, settings),
+                    queue=queue_for(job.priority, settings),
                     priority=broker_priority(job.priority),
                     producer=producer,
                     countdown=countdown or None,

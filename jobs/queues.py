@@ -12,6 +12,7 @@ def broker_priority(priority: int) -> int:
     return 9 - priority
 
 
-def queue_for(kind: str, settings: Settings) -> str:
-    """Chat replies wait on a person; summaries are offline bulk work on a queue of their own."""
-    return settings.bulk_queue if kind == "summarize" else settings.interactive_queue
+def queue_for(priority: int, settings: Settings) -> str:
+    """Interactive jobs (a person waits on them) and bulk jobs travel apart, so that a worker full of bulk work
+    still fetches the next interactive message (see `worker.bulk_gate`); the engine draws the same line."""
+    return settings.interactive_queue if priority >= settings.interactive_priority else settings.bulk_queue

@@ -70,6 +70,17 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(400, ge=1)
     max_request_bytes: int = Field(8 * 2**20, ge=1024)  # one JSON request body
 
+    # Jobs of at least this priority are interactive: a person waits on them. They go to the interactive queue
+    # and get latency targets in the engine; everything else is bulk.
+    interactive_priority: int = Field(7, ge=0, le=9)
+    # The engine keeps interactive work within these targets and gives bulk work the rest: a step carrying
+    # interactive work takes at most `interactive_slowdown` times what that work alone would take, or, when set
+    # (> 0), at most these milliseconds per output token / for a step that prefills an interactive prompt.
+    interactive_slowdown: float = Field(1.5, ge=1.0)
+    interactive_tpot_ms: float = Field(0.0, ge=0)
+    interactive_ttft_ms: float = Field(0.0, ge=0)
+    # Bulk jobs may hold at most this share of a worker's threads: the rest stay free for interactive messages.
+    bulk_share: float = Field(0.75, gt=0, le=1)
     interactive_queue: str = "convoq.interactive"
     bulk_queue: str = "convoq.bulk"
     # Seconds a delivered but unacknowledged message stays invisible before Redis hands it out again:

@@ -51,10 +51,14 @@ def test_submit_commits_row_and_publishes_with_broker_priority(client, database,
     assert job_rows(database) == 1
 
 
-def test_summaries_go_to_the_bulk_queue(client, broker):
-    r = client.post("/v1/jobs", json={**GOOD, "kind": "summarize", "priority": 0}, headers=AUTH)
-    assert r.status_code == 202
-    assert redis.Redis.from_url(broker).llen("convoq.bulk:9") == 1
+def test_jobs_go_to_the_queue_of_their_class(client, broker):
+    """Below the interactive priority (7) a job is bulk, whatever its kind; from it, interactive."""
+    for kind, priority in (("summarize", 0), ("chat", 3), ("summarize", 9)):
+        r = client.post("/v1/jobs", json={**GOOD, "kind": kind, "priority": priority}, headers=AUTH)
+        assert r.status_code == 202
+    r = redis.Redis.from_url(broker)
+    assert r.llen("convoq.bulk:9") == 1 and r.llen(f"convoq.bulk:{broker_priority(3)}") == 1
+    assert r.llen("convoq.interactive") == 1  # priority 9 is broker level 0: the bare list
 
 
 @pytest.mark.parametrize(

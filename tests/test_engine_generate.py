@@ -9,7 +9,15 @@ from transformers import AutoModelForCausalLM
 
 from engine.engine_thread import EngineThread
 from engine.interface import Request, RequestError, SamplingParams
-from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+    FakeCost,
+    greedy,
+    kv_block_bytes,
+    make_engine,
+    prompts,
+    run_all,
+    single_thread,
+)
 
 PROMPTS = prompts(24, 5, 400, seed=3)
 NEW_TOKENS = [4 + i % 13 for i in range(len(PROMPTS))]
@@ -53,6 +61,19 @@ def test_greedy_matches_transformers(tiny_models, hf_outputs, preset, pressure):
         assert stats["preemptions"] > 0
         assert sum(c.timings.preemptions for c in done.values()) == stats["preemptions"]
         assert stats["kv_blocks_total"] <= stats["kv_blocks_max"]
+
+
+def test_greedy_matches_transformers_while_latency_targets_cut_bulk_work(tiny_models, hf_outputs):
+    """Every third request interactive; a step-cost model under which every step carrying them has room for only
+    part of the bulk work: bulk rows are left out of steps and prefill chunks are cut, the tokens stay the same."""
+    engine = make_engine(tiny_models["tiny"], max_num_seqs=32)
+    engine.scheduler.cost = FakeCost()
+    requests = [Request(str(i), ids, greedy(n, ignore_eos=False), priority=9 if i % 3 == 0 else 1)
+                for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
+    done = run_all(engine, requests)
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny"]
+    stats = engine.stats()
+    assert stats["bulk_rows_deferred"] > 0 and stats["limited_steps"] > 0
 
 
 def test_dense_decode_rows_follow_preemption(tiny_models, hf_outputs):
@@ -166,7 +187,7 @@ def test_dense_rows_grow_geometrically_up_to_the_context():
 
     cache = KVCache(2, 4, 16, 2, 8, torch.float32, torch.device("cpu"))
     per_token = 2 * 2 * 2 * 8 * 4
-    dense = DenseDecodeKV(cache, 0, max_bytes=64 * 300 * per_token, max_length=300)
+    dense = DenseDecodeKV(cache, 0, max_bytes=64 * 300 * per_token, max_length=300, max_rows=64)
     # rows for every sequence of the step, the length they will reach (aligned)
     assert dense._fit(3, 10, final_rows=4, final_length=40) and dense.data.shape[2:4] == (4, 64)
     assert dense._fit(4, 20, final_rows=4, final_length=40) and dense.data.shape[2:4] == (4, 64)  # no growth
@@ -174,3 +195,11 @@ def test_dense_rows_grow_geometrically_up_to_the_context():
     assert dense._fit(6, 200, final_rows=6, final_length=280) and dense.data.shape[2:4] == (6, 300)  # context cap
     assert dense._fit(64, 300, final_rows=64, final_length=300) and dense.data.shape[2:4] == (64, 300)  # all fits
     assert not dense._fit(65, 300, final_rows=65, final_length=300)  # over the budget: the step runs paged
+    # 1.5x more rows would not fit the budget: as many as fit, not just the one more this step needs
+    tight = DenseDecodeKV(cache, 0, max_bytes=40 * 300 * per_token, max_length=300, max_rows=256)
+    assert tight._fit(30, 300, final_rows=30, final_length=300) and tight.data.shape[2:4] == (30, 300)
+    assert tight._fit(31, 300, final_rows=31, final_length=300) and tight.data.shape[2:4] == (40, 300)
+    # never more rows than a step can decode, so the budget stays for the length
+    capped = DenseDecodeKV(cache, 0, max_bytes=64 * 300 * per_token, max_length=300, max_rows=8)
+    assert capped._fit(6, 100, final_rows=6, final_length=100) and capped._fit(7, 100, final_rows=7, final_length=100)
+    assert capped.data.shape[2] == 8

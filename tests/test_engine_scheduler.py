@@ -8,7 +8,16 @@ import time
 
 from engine.block_manager import GROWTH
 from engine.interface import Request
-from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
+from engine.scheduler import work_of
+from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+    FakeCost,
+    greedy,
+    kv_block_bytes,
+    make_engine,
+    prompts,
+    run_all,
+    single_thread,
+)
 
 
 def test_pool_too_small_for_everything_at_once(tiny_model):
@@ -49,24 +58,31 @@ def test_priority_request_preempts_and_finishes_first(tiny_model):
     assert engine.stats()["preemptions"] >= 1  # every slot was taken: a bulk request made room
 
 
-def test_ageing_lets_old_low_priority_work_go_first(tiny_model):
-    def first_admitted(ageing_rate: float) -> str:
+def test_ageing_lets_old_work_go_first_within_its_class_but_never_past_interactive(tiny_model):
+    def first_admitted(ageing_rate: float, fresh_priority: int) -> str:
         engine = make_engine(tiny_model, max_num_seqs=1, ageing_rate=ageing_rate)
-        # waited 100 s at priority 0 against a fresh priority 9
+        # waited 100 s at priority 0 against a fresh request
         engine.add_request(Request("old", [5] * 10, greedy(2), priority=0, arrival=time.monotonic() - 100))
-        engine.add_request(Request("new", [6] * 10, greedy(2), priority=9))
+        engine.add_request(Request("new", [6] * 10, greedy(2), priority=fresh_priority))
         engine.step()
         return engine.scheduler.running[0].request_id
 
-    assert first_admitted(ageing_rate=0.0) == "new"
-    assert first_admitted(ageing_rate=0.1) == "old"
+    assert first_admitted(ageing_rate=0.0, fresh_priority=5) == "new"
+    assert first_admitted(ageing_rate=0.1, fresh_priority=5) == "old"  # 0 + 100 s * 0.1 outranks 5
+    assert first_admitted(ageing_rate=0.1, fresh_priority=9) == "new"  # interactive: bulk never ages past it
 
 
-def test_equal_priority_runs_in_arrival_order_without_preemption(tiny_model):
-    engine = make_engine(tiny_model, max_num_seqs=2)
-    requests = [Request(str(i), ids, greedy(4), priority=3) for i, ids in enumerate(prompts(6, 10, 20))]
+def test_equal_priority_goes_shortest_first_but_never_past_what_came_a_window_earlier(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=1, ageing_rate=0.0, length_window=30.0)
+    now = time.monotonic()
+    lengths = {"fresh-long": 200, "short-b": 40, "short-a": 12, "short-c": 90}
+    ids = dict(zip(lengths, prompts(4, 10, 10, seed=5), strict=True))
+    requests = [Request(name, ids[name] * (n // 10), greedy(3), priority=3, arrival=now)
+                for name, n in lengths.items()]
+    # a long prompt that arrived more than a window earlier is not overtaken by the short ones
+    requests.append(Request("old-long", prompts(1, 200, 200, seed=6)[0], greedy(3), priority=3, arrival=now - 40))
     done = run_all(engine, requests)
-    assert list(done) == [str(i) for i in range(6)]
+    assert list(done) == ["old-long", "short-a", "short-b", "short-c", "fresh-long"]
     assert engine.stats()["preemptions"] == 0
 
 
@@ -102,3 +118,97 @@ def test_waiting_prompts_are_not_looked_up_while_every_slot_is_taken(tiny_model)
     assert lookups == []
     while engine.has_unfinished():
         engine.step()
+
+
+def run_until(engine, request_id: str) -> list[str]:
+    """Step until `request_id` finishes; returns the ids finished on the way, in order."""
+    finished: list[str] = []
+    while request_id not in finished:
+        finished += [c.request_id for c in engine.step()]
+    return finished
+
+
+def record_plans(engine) -> list[tuple]:
+    """From now on, each step's (work, its interactive part's work, bulk entries), as planned."""
+    planned = []
+    schedule = engine.scheduler.schedule
+
+    def recording(now: float):
+        batch = schedule(now)
+        chat = [(s, n) for s, n in batch if s.interactive]
+        planned.append((work_of(batch), work_of(chat), len(batch) - len(chat)))
+        return batch
+
+    engine.scheduler.schedule = recording
+    return planned
+
+
+def test_steps_with_an_urgent_chat_keep_its_latency_target_and_bulk_fills_the_rest(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=64)
+    cost = engine.scheduler.cost = FakeCost()
+    planned = record_plans(engine)
+    for i, ids in enumerate(prompts(60, 150, 300)):
+        engine.add_request(Request(f"bulk{i}", ids, greedy(40), priority=1))
+    for _ in range(4):
+        engine.step()
+    # no interactive traffic yet: bulk gets the whole token budget
+    assert planned[0][0].prefill_tokens == engine.config.max_num_batched_tokens
+    engine.add_request(Request("chat", prompts(1, 40, 40, seed=9)[0], greedy(12), priority=9))
+    del planned[:]
+    run_until(engine, "chat")
+    assert len(planned) == 12  # the chat ran in every step: its prefill and first token, then 11 decodes
+    for total, chat, bulk_entries in planned:
+        assert cost.predict(total) <= 1.5 * cost.predict(chat) + 1e-12  # the default interactive_slowdown
+        assert bulk_entries > 0  # bulk shared every step, within the target
+    assert engine.stats()["bulk_rows_deferred"] > 0  # it had more than fitted
+    engine.step()
+    total, chat, bulk_entries = planned[-1]
+    assert chat == work_of([]) and bulk_entries > 0
+    # interactive traffic is about: a bulk step stays short enough for the next urgent request
+    assert cost.predict(total) <= cost.fixed / engine.config.bulk_step_overhead + 1e-12
+
+
+def test_an_absolute_per_token_target_replaces_the_slowdown(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=64, interactive_tpot=0.012)
+    cost = engine.scheduler.cost = FakeCost()
+    for i, ids in enumerate(prompts(40, 150, 300)):
+        engine.add_request(Request(f"bulk{i}", ids, greedy(40), priority=1))
+    for _ in range(4):
+        engine.step()
+    engine.add_request(Request("chat", prompts(1, 40, 40, seed=9)[0], greedy(6), priority=9))
+    engine.step()  # its prefill
+    planned = record_plans(engine)
+    run_until(engine, "chat")
+    for total, chat, _ in planned:  # decodes only: filled up to the target, not to 1.5x what the chat takes
+        assert chat.decode_rows == 1 and 1.5 * cost.predict(chat) < 0.011 < cost.predict(total) <= 0.012
+
+
+def test_an_urgent_request_takes_a_slot_from_bulk_but_never_the_reverse(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=2)
+    for i, ids in enumerate(prompts(2, 40, 60)):
+        engine.add_request(Request(f"bulk{i}", ids, greedy(30), priority=1))
+    engine.step()
+    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(20), priority=9))
+    engine.step()
+    running = {s.request_id for s in engine.scheduler.running}
+    assert "urgent" in running and len(running) == 2 and engine.stats()["preemptions"] == 1
+    # a bulk request of higher priority may displace bulk, not the interactive sequence
+    engine.add_request(Request("bulk-high", prompts(1, 30, 30, seed=8)[0], greedy(5), priority=6))
+    engine.step()
+    running = {s.request_id for s in engine.scheduler.running}
+    assert running == {"urgent", "bulk-high"} and engine.stats()["preemptions"] == 2
+
+
+def test_a_bulk_sequence_is_not_preempted_again_and_again(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=1, max_preemptions=2)
+    engine.add_request(Request("bulk", prompts(1, 50, 50)[0], greedy(30), priority=1))
+    engine.step()
+    for k in range(2):
+        engine.add_request(Request(f"chat{k}", prompts(1, 20, 20, seed=k)[0], greedy(2), priority=9))
+        assert run_until(engine, f"chat{k}") == [f"chat{k}"]  # it took the only slot from bulk at once
+        engine.step()  # bulk back in
+    engine.add_request(Request("chat2", prompts(1, 20, 20, seed=2)[0], greedy(2), priority=9))
+    finished = run_until(engine, "chat2")
+    assert finished == ["bulk", "chat2"]  # pre-empted twice already: the third chat waited for it
+    stats = engine.stats()
+    assert stats["preemptions"] == 2 and stats["preemptions_spared"] > 0

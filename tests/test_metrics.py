@@ -89,8 +89,9 @@ def test_database_metrics_survive_an_unreachable_broker(settings):
 def outcome(finish_reason: str = "stop") -> tuple[Claimed, Outcome]:
     created = utcnow() - timedelta(seconds=3)
     job = JobIn(messages=[{"role": "user", "content": "hi"}], priority=7)
-    claimed = Claimed(uuid.uuid4(), job, created, created + timedelta(seconds=2), None, 1)
-    timings = Timings(queue_wait_ms=100, ttft_ms=250, prefill_ms=150, decode_ms=400, prompt_tokens_reused=32,
+    claimed = Claimed(uuid.uuid4(), job, created, None, 1)
+    # the engine's clock starts at the job's creation: 2.1 s waited (broker, claim, engine), first token at 2.25
+    timings = Timings(queue_wait_ms=2100, ttft_ms=2250, prefill_ms=150, decode_ms=400, prompt_tokens_reused=32,
                       host_tokens_reused=16, batch_size=5, batch_id=3)
     return claimed, Outcome(Completion("r", [1, 2, 3, 4], "text", 64, finish_reason, timings=timings), engine_ms=700)
 
@@ -157,3 +158,16 @@ def test_worker_serves_its_registry_and_survives_a_taken_port():
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     assert "convoq_engine_waiting_requests 4.0" in text
     assert "convoq_job_end_to_end_seconds" in text
+
+
+def test_every_engine_metric_is_a_stat_our_engine_reports(tiny_model):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from worker.metrics import ENGINE_STATS
+
+    stats = LLMEngine(EngineConfig(model=str(tiny_model), kv_cache_memory=2**24)).stats()
+    assert set(ENGINE_STATS) <= set(stats)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: stats))
+    assert registry.get_sample_value("convoq_engine_limited_steps_total") == 0
+    assert registry.get_sample_value("convoq_engine_step_fixed_seconds") > 0

@@ -18,7 +18,8 @@ NOW = datetime.now(UTC)
 SUCCEEDED = 240
 OTHERS = {"failed": 30, "queued": 20, "cancelled": 10}
 PRIORITIES = (9, 5, 1)
-SECTIONS = ("statuses", "latency-summary", "latency", "throughput", "wait-vs-compute", "batch-size", "prefix-reuse")
+SECTIONS = ("statuses", "latency-summary", "latency", "throughput", "interactive-vs-bulk", "wait-vs-compute", "batch-size",
+            "prefix-reuse")
 
 
 def e2e_ms(i: int) -> float:
@@ -63,7 +64,7 @@ def test_report_of_a_seeded_database(database, tmp_path):
     page = out.read_text()
     for anchor in SECTIONS:
         assert f'<section id="{anchor}">' in page
-    assert page.count('src="data:image/png;base64,') == 5
+    assert page.count('src="data:image/png;base64,') == 6
     assert "<tr><td>succeeded</td><td>240</td></tr>" in page  # the 20 older jobs are outside the window
     for status, n in OTHERS.items():
         assert f"<tr><td>{status}</td><td>{n}</td></tr>" in page

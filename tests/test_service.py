@@ -45,7 +45,7 @@ def test_twenty_jobs_end_to_end(stack, database):
 
 
 def test_urgent_jobs_overtake_queued_bulk_work(service_env, database, tmp_path):
-    """40 bulk jobs at priority 1 wait before 5 at priority 9 on the same queue; the 5 still finish first.
+    """40 bulk jobs at priority 1 wait in Redis before 5 summaries at priority 9; the 5 still finish first.
 
     The engine runs at most 4 sequences at a time here, so that priority decides who runs, not just who starts.
     """
@@ -86,3 +86,29 @@ def test_flower_sees_the_worker_and_its_tasks(service_env, tmp_path):
         assert any(name.startswith("convoq@") for name in workers), workers
         assert ids <= succeeded, tasks
         assert all(tasks[t]["name"] == "convoq.run_job" for t in ids)
+
+
+def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, database, tmp_path):
+    """Bulk jobs that run for minutes may hold at most 3 of a worker's 4 threads: the fourth takes the urgent job."""
+    env = {**service_env, "CONVOQ_BACKEND": "tests.slow_backend:create", "CONVOQ_WORKER_CONCURRENCY": "4"}
+    with Stack(env, tmp_path / "logs") as stack:
+        stack.start_api()
+        stack.start_worker()
+        with Client(stack.api_url, API_KEY) as client:
+            for i in range(8):
+                client.submit(chat(i, priority=1, kind="summarize"))
+
+            def running() -> int:
+                return rows(database, "SELECT count(*) FROM jobs WHERE status = 'running'")[0][0]
+
+            deadline = time.monotonic() + 30
+            while running() < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # had the worker taken a fourth bulk message, it would have claimed it by now
+            assert running() == 3
+            start = time.monotonic()
+            urgent = client.wait(client.submit(chat(99, priority=9)).id, timeout=30)
+            waited = time.monotonic() - start
+        assert urgent.status == "succeeded" and waited < 10
+        bulk = [status for (status,) in rows(database, "SELECT status FROM jobs WHERE priority = 1")]
+        assert bulk.count("running") == 3 and bulk.count("queued") == 5, bulk

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
 from jobs.chat import chat_for
@@ -10,6 +12,8 @@ from jobs.settings import Settings
 from worker.backend import load_backend
 from worker.bridge import Bridge
 from worker.summarize import plan_chunks, split_turn, summarize
+
+NOW = datetime.now(UTC)
 
 
 @pytest.fixture(scope="module", params=["engine", "hf"])
@@ -33,33 +37,38 @@ def summary_job(turns: list[Message], max_new_tokens: int) -> JobIn:
     return JobIn(kind="summarize", priority=1, messages=turns, sampling={"max_new_tokens": max_new_tokens})
 
 
-def spy_prompts(bridge: Bridge) -> list[int]:
+arrivals: list[float] = []  # the engine-clock arrival of every request `spy_prompts` saw
+
+
+def spy_prompts(bridge: Bridge, monkeypatch) -> list[int]:
     """Record the prompt length of every request the bridge sends to the engine."""
     lengths: list[int] = []
+    arrivals.clear()
     submit = bridge.thread.submit
 
     def recording(request):
         lengths.append(len(request.prompt_ids))
+        arrivals.append(request.arrival)
         return submit(request)
 
-    bridge.thread.submit = recording
+    monkeypatch.setattr(bridge.thread, "submit", recording)
     return lengths
 
 
-def test_short_transcript_is_one_request(bridge):
-    lengths = spy_prompts(bridge)
-    outcome = summarize(bridge, "short", summary_job(transcript(6), 16))
+def test_short_transcript_is_one_request(bridge, monkeypatch):
+    lengths = spy_prompts(bridge, monkeypatch)
+    outcome = summarize(bridge, "short", summary_job(transcript(6), 16), NOW)
     assert outcome.completion.ok and outcome.completion.text
     assert (outcome.chunks, outcome.levels) == (1, 1) and len(lengths) == 1
 
 
-def test_transcript_five_times_the_context_goes_through_map_reduce(bridge):
+def test_transcript_five_times_the_context_goes_through_map_reduce(bridge, monkeypatch):
     turns = transcript(250)
     whole = len(bridge.prompt_ids(chat_for(summary_job(turns, 48))))
     assert whole > 5 * bridge.context
-    lengths = spy_prompts(bridge)
+    lengths = spy_prompts(bridge, monkeypatch)
     max_new = 48
-    outcome = summarize(bridge, "long", summary_job(turns, max_new))
+    outcome = summarize(bridge, "long", summary_job(turns, max_new), NOW)
     assert outcome.completion.ok, outcome.completion.error
     assert outcome.chunks >= 5 and outcome.levels >= 2
     assert len(lengths) >= outcome.chunks + 1
@@ -103,18 +112,34 @@ def test_chunks_are_as_large_as_fits_with_few_prompt_checks():
 
 
 def test_a_budget_too_small_to_combine_fails_clearly(bridge):
-    outcome = summarize(bridge, "hopeless", summary_job(transcript(120), 480))
+    outcome = summarize(bridge, "hopeless", summary_job(transcript(120), 480), NOW)
     assert outcome.completion.finish_reason == "error"
     assert "max_new_tokens" in outcome.completion.error
 
 
-def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge):
+def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge, monkeypatch):
     from jobs.chat import problem
     from worker.tasks import reply
 
     job = JobIn(messages=[{"role": "user", "content": "where is my parcel " * 200}], sampling={"max_new_tokens": 64})
-    lengths = spy_prompts(bridge)
-    outcome = reply(bridge, "too-long", job)
+    lengths = spy_prompts(bridge, monkeypatch)
+    outcome = reply(bridge, "too-long", job, NOW)
     assert outcome.completion.finish_reason == "error" and not outcome.completion.retryable
     assert outcome.completion.error == problem(job, bridge.engine.tokenizer, bridge.context)[1]
     assert lengths == []  # refused before the engine saw it
+
+
+def test_the_engine_counts_a_jobs_wait_from_its_creation(bridge, monkeypatch):
+    """Time in the broker ages a request like time in the engine: its arrival is the job's creation."""
+    import time
+
+    from worker.tasks import reply
+
+    spy_prompts(bridge, monkeypatch)
+    created = datetime.now(UTC) - timedelta(seconds=30)
+    job = JobIn(messages=[{"role": "user", "content": "Where is my parcel?"}], sampling={"max_new_tokens": 4})
+    outcome = reply(bridge, "waited", job, created)
+    assert outcome.completion.ok
+    [arrival] = arrivals
+    assert 29 < time.monotonic() - arrival < 60
+    assert outcome.completion.timings.queue_wait_ms >= 30_000 and outcome.completion.timings.ttft_ms >= 30_000

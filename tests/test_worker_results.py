@@ -99,7 +99,7 @@ def test_reconciler_hands_back_a_dead_workers_jobs_and_publishes_stranded_ones(d
     swept = reconcile(sessions, celery, settings)
     assert swept["orphans"] == 1 and swept["published"] == 1
     assert counts(engine, alive)[0] == "running" and counts(engine, dead)[0] == "queued"
-    assert redis.Redis.from_url(broker).llen("convoq.interactive:4") == 1  # priority 5 -> broker 4
+    assert redis.Redis.from_url(broker).llen("convoq.bulk:4") == 1  # priority 5 (bulk) -> broker 4
     assert reconcile(sessions, celery, settings)["published"] == 0  # published now: nothing left to do
 
 

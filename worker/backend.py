@@ -24,7 +24,9 @@ def engine_config(settings: Settings, **overrides) -> EngineConfig:
         kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, kv_cache_dtype=settings.kv_cache_dtype,
         attention_policy=settings.attention_policy, enable_prefix_cache=settings.enable_prefix_cache,
-        host_cache_memory=settings.host_cache_memory,
+        host_cache_memory=settings.host_cache_memory, interactive_priority=settings.interactive_priority,
+        interactive_slowdown=settings.interactive_slowdown, interactive_tpot=settings.interactive_tpot_ms / 1e3,
+        interactive_ttft=settings.interactive_ttft_ms / 1e3,
     ) | overrides
     # every running sequence must be able to decode in one step
     values["max_num_batched_tokens"] = max(values["max_num_batched_tokens"], values["max_num_seqs"])

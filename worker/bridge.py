@@ -7,12 +7,21 @@ by the task (`worker.tasks`, `worker.summarize`), never here.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
+from datetime import UTC, datetime
 
 from engine.engine_thread import EngineThread
 from engine.interface import Completion, Request, SamplingParams, StepEngine
 from jobs.chat import Chat, encode_chat
 from jobs.schemas import JobIn, Sampling
+
+
+def engine_clock(created_at: datetime) -> float:
+    """A job's creation on the engine's clock (`time.monotonic`), so that time in the broker counts as waiting
+    (the engine ages waiting requests by it). A creation stamped in this host's future counts as now."""
+    age = (datetime.now(UTC) - (created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC))).total_seconds()
+    return time.monotonic() - max(0.0, age)
 
 
 def sampling_params(sampling: Sampling) -> SamplingParams:
@@ -32,14 +41,16 @@ class Bridge:
     def prompt_ids(self, chat: Chat) -> list[int]:
         return encode_chat(self.engine.tokenizer, chat)
 
-    def submit(self, request_id: str, prompt_ids: list[int], job: JobIn) -> Future[Completion]:
-        """Run one prompt of `job` (with its sampling, priority and conversation) in the engine."""
+    def submit(self, request_id: str, prompt_ids: list[int], job: JobIn, created_at: datetime) -> Future[Completion]:
+        """Run one prompt of `job` (with its sampling, priority and conversation) in the engine; the engine counts
+        its wait from `created_at`, the job's creation."""
         return self.thread.submit(Request(
             request_id=request_id,
             prompt_ids=prompt_ids,
             sampling=sampling_params(job.sampling),
             priority=job.priority,
             conversation_id=job.conversation_id,
+            arrival=engine_clock(created_at),
         ))
 
     def stats(self) -> dict[str, float]:

@@ -34,6 +34,16 @@ ENGINE_STATS = {
                         "Tokens run through the model (prompt tokens not served from cache, and generated ones)"),
     "prefix_cache_hit_rate": ("convoq_engine_prefix_cache_hit_ratio", "gauge",
                               "Fraction of prompt tokens served from the prefix cache"),
+    "interactive_running": ("convoq_engine_interactive_running_requests", "gauge",
+                            "Interactive requests the engine is running (priority at or above the interactive one)"),
+    "limited_steps": ("convoq_engine_limited_steps", "counter",
+                      "Steps an interactive latency target (or a newcomer's wait) kept short"),
+    "bulk_rows_deferred": ("convoq_engine_bulk_rows_deferred", "counter",
+                           "Bulk decode rows left out of a step to keep an interactive latency target"),
+    "preemptions_spared": ("convoq_engine_preemptions_spared", "counter",
+                           "Pre-emptions not done because the sequence had been pre-empted often enough"),
+    "step_fixed_s": ("convoq_engine_step_fixed_seconds", "gauge",
+                     "The fixed part of a step's cost, as the engine's online fit has it"),
 }
 
 

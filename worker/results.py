@@ -38,7 +38,6 @@ class Claimed:
     job_id: uuid.UUID
     job: JobIn  # the payload, validated once at claim
     created_at: datetime
-    claimed_at: datetime
     batch_id: uuid.UUID | None
     attempt: int
 
@@ -103,7 +102,7 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
     """
     jobs = Job.__table__
 
-    def action() -> tuple[dict[uuid.UUID, tuple], datetime]:
+    def action() -> dict[uuid.UUID, tuple]:
         now = utcnow()
         with sessions.begin() as session:
             rows = session.execute(
@@ -113,9 +112,9 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
                 .returning(jobs.c.id, jobs.c.payload, jobs.c.created_at, jobs.c.batch_id, jobs.c.attempts,
                            jobs.c.error)
             ).all()
-        return {row.id: row for row in rows}, now
+        return {row.id: row for row in rows}
 
-    rows, now = retrying(action, f"claim {len(job_ids)} jobs")
+    rows = retrying(action, f"claim {len(job_ids)} jobs")
     out: list[Claimed | None] = []
     for job_id in job_ids:
         row = rows.pop(uuid.UUID(job_id), None)
@@ -133,7 +132,7 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
             _fail(sessions, row.id, row.batch_id, f"the job's payload is not a valid job: {exc}")
             out.append(None)
             continue
-        out.append(Claimed(row.id, job, row.created_at, now, row.batch_id, row.attempts))
+        out.append(Claimed(row.id, job, row.created_at, row.batch_id, row.attempts))
     return out
 
 
@@ -165,14 +164,14 @@ def finished_status(completion: Completion) -> JobStatus:
 
 
 def timing_row(claimed: Claimed, outcome: Outcome, batch_prefix: str, now: datetime) -> dict:
-    """The job's timings: queue wait and time to first token count from the job's creation."""
+    """The job's timings: queue wait and time to first token count from the job's creation (the engine's clock
+    starts there: `Bridge.submit`)."""
     c, t = outcome.completion, outcome.completion.timings
-    waited = ms_between(claimed.created_at, claimed.claimed_at)  # broker queue + claim
     busy_s = (t.prefill_ms + t.decode_ms) / 1e3
     return dict(
         job_id=claimed.job_id,
-        queue_wait_ms=waited + t.queue_wait_ms,
-        ttft_ms=waited + t.ttft_ms,
+        queue_wait_ms=t.queue_wait_ms,
+        ttft_ms=t.ttft_ms,
         prefill_ms=t.prefill_ms,
         decode_ms=t.decode_ms,
         engine_ms=outcome.engine_ms,

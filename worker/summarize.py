@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
+from datetime import datetime
 
 from engine.interface import Completion, Timings
 from jobs.chat import Chat, chat_for, combine_chat, part_chat, prompt_budget, summary_problem
@@ -66,12 +67,13 @@ def plan_chunks(turns: Turns, fits: Callable[[Turns], bool]) -> list[Turns]:
     return chunks
 
 
-def merge(completions: list[Completion], final: Completion, started: float, final_submitted: float) -> Completion:
-    """One completion for the job: the final text, with the work of every request it took added up."""
+def merge(completions: list[Completion], final: Completion) -> Completion:
+    """One completion for the job: the final text, with the work of every request it took added up (every
+    request counts its waiting from the job's creation, so the final one's first token is the job's)."""
     t = [c.timings for c in completions]
     timings = Timings(
         queue_wait_ms=min(x.queue_wait_ms for x in t),
-        ttft_ms=(final_submitted - started) * 1e3 + final.timings.ttft_ms,
+        ttft_ms=final.timings.ttft_ms,
         prefill_ms=sum(x.prefill_ms for x in t),
         decode_ms=sum(x.decode_ms for x in t),
         prompt_tokens_reused=sum(x.prompt_tokens_reused for x in t),
@@ -83,7 +85,7 @@ def merge(completions: list[Completion], final: Completion, started: float, fina
     return replace(final, prompt_tokens=sum(c.prompt_tokens for c in completions), timings=timings)
 
 
-def summarize(bridge: Bridge, job_id: str, job: JobIn) -> Outcome:
+def summarize(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> Outcome:
     started = time.monotonic()
     if problem := summary_problem(job.sampling.max_new_tokens, bridge.context):
         return _too_long(job_id, problem, started)
@@ -93,7 +95,7 @@ def summarize(bridge: Bridge, job_id: str, job: JobIn) -> Outcome:
         return lambda turns: len(bridge.prompt_ids(make_chat(turns))) <= budget
 
     def run_all(chats: list[Chat], level: int) -> list[Completion]:
-        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", bridge.prompt_ids(chat), job)
+        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", bridge.prompt_ids(chat), job, created_at)
                                  for i, chat in enumerate(chats)]
         return [f.result() for f in futures]
 
@@ -120,12 +122,11 @@ def summarize(bridge: Bridge, job_id: str, job: JobIn) -> Outcome:
         level += 1
         as_turns = [Message.model_construct(role="user", content=s) for s in summaries]
         if combine_fits(as_turns):
-            final_submitted = time.monotonic()
             [final] = run_all([combine_chat(summaries)], level)
             done.append(final)
             if not final.ok:
                 return failed(final, "combining the summaries failed")
-            return Outcome(merge(done, final, started, final_submitted), (time.monotonic() - started) * 1e3,
+            return Outcome(merge(done, final), (time.monotonic() - started) * 1e3,
                            chunks=len(chunks), levels=level)
         groups = plan_chunks(as_turns, combine_fits)
         if len(groups) >= len(summaries):

@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 from celery import Celery
 from celery.signals import worker_init, worker_shutdown
@@ -30,6 +31,7 @@ from jobs.tables import Job
 from worker import results
 from worker.backend import load_backend
 from worker.bridge import Bridge
+from worker.bulk_gate import bulk_gate
 from worker.metrics import WorkerMetrics
 from worker.outcome import Outcome
 from worker.reconciler import Reconciler, hand_back
@@ -38,17 +40,18 @@ from worker.summarize import summarize
 log = logging.getLogger(__name__)
 
 
-def reply(bridge: Bridge, job_id: str, job: JobIn) -> Outcome:
+def reply(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> Outcome:
     """A chat job: one request, its prompt and output within the model's context."""
     start = time.monotonic()
     prompt = bridge.prompt_ids(chat_for(job))
     if problem := chat_problem(len(prompt), job.sampling.max_new_tokens, bridge.context):
         return Outcome.failed(job_id, problem)
-    completion = bridge.submit(job_id, prompt, job).result()
+    completion = bridge.submit(job_id, prompt, job, created_at).result()
     return Outcome(completion, (time.monotonic() - start) * 1e3)
 
 
-RUN_BY_KIND: dict[str, Callable[[Bridge, str, JobIn], Outcome]] = {"chat": reply, "summarize": summarize}
+# how each kind of job runs: (bridge, job id, job, its creation) -> outcome
+RUN_BY_KIND: dict[str, Callable[[Bridge, str, JobIn, datetime], Outcome]] = {"chat": reply, "summarize": summarize}
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Worker:
             log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
             return
         try:
-            outcome = RUN_BY_KIND[claimed.job.kind](ctx.bridge, job_id, claimed.job)
+            outcome = RUN_BY_KIND[claimed.job.kind](ctx.bridge, job_id, claimed.job, claimed.created_at)
             if outcome.completion.retryable:
                 raise RuntimeError(outcome.completion.error)
             stored = ctx.store((claimed, outcome))
@@ -134,6 +137,7 @@ class Worker:
 def worker_app(settings: Settings) -> Celery:
     """convoq's Celery app with the job task registered, for `convoq worker`."""
     celery = create_celery(settings)
+    celery.steps["consumer"].add(bulk_gate(settings.bulk_queue, settings.bulk_share))
     worker = Worker(settings, celery)
     worker_init.connect(worker.start, weak=False)
     worker_shutdown.connect(worker.stop, weak=False)

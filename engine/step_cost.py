@@ -1,0 +1,72 @@
+"""What a step will cost, learned from the steps the engine ran.
+
+A step's time is close to linear in four things: a fixed part (the host's per-step work, the weights read
+once), prefill tokens (matrix work), decode rows (a row of matrix work each) and the K/V those rows read
+(their context lengths added up). That holds on a CPU and on a GPU alike, but the coefficients differ by
+orders of magnitude between machines and models, so none is configured: they are fitted online by least
+squares over the recent steps (each step's weight decays by `forgetting` per later step, so the fit follows
+a machine whose speed drifts), with a weak pull towards a prior that keeps the fit defined before the steps
+have varied enough to tell the parts apart. The squares are of relative errors: the decisions that matter
+are about small steps (an interactive decode alone, and what may join it), and a fit of absolute errors
+would let the many large bulk steps pull the fixed part off by half.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+# prefill tokens / 1e3, decode rows / 1e2, context tokens / 1e5: weights of similar size, a well-posed fit
+SCALE = np.array([1.0, 1e-3, 1e-2, 1e-5])
+
+
+class Work(NamedTuple):
+    prefill_tokens: int = 0
+    decode_rows: int = 0
+    decode_context: int = 0  # K/V tokens the decode rows attend to, summed
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.prefill_tokens, self.decode_rows, self.decode_context]) * SCALE
+
+
+class StepCost:
+    def __init__(self, fixed: float = 5e-3, per_token: float = 5e-5, per_row: float = 1e-4,
+                 per_context: float = 2e-7, forgetting: float = 0.98, prior_weight: float = 1.0) -> None:
+        """The prior guesses (seconds) matter only for the first steps; `prior_weight` is how many steps'
+        worth of evidence they count for."""
+        self.prior = np.array([fixed, per_token, per_row, per_context]) / SCALE
+        self.forgetting = forgetting
+        self.ridge = prior_weight * np.eye(4)
+        self.xx = np.zeros((4, 4))
+        self.xy = np.zeros(4)
+        self.weights = self.prior.copy()
+        self._seconds = self._per_unit()
+        self.observed = 0
+
+    def _per_unit(self) -> tuple[float, ...]:
+        # a coefficient fitted below zero would promise free work; plain floats: the planner asks per row
+        return tuple(float(w) for w in np.maximum(self.weights, 0.0) * SCALE)
+
+    def predict(self, work: Work) -> float:
+        """Seconds for a step doing `work` (never less than its fixed part)."""
+        fixed, token, row, context = self._seconds
+        return fixed + token * work.prefill_tokens + row * work.decode_rows + context * work.decode_context
+
+    def observe(self, work: Work, seconds: float) -> None:
+        if self.observed >= 20:
+            # a rare stall (a pool growing, the collector, another process) must not teach the fit that every
+            # step is slow: clip it to a few times the prediction; a real slowdown still pulls the fit up fast
+            seconds = min(seconds, 3.0 * self.predict(work))
+        x = work.features() / max(seconds, 1e-6)  # relative error: each step's row scaled by 1 / its time
+        self.xx = self.forgetting * self.xx + np.outer(x, x)
+        self.xy = self.forgetting * self.xy + x
+        self.weights = np.linalg.solve(self.xx + self.ridge, self.xy + self.ridge @ self.prior)
+        self._seconds = self._per_unit()
+        self.observed += 1
+
+    @property
+    def coefficients(self) -> dict[str, float]:
+        """The current fit, in seconds: fixed, per prefill token, per decode row, per context token read."""
+        fixed, token, row, context = self._seconds
+        return {"step_fixed_s": fixed, "step_per_token_s": token, "step_per_row_s": row, "step_per_context_s": context}
