@@ -125,13 +125,13 @@ def run_engine(chats: int, chat_rate: float, bulk: int, repeat: int, seed: int) 
         done, latency = run_phase(fresh_engine(rng), bulk_plan(f"alone{r}-"), f"bulk alone ({r + 1}/{repeat})")
         alone_rate, _ = bulk_tok_s(done, latency, [f"alone{r}-{i}" for i in range(bulk)])
         engine = fresh_engine(rng)
-        done, latency = run_phase(engine, bulk_plan(f"bulk{r}-") + chat_plan(f"chat{r}-", 0.5),
+        done, latency = run_phase(engine, bulk_plan(f"bulk{r}-") + chat_plan(f"chat{r}-", 0.0),
                                   f"bulk + chats ({r + 1}/{repeat})")
         mixed_rate, mixed_s = bulk_tok_s(done, latency, [f"bulk{r}-{i}" for i in range(bulk)])
         mixed_done |= done
         mixed_latency |= latency
         # only chats that arrived while the backlog still ran say anything about contention
-        during += [f"chat{r}-{i}" for i in range(chats) if 0.5 + i / chat_rate < mixed_s]
+        during += [f"chat{r}-{i}" for i in range(chats) if i / chat_rate < mixed_s]
         keeps.append(mixed_rate / alone_rate)
         alone_rates.append(alone_rate)
         mixed_rates.append(mixed_rate)

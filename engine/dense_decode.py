@@ -17,7 +17,7 @@ import torch
 
 from engine.block_manager import GROWTH, table_tensor
 from engine.kv_cache import KVCache
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 from kernels.torch_ops import decode_attention, gather_blocks
 
 LENGTH_ALIGN = 64
@@ -46,23 +46,42 @@ class DenseDecodeKV:
     def sync(self, seqs: list[Sequence], step_size: int) -> list[Sequence] | None:
         """Rows for this step's decoding `seqs` (of the step's `step_size` sequences, the rest prefilling, to
         decode soon); returns them in row order (the order the step must use), or None when they do not fit
-        in `max_bytes` (the copy is then dropped and the step runs paged)."""
+        in `max_bytes` (the copy is then dropped and the step runs paged).
+
+        A sequence still decoding but left out of this step (the scheduler keeps a step short) keeps its row
+        for the steps it rejoins; this step's rows are moved to the front, a swap of two rows each, so that
+        attention reads them as one view."""
         live = set(seqs)
-        for seq in [s for s in self.order if s not in live or self.filled[s] != s.num_computed]:
+        for seq in [s for s in self.order if s.status is not Status.RUNNING or self.filled[s] != s.num_computed]:
             self._drop(seq)
         longest = max(seq.num_computed + 1 for seq in seqs)
         final = max(seq.num_prompt_tokens + seq.params.max_new_tokens for seq in seqs)
-        if not self._fit(len(seqs), longest, step_size, final):
+        new = [seq for seq in seqs if seq not in self.filled]
+        if not self._fit(len(self.order) + len(new), longest, step_size, final):
             self.order, self.filled = [], {}
             return None
-        self._fill([seq for seq in seqs if seq not in self.filled])
-        lens = torch.tensor([seq.num_computed + 1 for seq in self.order])
-        self.rows = torch.arange(len(self.order))
+        self._fill(new)
+        self._to_front(live)
+        ordered = self.order[:len(seqs)]
+        lens = torch.tensor([seq.num_computed + 1 for seq in ordered])
+        self.rows = torch.arange(len(ordered))
         self.positions = lens - 1
         self.mask = (torch.arange(longest) < lens[:, None])[:, None, None, :]
-        for seq in self.order:
+        for seq in ordered:
             self.filled[seq] = seq.num_computed + 1  # what the row holds once this step has run
-        return list(self.order)
+        return list(ordered)
+
+    def _to_front(self, live: set[Sequence]) -> None:
+        """Swap rows so that the first `len(live)` rows are those of `live`."""
+        front = len(live)
+        holes = [i for i in range(front) if self.order[i] not in live]
+        strays = [i for i in range(front, len(self.order)) if self.order[i] in live]
+        for a, b in zip(holes, strays, strict=True):
+            length = max(self.filled[self.order[a]], self.filled[self.order[b]])
+            kept = self.data[:, :, a, :length].clone()
+            self.data[:, :, a, :length] = self.data[:, :, b, :length]
+            self.data[:, :, b, :length] = kept
+            self.order[a], self.order[b] = self.order[b], self.order[a]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention for pool layer `layer`: `q`, `k`, `v` are the new tokens, one per row."""
@@ -114,6 +133,7 @@ class DenseDecodeKV:
             return
         rows = torch.arange(len(self.order), len(self.order) + len(seqs))
         self.order.extend(seqs)
+        self.filled.update((seq, seq.num_computed) for seq in seqs)
         longest = max(seq.num_computed for seq in seqs)
         if longest == 0:
             return

@@ -64,10 +64,12 @@ class StepPlan:
 
 
 def plus(work: Work, seq: Sequence, n: int, sign: int = 1) -> Work:
-    """`work` with `n` more (or, `sign` -1, fewer) tokens of `seq`: a decode row, or a prefill chunk."""
+    """`work` with `n` more (or, `sign` -1, fewer) tokens of `seq`: a decode row, or a prefill chunk. (A row
+    taken out leaves the longest context as it was: an estimate on the safe side.)"""
     if n == 1:
-        return Work(work.prefill_tokens, work.decode_rows + sign, work.decode_context + sign * (seq.num_computed + 1))
-    return Work(work.prefill_tokens + sign * n, work.decode_rows, work.decode_context)
+        longest = max(work.decode_longest, seq.num_computed + 1) if sign > 0 else work.decode_longest
+        return Work(work.prefill_tokens, work.decode_rows + sign, longest)
+    return Work(work.prefill_tokens + sign * n, work.decode_rows, work.decode_longest)
 
 
 def work_of(batch: list[tuple[Sequence, int]]) -> Work:

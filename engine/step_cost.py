@@ -2,7 +2,7 @@
 
 A step's time is close to linear in four things: a fixed part (the host's per-step work, the weights read
 once), prefill tokens (matrix work), decode rows (a row of matrix work each) and the K/V those rows read
-(their context lengths added up). That holds on a CPU and on a GPU alike, but the coefficients differ by
+(batched decode attention pads every row to the longest, so rows times the longest context). That holds on a CPU and on a GPU alike, but the coefficients differ by
 orders of magnitude between machines and models, so none is configured: they are fitted online by least
 squares over the recent steps (each step's weight decays by `forgetting` per later step, so the fit follows
 a machine whose speed drifts), with a weak pull towards a prior that keeps the fit defined before the steps
@@ -24,10 +24,10 @@ SCALE = np.array([1.0, 1e-3, 1e-2, 1e-5])
 class Work(NamedTuple):
     prefill_tokens: int = 0
     decode_rows: int = 0
-    decode_context: int = 0  # K/V tokens the decode rows attend to, summed
+    decode_longest: int = 0  # the longest context among the decode rows
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.prefill_tokens, self.decode_rows, self.decode_context]) * SCALE
+        return np.array([1.0, self.prefill_tokens, self.decode_rows, self.decode_rows * self.decode_longest]) * SCALE
 
 
 class StepCost:
@@ -51,7 +51,8 @@ class StepCost:
     def predict(self, work: Work) -> float:
         """Seconds for a step doing `work` (never less than its fixed part)."""
         fixed, token, row, context = self._seconds
-        return fixed + token * work.prefill_tokens + row * work.decode_rows + context * work.decode_context
+        return (fixed + token * work.prefill_tokens + row * work.decode_rows
+                + context * work.decode_rows * work.decode_longest)
 
     def observe(self, work: Work, seconds: float) -> None:
         if self.observed >= 20:

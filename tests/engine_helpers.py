@@ -67,7 +67,7 @@ class FakeCost:
 
     def predict(self, work) -> float:
         return (self.fixed + self.per_token * work.prefill_tokens + self.per_row * work.decode_rows
-                + self.per_context * work.decode_context)
+                + self.per_context * work.decode_rows * work.decode_longest)
 
     def observe(self, work, seconds: float) -> None:
         pass

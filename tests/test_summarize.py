@@ -18,7 +18,8 @@ NOW = datetime.now(UTC)
 
 @pytest.fixture(scope="module", params=["engine", "hf"])
 def bridge(request, tiny_model):
-    b = Bridge(load_backend(Settings(model=str(tiny_model), backend=request.param, device="cpu")))
+    settings = Settings(model=str(tiny_model), backend=request.param, device="cpu")
+    b = Bridge(load_backend(settings), settings.interactive_priority)
     yield b
     b.close()
 
@@ -64,7 +65,7 @@ def test_short_transcript_is_one_request(bridge, monkeypatch):
 
 def test_transcript_five_times_the_context_goes_through_map_reduce(bridge, monkeypatch):
     turns = transcript(250)
-    whole = len(bridge.prompt_ids(chat_for(summary_job(turns, 48))))
+    whole = len(bridge.prompt_ids(chat_for(job := summary_job(turns, 48)), job))
     assert whole > 5 * bridge.context
     lengths = spy_prompts(bridge, monkeypatch)
     max_new = 48

@@ -7,6 +7,7 @@ by the task (`worker.tasks`, `worker.summarize`), never here.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -30,16 +31,25 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
 
 
 class Bridge:
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: StepEngine, interactive_priority: int) -> None:
         self.engine = engine
         self.thread = EngineThread(engine)
+        self.interactive_priority = interactive_priority
+        # Bulk jobs render and tokenize their prompts one at a time. A batch starts a hundred of them at once,
+        # and that much Python in other threads would starve the engine thread of the GIL, stalling every step
+        # (and the interactive requests in it); interactive jobs never wait for this.
+        self._bulk_prompts = threading.Lock()
 
     @property
     def context(self) -> int:
         return self.engine.max_model_len
 
-    def prompt_ids(self, chat: Chat) -> list[int]:
-        return encode_chat(self.engine.tokenizer, chat)
+    def prompt_ids(self, chat: Chat, job: JobIn) -> list[int]:
+        """`chat` (a prompt of `job`) as token ids."""
+        if job.priority >= self.interactive_priority:
+            return encode_chat(self.engine.tokenizer, chat)
+        with self._bulk_prompts:
+            return encode_chat(self.engine.tokenizer, chat)
 
     def submit(self, request_id: str, prompt_ids: list[int], job: JobIn, created_at: datetime) -> Future[Completion]:
         """Run one prompt of `job` (with its sampling, priority and conversation) in the engine; the engine counts

@@ -92,10 +92,10 @@ def summarize(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> 
     budget = prompt_budget(bridge.context, job.sampling.max_new_tokens)
 
     def fits_with(make_chat: Callable[[Turns], Chat]) -> Callable[[Turns], bool]:
-        return lambda turns: len(bridge.prompt_ids(make_chat(turns))) <= budget
+        return lambda turns: len(bridge.prompt_ids(make_chat(turns), job)) <= budget
 
     def run_all(chats: list[Chat], level: int) -> list[Completion]:
-        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", bridge.prompt_ids(chat), job, created_at)
+        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", bridge.prompt_ids(chat, job), job, created_at)
                                  for i, chat in enumerate(chats)]
         return [f.result() for f in futures]
 
@@ -104,7 +104,7 @@ def summarize(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> 
                        (time.monotonic() - started) * 1e3)
 
     whole = chat_for(job)
-    if len(bridge.prompt_ids(whole)) <= budget:
+    if len(bridge.prompt_ids(whole, job)) <= budget:
         [completion] = run_all([whole], 1)
         return Outcome(completion, (time.monotonic() - started) * 1e3)
 

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 def reply(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> Outcome:
     """A chat job: one request, its prompt and output within the model's context."""
     start = time.monotonic()
-    prompt = bridge.prompt_ids(chat_for(job))
+    prompt = bridge.prompt_ids(chat_for(job), job)
     if problem := chat_problem(len(prompt), job.sampling.max_new_tokens, bridge.context):
         return Outcome.failed(job_id, problem)
     completion = bridge.submit(job_id, prompt, job, created_at).result()
@@ -73,7 +73,7 @@ class WorkerContext:
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
         db = make_db_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
         sessions = make_sessions(db)
-        bridge = Bridge(load_backend(settings))
+        bridge = Bridge(load_backend(settings), settings.interactive_priority)
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         reconciler = Reconciler(sessions, celery, settings, name).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
