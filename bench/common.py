@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from cli.tiny_model import build_tiny_model
@@ -20,6 +21,31 @@ def tiny_model(preset: str = "tiny") -> Path:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def chat_figures(e2e_ms: list[float], ttft_ms: list[float], tpot_ms: list[float]) -> dict[str, float]:
+    """Chats' latency: end to end (p50, p95), time to first token (p95), time per output token (p50, p95)."""
+    return {"p50": statistics.median(e2e_ms), "p95": percentile(e2e_ms, 0.95), "ttft_p95": percentile(ttft_ms, 0.95),
+            "tpot": statistics.median(tpot_ms), "tpot_p95": percentile(tpot_ms, 0.95)}
+
+
+def chat_comparison(idle: dict[str, float], mixed: dict[str, float] | None) -> dict[str, float | None]:
+    """The chat fields of a mixed-load result: figures idle and under bulk load (None: no chat ran under
+    load), and the ratios the targets are stated in."""
+    def value(figures: dict[str, float] | None, key: str, digits: int) -> float | None:
+        return None if figures is None else round(figures[key], digits)
+
+    def ratio(key: str) -> float | None:
+        return None if mixed is None else round(mixed[key] / idle[key], 2)
+
+    return {
+        "chat_p50_idle_ms": value(idle, "p50", 1), "chat_p50_mixed_ms": value(mixed, "p50", 1),
+        "chat_p95_idle_ms": value(idle, "p95", 1), "chat_p95_mixed_ms": value(mixed, "p95", 1),
+        "chat_p95_ratio": ratio("p95"),
+        "chat_tpot_idle_ms": value(idle, "tpot", 2), "chat_tpot_mixed_ms": value(mixed, "tpot", 2),
+        "chat_tpot_ratio": ratio("tpot"), "chat_tpot_p95_mixed_ms": value(mixed, "tpot_p95", 2),
+        "chat_ttft_p95_idle_ms": value(idle, "ttft_p95", 1), "chat_ttft_p95_mixed_ms": value(mixed, "ttft_p95", 1),
+    }
 
 
 def report(result: dict, json_only: bool) -> None:

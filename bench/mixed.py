@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from bench.common import percentile, report, tiny_model
+from bench.common import chat_comparison, chat_figures, report, tiny_model
 from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Completion, Request, SamplingParams
@@ -84,12 +84,9 @@ def run_phase(engine: LLMEngine, work: list[Planned], desc: str) -> tuple[dict[s
     return done, latency
 
 
-def chat_figures(done: dict[str, Completion], latency: dict[str, float], ids: list[str]) -> dict[str, float]:
-    e2e = [latency[i] * 1e3 for i in ids]
-    tpot = [done[i].timings.decode_ms / max(1, len(done[i].token_ids) - 1) for i in ids]
-    ttft = [done[i].timings.ttft_ms for i in ids]
-    return {"p50": statistics.median(e2e), "p95": percentile(e2e, 0.95), "tpot": statistics.median(tpot),
-            "tpot_p95": percentile(tpot, 0.95), "ttft_p95": percentile(ttft, 0.95)}
+def chat_latency(done: dict[str, Completion], latency: dict[str, float], ids: list[str]) -> dict[str, float]:
+    return chat_figures([latency[i] * 1e3 for i in ids], [done[i].timings.ttft_ms for i in ids],
+                        [done[i].timings.decode_ms / max(1, len(done[i].token_ids) - 1) for i in ids])
 
 
 def bulk_tok_s(done: dict[str, Completion], latency: dict[str, float], ids: list[str]) -> tuple[float, float]:
@@ -116,7 +113,7 @@ def run_engine(chats: int, chat_rate: float, bulk: int, repeat: int, seed: int) 
         return planned(rng, tag, bulk, (400, 900), (64, 128), BULK_PRIORITY, 0.0, 0.0)
 
     idle_done, idle_latency = run_phase(fresh_engine(rng), chat_plan("idle", 0.0), "chats, idle engine")
-    idle = chat_figures(idle_done, idle_latency, [f"idle{i}" for i in range(chats)])
+    idle = chat_latency(idle_done, idle_latency, [f"idle{i}" for i in range(chats)])
     keeps, alone_rates, mixed_rates = [], [], []
     mixed_done: dict[str, Completion] = {}
     mixed_latency: dict[str, float] = {}
@@ -135,18 +132,12 @@ def run_engine(chats: int, chat_rate: float, bulk: int, repeat: int, seed: int) 
         keeps.append(mixed_rate / alone_rate)
         alone_rates.append(alone_rate)
         mixed_rates.append(mixed_rate)
-    mixed = chat_figures(mixed_done, mixed_latency, during)
+    mixed = chat_latency(mixed_done, mixed_latency, during)
     stats = engine.stats()
     return {
         "mode": "engine",
         "chats": chats, "chat_rate": chat_rate, "chats_during_bulk": len(during), "bulk": bulk, "repeat": repeat,
-        "chat_p50_idle_ms": round(idle["p50"], 1), "chat_p50_mixed_ms": round(mixed["p50"], 1),
-        "chat_p95_idle_ms": round(idle["p95"], 1), "chat_p95_mixed_ms": round(mixed["p95"], 1),
-        "chat_p95_ratio": round(mixed["p95"] / idle["p95"], 2),
-        "chat_tpot_idle_ms": round(idle["tpot"], 2), "chat_tpot_mixed_ms": round(mixed["tpot"], 2),
-        "chat_tpot_ratio": round(mixed["tpot"] / idle["tpot"], 2),
-        "chat_tpot_p95_mixed_ms": round(mixed["tpot_p95"], 2),
-        "chat_ttft_p95_idle_ms": round(idle["ttft_p95"], 1), "chat_ttft_p95_mixed_ms": round(mixed["ttft_p95"], 1),
+        **chat_comparison(idle, mixed),
         "bulk_tok_s_alone": [round(x, 1) for x in alone_rates], "bulk_tok_s_mixed": [round(x, 1) for x in mixed_rates],
         "bulk_keep": round(statistics.median(keeps), 3), "bulk_keep_each": [round(k, 3) for k in keeps],
         "preemptions": stats["preemptions"], "preemptions_spared": stats["preemptions_spared"],

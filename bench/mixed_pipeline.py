@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 import sys
 import tempfile
 import threading
@@ -33,7 +32,7 @@ import sqlalchemy as sa
 from tqdm import tqdm
 
 from api.client import Client
-from bench.common import percentile, tiny_model
+from bench.common import chat_comparison, chat_figures, tiny_model
 from cli.demo import SAMPLES
 from cli.stack import Stack
 from jobs.db import make_db_engine
@@ -142,24 +141,17 @@ def _chat_rows(db: sa.Engine, ids: list[str]) -> list[sa.Row]:
     return rows
 
 
-def _stats(rows: list[sa.Row]) -> dict[str, float | None]:
-    """p50/p95 end to end, p95 time to first token, p50 time per output token (decode / later tokens)."""
-    if not rows:  # the batch ended before any chat went out
-        return {"p50": None, "p95": None, "ttft_p95": None, "tpot": None}
-    e2e = [r.end_to_end_ms for r in rows]
-    tpot = [r.decode_ms / max(1, r.completion_tokens - 1) for r in rows]
-    return {"p50": round(statistics.median(e2e), 1), "p95": round(percentile(e2e, 0.95), 1),
-            "ttft_p95": round(percentile([r.ttft_ms for r in rows], 0.95), 1),
-            "tpot": round(statistics.median(tpot), 2)}
+def _stats(rows: list[sa.Row]) -> dict[str, float] | None:
+    """The chats' latency figures; None when the batch ended before any chat went out."""
+    if not rows:
+        return None
+    return chat_figures([r.end_to_end_ms for r in rows], [r.ttft_ms for r in rows],
+                        [r.decode_ms / max(1, r.completion_tokens - 1) for r in rows])
 
 
 def _scalar(db: sa.Engine, query: sa.Select) -> object:
     with db.connect() as conn:
         return conn.execute(query).scalar()
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
 
 
 def run_pipeline(chats: int, chat_rate: float, transcripts: int, max_new_tokens: int, seed: int) -> dict:
@@ -216,14 +208,9 @@ def run_pipeline(chats: int, chat_rate: float, transcripts: int, max_new_tokens:
     result = {
         "mode": "pipeline", "transcripts": transcripts,
         "chats_idle": len(idle_ids), "chats_mixed": len(inside),
-        "chat_p50_idle_ms": idle["p50"], "chat_p50_mixed_ms": busy["p50"],
-        "chat_p95_idle_ms": idle["p95"], "chat_p95_mixed_ms": busy["p95"],
-        "chat_p95_ratio": _ratio(busy["p95"], idle["p95"]),
-        "chat_tpot_idle_ms": idle["tpot"], "chat_tpot_mixed_ms": busy["tpot"],
-        "chat_tpot_ratio": _ratio(busy["tpot"], idle["tpot"]),
-        "chat_ttft_p95_idle_ms": idle["ttft_p95"], "chat_ttft_p95_mixed_ms": busy["ttft_p95"],
+        **chat_comparison(idle, busy),
         "bulk_tok_s_alone": round(alone_tok_s, 1), "bulk_tok_s_mixed": round(mixed_tok_s, 1),
-        "bulk_keep": _ratio(mixed_tok_s, alone_tok_s),
+        "bulk_keep": round(mixed_tok_s / alone_tok_s, 3),
         "send_lag_max_ms": round(1000 * max(idle_lag, mixed_lag), 1),
         "mixed_ok": len(inside) >= MIN_MIXED,
     }

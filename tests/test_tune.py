@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cli.tune import Trial, recommend, sweep
+from engine.llm_engine import LLMEngine
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from worker.backend import engine_config
@@ -29,13 +30,12 @@ def test_recommend_takes_the_smallest_setting_on_the_plateau_under_the_memory_ce
 
 
 def test_tune_runs_the_engine_the_worker_runs_and_map_reduces_long_transcripts(tiny_model, monkeypatch):
+    import cli.tune
+
     settings = Settings(model=str(tiny_model), device="cpu", kv_cache_memory=64 * 2**20, attention_policy="sliding:256",
                         enable_prefix_cache=False, host_cache_memory=0)
-    tuned = engine_config(settings, max_num_seqs=8, max_num_batched_tokens=512)
-    worker = engine_config(settings)
-    assert (tuned.attention_policy, tuned.enable_prefix_cache, tuned.host_cache_memory) == ("sliding:256", False, 0)
-    assert {**tuned.__dict__, "max_num_seqs": 0, "max_num_batched_tokens": 0} == \
-        {**worker.__dict__, "max_num_seqs": 0, "max_num_batched_tokens": 0}
+    configs = []
+    monkeypatch.setattr(cli.tune, "LLMEngine", lambda config: configs.append(config) or LLMEngine(config))
     long = " ".join(f"turn {i}: my parcel number {i} has not arrived, please check the tracking." for i in range(300))
     summary = JobIn(kind="summarize", messages=[{"role": "user", "content": long}], sampling={"max_new_tokens": 16})
     outcomes = []
@@ -45,6 +45,13 @@ def test_tune_runs_the_engine_the_worker_runs_and_map_reduces_long_transcripts(t
         return outcomes[-1]
 
     monkeypatch.setitem(RUN_BY_KIND, "summarize", recording)
-    [trial] = sweep(Settings(model=str(tiny_model), device="cpu", kv_cache_memory=64 * 2**20), [summary], [8], [512])
+    [trial] = sweep(settings, [summary], [8], [512])
+    # the engine tune built is the worker's, but for the two limits it sweeps
+    [tuned] = configs
+    worker = engine_config(settings)
+    assert (tuned.attention_policy, tuned.enable_prefix_cache, tuned.host_cache_memory) == ("sliding:256", False, 0)
+    assert (tuned.max_num_seqs, tuned.max_num_batched_tokens) == (8, 512)
+    assert {**tuned.__dict__, "max_num_seqs": 0, "max_num_batched_tokens": 0} == \
+        {**worker.__dict__, "max_num_seqs": 0, "max_num_batched_tokens": 0}
     [outcome] = outcomes  # a transcript several times the context, map-reduced rather than cut
     assert outcome.completion.ok and outcome.chunks >= 3 and trial.tok_s > 0

@@ -10,19 +10,20 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from datetime import UTC, datetime
+from contextlib import nullcontext
+from datetime import datetime
 
 from engine.engine_thread import EngineThread
 from engine.interface import Completion, Request, SamplingParams, StepEngine
 from jobs.chat import Chat, encode_chat
 from jobs.schemas import JobIn, Sampling
+from jobs.tables import as_utc, utcnow
 
 
 def engine_clock(created_at: datetime) -> float:
     """A job's creation on the engine's clock (`time.monotonic`), so that time in the broker counts as waiting
     (the engine ages waiting requests by it). A creation stamped in this host's future counts as now."""
-    age = (datetime.now(UTC) - (created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC))).total_seconds()
-    return time.monotonic() - max(0.0, age)
+    return time.monotonic() - max(0.0, (utcnow() - as_utc(created_at)).total_seconds())
 
 
 def sampling_params(sampling: Sampling) -> SamplingParams:
@@ -46,9 +47,7 @@ class Bridge:
 
     def prompt_ids(self, chat: Chat, job: JobIn) -> list[int]:
         """`chat` (a prompt of `job`) as token ids."""
-        if job.priority >= self.interactive_priority:
-            return encode_chat(self.engine.tokenizer, chat)
-        with self._bulk_prompts:
+        with nullcontext() if job.priority >= self.interactive_priority else self._bulk_prompts:
             return encode_chat(self.engine.tokenizer, chat)
 
     def submit(self, request_id: str, prompt_ids: list[int], job: JobIn, created_at: datetime) -> Future[Completion]:
