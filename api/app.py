@@ -9,8 +9,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from redis.asyncio import Redis
 
 from api import metrics
+from api.admission import Admission
 from api.errors import validation_error
 from api.limits import BodyLimit
 from api.prompt_check import PromptCheck
@@ -31,12 +33,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     check = PromptCheck(settings.model)
     sessions = make_sessions(make_db_engine(settings.database_url))
     stamps = stamp_writer(sessions)
+    redis = Redis.from_url(settings.broker_url)  # progress events (`/v1/jobs/{id}/events`)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(check.load)  # the tokenizer now, not in the first request (or batch) that needs it
         yield
         await run_in_threadpool(stamps.close)  # the `published_at` stamps still waiting
+        await redis.aclose()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -48,6 +52,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions = sessions
     app.state.stamps = stamps
     app.state.celery = create_celery(settings)
+    app.state.redis = redis
+    app.state.admission = Admission(settings)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     app.state.prompt_check = check
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)

@@ -1,14 +1,15 @@
-"""The producer client: submit jobs, read them, wait for them. Sync and async, same pydantic models."""
+"""The producer client: submit jobs, read them, wait for them, follow them, cancel them. Sync and async,
+same pydantic models."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from uuid import UUID
 
 import httpx
 
-from jobs.schemas import TERMINAL, BatchOut, JobAccepted, JobIn, JobOut
+from jobs.schemas import TERMINAL, BatchOut, JobAccepted, JobEvent, JobIn, JobOut
 
 
 class ConvoqError(RuntimeError):
@@ -32,6 +33,28 @@ def _headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"}
 
 
+class SSEParser:
+    """Server-Sent Events, fed line by line: each complete event comes out as a `JobEvent`."""
+
+    def __init__(self) -> None:
+        self.data: list[str] = []
+
+    def feed(self, line: str) -> JobEvent | None:
+        if line.startswith("data:"):
+            self.data.append(line[5:].lstrip())
+        elif not line and self.data:
+            event, self.data = JobEvent.model_validate_json("\n".join(self.data)), []
+            return event
+        return None  # `event:` repeats the event's own name; `:` lines keep the connection alive
+
+
+def _events(lines: Iterable[str]) -> Iterator[JobEvent]:
+    parser = SSEParser()
+    for line in lines:
+        if (event := parser.feed(line)) is not None:
+            yield event
+
+
 class Client:
     def __init__(self, base_url: str, api_key: str, timeout: float = 30.0) -> None:
         self.http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout)
@@ -43,6 +66,18 @@ class Client:
         response = self.http.get(f"/v1/jobs/{job_id}", params={"wait": wait}, timeout=wait + 30.0)
         return JobOut.model_validate(_check(response))
 
+    def stream(self, job_id: UUID | str) -> Iterator[JobEvent]:
+        """The job's events as it runs: `status` changes, `text` (everything so far), and last its `result`."""
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", timeout=httpx.Timeout(30.0, read=None)) as response:
+            if response.status_code >= 400:
+                response.read()
+                _check(response)
+            yield from _events(response.iter_lines())
+
+    def cancel(self, job_id: UUID | str) -> JobOut:
+        """Cancel a job: queued, it never runs; running, it stops and keeps the text it had."""
+        return JobOut.model_validate(_check(self.http.post(f"/v1/jobs/{job_id}/cancel")))
+
     def wait(self, job_id: UUID | str, timeout: float = 300.0, poll: float = 30.0) -> JobOut:
         """Long-poll until the job is terminal or `timeout` passes (then the last state is returned)."""
         remaining = timeout
@@ -53,11 +88,13 @@ class Client:
                 return job
 
     def create_batch(self, data: bytes, name: str = "batch.jsonl", priority: int | None = None,
-                     metadata: dict | None = None) -> BatchOut:
-        """`priority` None leaves it to the API (low: bulk work)."""
+                     metadata: dict | None = None, completion_window: str | None = None) -> BatchOut:
+        """`priority` and `completion_window` None leave them to the API (low: bulk work; 24h)."""
         form = {} if priority is None else {"priority": str(priority)}
         if metadata is not None:
             form["metadata"] = json.dumps(metadata)
+        if completion_window is not None:
+            form["completion_window"] = completion_window
         response = self.http.post("/v1/batches", files={"file": (name, data, "application/jsonl")}, data=form)
         return BatchOut.model_validate(_check(response))
 
@@ -101,6 +138,20 @@ class AsyncClient:
     async def get(self, job_id: UUID | str, wait: float = 0.0) -> JobOut:
         response = await self.http.get(f"/v1/jobs/{job_id}", params={"wait": wait}, timeout=wait + 30.0)
         return JobOut.model_validate(_check(response))
+
+    async def stream(self, job_id: UUID | str) -> AsyncIterator[JobEvent]:
+        async with self.http.stream("GET", f"/v1/jobs/{job_id}/events",
+                                    timeout=httpx.Timeout(30.0, read=None)) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _check(response)
+            parser = SSEParser()
+            async for line in response.aiter_lines():
+                if (event := parser.feed(line)) is not None:
+                    yield event
+
+    async def cancel(self, job_id: UUID | str) -> JobOut:
+        return JobOut.model_validate(_check(await self.http.post(f"/v1/jobs/{job_id}/cancel")))
 
     async def wait(self, job_id: UUID | str, timeout: float = 300.0, poll: float = 30.0) -> JobOut:
         remaining = timeout

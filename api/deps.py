@@ -69,6 +69,13 @@ def require(scope: str):
     return check
 
 
+# what `require` can answer, for the OpenAPI document of every route that uses it
+AUTH_ERRORS: dict[int | str, dict] = {
+    401: {"description": "Missing or unknown API key"},
+    403: {"description": "The API key lacks the scope this route needs"},
+    429: {"description": "The API key's request rate is exceeded (see Retry-After)"},
+}
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]

@@ -35,6 +35,7 @@ from jobs.tables import Batch, Job, Result, as_utc
 from migrations.apply import upgrade
 from worker.backend import load_backend
 from worker.bridge import Bridge
+from worker.outcome import Outcome
 from worker.summarize import summarize
 
 KEY = "bench-key"
@@ -79,7 +80,11 @@ def through_engine(lines: list[dict], settings: Settings, model: Path, threads: 
         with ThreadPoolExecutor(threads) as pool, tqdm(total=len(lines), desc="engine", file=sys.stderr) as bar:
             outcomes = []
             created = datetime.now(UTC)
-            for outcome in pool.map(lambda x, job: summarize(bridge, x["custom_id"], job, created), lines, jobs):
+            def run(x: dict, job: JobIn) -> Outcome:
+                with bridge.run(x["custom_id"], job, created) as job_run:
+                    return summarize(job_run)
+
+            for outcome in pool.map(run, lines, jobs):
                 outcomes.append(outcome)
                 bar.update()
         elapsed = time.monotonic() - start

@@ -36,7 +36,7 @@ from bench.common import chat_comparison, chat_figures, tiny_model
 from cli.demo import SAMPLES
 from cli.stack import Stack
 from jobs.db import make_db_engine
-from jobs.schemas import TERMINAL, JobIn, JobStatus
+from jobs.schemas import BATCH_SETTLED, TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, Timing, as_utc
 from migrations.apply import upgrade
@@ -101,11 +101,10 @@ def _wait_jobs(db: sa.Engine, ids: list[str], desc: str, timeout: float = 600) -
 
 def _wait_batch(db: sa.Engine, batch_id: uuid.UUID, n: int, desc: str, timeout: float = 1800) -> None:
     """Until the batch settles; raises unless every one of its `n` lines became a job that succeeded."""
-    settled = ("completed", "failed", "cancelled")
     done = sa.select(sa.func.count()).where(Job.batch_id == batch_id, Job.status.in_(TERMINAL))
     deadline = time.monotonic() + timeout
     with tqdm(total=n, desc=desc, file=sys.stderr) as bar:
-        while _scalar(db, sa.select(Batch.status).where(Batch.id == batch_id)) not in settled:
+        while _scalar(db, sa.select(Batch.status).where(Batch.id == batch_id)) not in BATCH_SETTLED:
             bar.update(_scalar(db, done) - bar.n)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{desc}: batch {batch_id} not settled within {timeout}s")

@@ -12,13 +12,12 @@ import typer
 from tqdm import tqdm
 
 from api.client import Client, ConvoqError
-from jobs.schemas import BatchOut
+from jobs.schemas import BATCH_SETTLED, BatchOut
 
 app = typer.Typer(help="Bulk jobs from JSONL files (OpenAI Batch format or convoq lines).", no_args_is_help=True)
 
 URL = typer.Option("http://127.0.0.1:8000", envvar="CONVOQ_API_URL", help="the convoq API")
 KEY = typer.Option("", envvar="CONVOQ_API_KEY", help="an API key")
-SETTLED = {"completed", "failed", "cancelled"}
 
 
 def _client(url: str, api_key: str) -> Client:
@@ -28,7 +27,7 @@ def _client(url: str, api_key: str) -> Client:
 def _show(batch: BatchOut) -> None:
     c = batch.request_counts
     typer.echo(f"batch {batch.id}: {batch.status}  total {c.total}  completed {c.completed}  failed {c.failed}  "
-               f"cancelled {c.cancelled}  pending {c.pending}  (priority {batch.priority})")
+               f"cancelled {c.cancelled}  expired {c.expired}  pending {c.pending}  (priority {batch.priority})")
     for e in batch.errors[:10]:
         typer.echo(f"  line {e.line} ({e.custom_id}): {e.message}", err=True)
     if len(batch.errors) > 10:
@@ -43,11 +42,11 @@ def follow(client: Client, batch_id: str, poll: float = 0.5) -> BatchOut:
         while True:
             c = batch.request_counts
             bar.total = c.total or bar.total
-            done = c.completed + c.failed + c.cancelled
+            done = c.completed + c.failed + c.cancelled + c.expired
             bar.update(done - bar.n)
             rate = c.completed / max(time.monotonic() - start, 1e-9)
             bar.set_postfix(completed=c.completed, failed=c.failed, status=batch.status, per_s=f"{rate:.1f}")
-            if batch.status in SETTLED:
+            if batch.status in BATCH_SETTLED:
                 return batch
             time.sleep(poll)
             batch = client.get_batch(batch_id)
@@ -72,6 +71,8 @@ def submit(
     wait: Annotated[bool, typer.Option(help="follow progress until the batch settles")] = False,
     priority: Annotated[int | None, typer.Option(min=0, max=9, help="0..9, 9 most urgent [default: the API's, low]")] = None,
     out: Annotated[Path | None, typer.Option(help="with --wait: write the output lines here")] = None,
+    completion_window: Annotated[str | None, typer.Option(
+        help="'24h' form: items unfinished by then end expired [default: the API's, 24h]")] = None,
     url: str = URL,
     api_key: str = KEY,
 ) -> None:
@@ -81,7 +82,8 @@ def submit(
         raise typer.Exit(2)
     with _client(url, api_key) as client:
         try:
-            batch = client.create_batch(file.read_bytes(), name=file.name, priority=priority)
+            batch = client.create_batch(file.read_bytes(), name=file.name, priority=priority,
+                                        completion_window=completion_window)
             typer.echo(f"batch {batch.id} submitted")
             if not wait:
                 return

@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cli.batch import app as batch_app
 from jobs.settings import get_settings
+
+if TYPE_CHECKING:
+    from uuid import UUID
+
+    from api.client import Client
+    from jobs.schemas import JobOut
 
 app = typer.Typer(help="convoq: queue-fed batch inference for Qwen3 models.", no_args_is_help=True)
 app.add_typer(batch_app, name="batch")
@@ -143,17 +149,23 @@ def tiny_model(path: Path, preset: str = "tiny", seed: int = 0) -> None:
     typer.echo(str(build_tiny_model(path, preset=preset, seed=seed)))
 
 
+API_URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="CONVOQ_API_URL", help="the convoq API")
+API_KEY = typer.Option("", "--api-key", envvar="CONVOQ_API_KEY", help="an API key")
+
+
 @app.command()
 def submit(
     text: Annotated[str, typer.Argument(help="the user message (or transcript with --kind summarize)")],
-    url: str = "http://127.0.0.1:8000",
-    api_key: Annotated[str, typer.Option(envvar="CONVOQ_API_KEY")] = "",
+    url: str = API_URL,
+    api_key: str = API_KEY,
     kind: str = "chat",
     priority: Annotated[int | None, typer.Option(help="0..9, 9 most urgent [default: the API's]")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="[default: the API's]")] = None,
+    deadline_s: Annotated[float | None, typer.Option(help="seconds: unfinished by then, the job ends expired")] = None,
     wait: Annotated[float, typer.Option(help="seconds to wait for the result")] = 60.0,
+    stream: Annotated[bool, typer.Option(help="print the text as it is generated, then the job's status")] = False,
 ) -> None:
-    """Submit one job over the HTTP API and print it as JSON once it finishes."""
+    """Submit one job over the HTTP API and print it as JSON once it finishes (or its text as it comes)."""
     from api.client import Client, ConvoqError
     from jobs.schemas import JobIn
 
@@ -161,6 +173,8 @@ def submit(
         given = {} if priority is None else {"priority": priority}
         if max_new_tokens is not None:
             given["sampling"] = {"max_new_tokens": max_new_tokens}
+        if deadline_s is not None:
+            given["deadline_s"] = deadline_s
         job = JobIn.model_validate({"messages": [{"role": "user", "content": text}], "kind": kind, **given})
     except ValueError as exc:
         typer.echo(f"invalid job: {exc}", err=True)
@@ -168,13 +182,53 @@ def submit(
     with Client(url, api_key) as client:
         try:
             accepted = client.submit(job)
-            out = client.wait(accepted.id, timeout=wait) if wait > 0 else client.get(accepted.id)
+            if stream:
+                out = _print_stream(client, accepted.id)
+            else:
+                out = client.wait(accepted.id, timeout=wait) if wait > 0 else client.get(accepted.id)
         except ConvoqError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(1) from exc
-    typer.echo(json.dumps(out.model_dump(mode="json"), indent=2))
-    if out.status == "failed":
+    if not stream:
+        typer.echo(json.dumps(out.model_dump(mode="json"), indent=2))
+    if out.status != "succeeded" and (stream or out.status == "failed"):
         raise typer.Exit(1)
+
+
+def _print_stream(client: Client, job_id: UUID) -> JobOut:
+    """Print a job's text as it grows (events carry all of it so far), then its status; returns the job."""
+    shown = ""
+    for event in client.stream(job_id):
+        if event.event == "text" and event.text.startswith(shown):
+            sys.stdout.write(event.text[len(shown):])
+            sys.stdout.flush()
+            shown = event.text
+        elif event.event == "result":
+            job = event.job
+            final = job.result.text if job.result is not None else ""
+            if final.startswith(shown):  # the stored text (stop strings cut) may end before what streamed
+                sys.stdout.write(final[len(shown):])
+            typer.echo("")
+            reason = job.result.finish_reason if job.result is not None else job.error
+            typer.echo(f"[{job.id} {job.status.value}: {reason}]", err=True)
+            return job
+    typer.echo("the event stream ended before the job did; see `GET /v1/jobs/ID`", err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def cancel(job_id: str, url: str = API_URL, api_key: str = API_KEY) -> None:
+    """Cancel a job: queued, it never runs; running, it stops within an engine step and keeps its text so far."""
+    from api.client import Client, ConvoqError
+
+    with Client(url, api_key) as client:
+        try:
+            job = client.cancel(job_id)
+        except ConvoqError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(1) from exc
+    state = "cancel requested (it stops within an engine step)" if job.status == "running" else job.status.value
+    typer.echo(f"job {job.id}: {state}")
 
 
 @app.command()

@@ -49,7 +49,8 @@ def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> 
     created = datetime.now(UTC)
 
     def run(i: int) -> float:
-        RUN_BY_KIND[jobs[i].kind](bridge, str(i), jobs[i], created)
+        with bridge.run(str(i), jobs[i], created) as run:
+            RUN_BY_KIND[jobs[i].kind](run)
         return time.monotonic() - start
 
     try:

@@ -8,14 +8,22 @@ out and run again alone, so the one that fails again fails by itself (its comple
 others finish. Out-of-memory and device errors are different: the engine's state is then unknown, so the
 thread dies, every pending future fails with `EngineDead`, and the process that owns it exits and lets its
 supervisor restart it.
+
+Between steps the thread also stops requests: those cancelled (`cancel`) and those past their deadline, which
+end `expired`; either way the engine frees their KV blocks at once and their completion keeps the text so far.
+A caller that passes `on_tokens` is handed the output so far each time it has grown by `progress_every` tokens.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
@@ -35,14 +43,20 @@ def is_fatal(exc: BaseException) -> bool:
     return "CUDA" in str(exc) or "device-side" in str(exc)
 
 
+TokensCallback = Callable[[list[int]], None]
+
+
 class EngineThread:
-    def __init__(self, engine: StepEngine, name: str = "engine") -> None:
+    def __init__(self, engine: StepEngine, name: str = "engine", progress_every: int = 4) -> None:
         self.engine = engine
+        self.progress_every = progress_every
         self.error: BaseException | None = None
-        self._inbox: deque[tuple[Request, Future]] = deque()
-        self._cancels: deque[str] = deque()
+        self._inbox: deque[tuple[Request, Future, TokensCallback | None]] = deque()
+        self._cancels: deque[tuple[str, str]] = deque()  # (request id, finish reason)
         self._futures: dict[str, Future] = {}
         self._requests: dict[str, Request] = {}
+        self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, request id)
+        self._watched: dict[str, tuple[TokensCallback, int]] = {}  # request id -> (callback, tokens reported)
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -52,18 +66,19 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, request: Request) -> Future:
+    def submit(self, request: Request, on_tokens: TokensCallback | None = None) -> Future:
         future: Future = Future()
         with self._cv:
             if not self.alive:
                 raise EngineDead(f"engine thread is dead: {self.error!r}")
-            self._inbox.append((request, future))
+            self._inbox.append((request, future, on_tokens))
             self._cv.notify()
         return future
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Stop a request before its next step; its completion's finish reason is `reason`."""
         with self._cv:
-            self._cancels.append(request_id)
+            self._cancels.append((request_id, reason))
             self._cv.notify()
 
     def stats(self) -> dict[str, float]:
@@ -85,14 +100,14 @@ class EngineThread:
                         break
                     new, self._inbox = list(self._inbox), deque()
                     cancels, self._cancels = list(self._cancels), deque()
-                for request, future in new:
-                    self._add(request, future)
-                for request_id in cancels:
-                    completion = self.engine.abort_request(request_id)
-                    if completion is not None:
-                        self._resolve(completion)
+                for request, future, on_tokens in new:
+                    self._add(request, future, on_tokens)
+                for request_id, reason in cancels:
+                    self._stop(request_id, reason)
+                self._expire(time.monotonic())
                 if self.engine.has_unfinished():
                     self._step()
+                    self._report_tokens()
         except BaseException as exc:  # the engine is in an unknown state: fail everything, loudly
             log.exception("engine thread crashed")
             self.error = exc
@@ -130,18 +145,49 @@ class EngineThread:
                                          f"engine error on this request alone: {type(exc).__name__}: {exc}",
                                          Timings(), retryable=True))
 
-    def _add(self, request: Request, future: Future) -> None:
+    def _add(self, request: Request, future: Future, on_tokens: TokensCallback | None) -> None:
+        rid, n = request.request_id, len(request.prompt_ids)
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            future.set_result(Completion(rid, [], "", n, "expired", None, Timings()))
+            return
         try:
             self.engine.add_request(request)
         except RequestError as exc:
-            future.set_result(
-                Completion(request.request_id, [], "", len(request.prompt_ids), "error", str(exc), Timings())
-            )
+            future.set_result(Completion(rid, [], "", n, "error", str(exc), Timings()))
             return
-        self._futures[request.request_id] = future
-        self._requests[request.request_id] = request
+        self._futures[rid] = future
+        self._requests[rid] = request
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, rid))
+        if on_tokens is not None:
+            self._watched[rid] = (on_tokens, 0)
+
+    def _stop(self, request_id: str, reason: str) -> None:
+        completion = self.engine.abort_request(request_id)
+        if completion is not None:
+            self._resolve(replace(completion, finish_reason=reason))
+
+    def _expire(self, now: float) -> None:
+        if len(self._deadlines) > 2 * len(self._requests) + 1024:  # mostly requests that finished in time
+            self._deadlines = [(d, rid) for d, rid in self._deadlines if rid in self._requests]
+            heapq.heapify(self._deadlines)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            if request_id in self._requests:
+                self._stop(request_id, "expired")
+
+    def _report_tokens(self) -> None:
+        for request_id, (on_tokens, reported) in list(self._watched.items()):
+            tokens = self.engine.partial(request_id, reported + self.progress_every)
+            if tokens is not None:
+                self._watched[request_id] = (on_tokens, len(tokens))
+                try:
+                    on_tokens(tokens)
+                except Exception:  # a progress report is never worth a request
+                    log.exception("progress callback of %s failed", request_id)
 
     def _resolve(self, completion: Completion) -> None:
+        self._watched.pop(completion.request_id, None)
         self._requests.pop(completion.request_id, None)
         future = self._futures.pop(completion.request_id, None)
         if future is not None and not future.done():
@@ -149,7 +195,7 @@ class EngineThread:
 
     def _fail_pending(self) -> None:
         with self._cv:
-            pending = [f for _, f in self._inbox] + list(self._futures.values())
+            pending = [f for _, f, _ in self._inbox] + list(self._futures.values())
             self._inbox.clear()
             self._futures.clear()
             self._requests.clear()

@@ -63,6 +63,9 @@ class HFEngine:
                 return Completion(request_id, [], "", len(request.prompt_ids), "cancelled")
         return None
 
+    def partial(self, request_id: str, at_least: int) -> list[int] | None:
+        return None  # generate() hands back whole outputs only
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting)
 

@@ -30,6 +30,9 @@ class Request:
     priority: int = 0  # 0..9, 9 is the most urgent
     conversation_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    # on the same clock as `arrival`: unfinished by then, the request is stopped (`expired`, its text kept);
+    # among waiting requests of one priority, earlier deadlines are admitted first
+    deadline: float | None = None
 
 
 @dataclass
@@ -53,7 +56,7 @@ class Completion:
     token_ids: list[int]
     text: str
     prompt_tokens: int
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "expired" | "error"
     error: str | None = None
     timings: Timings = field(default_factory=Timings)
     retryable: bool = False  # the failure came from the engine, not from the request itself
@@ -78,6 +81,10 @@ class StepEngine(Protocol):
 
     def abort_request(self, request_id: str) -> Completion | None:
         """Drop a request wherever it is; returns its `cancelled` completion if it was known."""
+
+    def partial(self, request_id: str, at_least: int) -> list[int] | None:
+        """The tokens a running request has generated so far, once there are at least `at_least` of them
+        (None before, or for a backend that only has whole outputs)."""
 
     def has_unfinished(self) -> bool: ...
 

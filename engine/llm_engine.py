@@ -103,6 +103,12 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return self._completion(seq, "cancelled")
 
+    def partial(self, request_id: str, at_least: int) -> list[int] | None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.num_tokens - seq.num_prompt_tokens < at_least:
+            return None
+        return seq.output_ids
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

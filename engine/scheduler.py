@@ -19,7 +19,7 @@ What a step will take comes from `StepCost`, fitted online to the steps the engi
 
 Waiting requests are admitted by class, then urgency (priority plus `ageing_rate` points per second waited,
 from the request's arrival: the worker passes the job's creation, so time in the broker counts), then
-fewest tokens to compute (prompt minus cached prefix: short prompts and cache hits first), the last only
+earliest deadline (none counts as last), then fewest tokens to compute (prompt minus cached prefix: short prompts and cache hits first), the last only
 among requests that arrived within `length_window` seconds of each other, so a long prompt is never
 overtaken by requests that arrived later than that. A request whose next uncached block another sequence
 prefills in this step waits one step to reuse it instead of computing it twice.
@@ -196,7 +196,8 @@ class Scheduler:
         def key(seq: Sequence) -> tuple[float, ...]:
             urgency = math.floor(seq.urgency(now, self.config.ageing_rate))
             window = math.floor((now - seq.request.arrival) / self.config.length_window)
-            return -urgency, -window, seq.num_tokens - cached.get(seq, 0), seq.request.arrival
+            deadline = seq.request.deadline if seq.request.deadline is not None else math.inf
+            return -urgency, deadline, -window, seq.num_tokens - cached.get(seq, 0), seq.request.arrival
 
         return sorted(seqs, key=key)
 

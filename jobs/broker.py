@@ -16,6 +16,8 @@ from jobs.queues import broker_priority
 from jobs.settings import Settings
 
 PRIORITY_SEP = ":"
+# the remote-control command (Celery's broadcast over the broker) that stops jobs wherever they run
+CANCEL_COMMAND = "convoq_cancel"
 # kombu's Redis transport keeps each delivered, unacknowledged message in this hash, indexed by delivery time
 UNACKED_KEY = "unacked"
 UNACKED_INDEX_KEY = "unacked_index"
@@ -42,6 +44,19 @@ def queue_lists(settings: Settings) -> dict[str, list[str]]:
     """Each of our queues -> its ten Redis lists, by our priority 0..9."""
     return {queue: [priority_list(queue, p) for p in range(10)]
             for queue in (settings.interactive_queue, settings.bulk_queue)}
+
+
+def progress_channel(job_id: str) -> str:
+    """The Redis pub/sub channel of a job's progress events (`worker.progress` publishes, the API's
+    `/v1/jobs/{id}/events` subscribes). Events are JSON: `{"event": "status", "status": ...}` and
+    `{"event": "text", "text": <all of it so far>, "tokens": n}`."""
+    return f"convoq:progress:{job_id}"
+
+
+def broadcast_cancel(celery: Celery, job_ids: list[str], reason: str = "cancelled") -> None:
+    """Ask every worker to stop these jobs if it runs them (fire and forget: a worker that misses it finds
+    the request in the job's row at its next heartbeat)."""
+    celery.control.broadcast(CANCEL_COMMAND, arguments={"job_ids": job_ids, "reason": reason})
 
 
 def create_celery(settings: Settings) -> Celery:

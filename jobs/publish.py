@@ -35,6 +35,7 @@ def publish(
                 celery.send_task(
                     TASK_RUN_JOB,
                     args=[str(job.id)],
+                    kwargs={"kind": job.kind, "priority": job.priority},  # labels for Flower
                     task_id=str(job.id),
                     queue=queue_for(job.priority, settings),
                     priority=broker_priority(job.priority),

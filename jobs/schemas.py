@@ -6,6 +6,7 @@ Priority runs 0..9 with **9 the most urgent**; the worker maps it to the broker'
 from __future__ import annotations
 
 import enum
+import re
 from datetime import datetime
 from typing import Annotated, Literal
 from uuid import UUID
@@ -26,9 +27,12 @@ class JobStatus(enum.StrEnum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
+    expired = "expired"  # its deadline passed before it finished (what it had generated is kept)
 
 
-TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled, JobStatus.expired})
+MAX_DEADLINE_S = 7 * 24 * 3600
+DEFAULT_COMPLETION_WINDOW = "24h"
 
 
 class Strict(BaseModel):
@@ -49,6 +53,20 @@ class Sampling(Strict):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
+WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def window_seconds(window: str) -> int:
+    """A completion window in OpenAI's form (`"24h"`; also `"90s"`, `"30m"`, `"2d"`) in seconds."""
+    match = re.fullmatch(r"([1-9]\d{0,6})([smhd])", window)
+    if match is None:
+        raise ValueError(f"completion_window {window!r} is not a window like '24h', '30m' or '2d'")
+    seconds = int(match[1]) * WINDOW_UNITS[match[2]]
+    if seconds > MAX_DEADLINE_S:
+        raise ValueError(f"completion_window {window!r} is longer than {MAX_DEADLINE_S // 86400}d")
+    return seconds
+
+
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
 
 
@@ -59,6 +77,11 @@ class JobIn(Strict):
     conversation_id: Key | None = None
     idempotency_key: Key | None = None
     sampling: Sampling = Field(default_factory=Sampling)
+    deadline_s: float | None = Field(
+        None, gt=0, le=MAX_DEADLINE_S,
+        description="seconds after creation: not started by then, the job ends `expired` without running; "
+                    "still running then, it is stopped and ends `expired` with the text it had",
+    )
 
     @model_validator(mode="after")
     def _chat_ends_with_user(self) -> JobIn:
@@ -77,7 +100,7 @@ class ResultOut(BaseModel):
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str
+    finish_reason: str = Field(description="stop | length | cancelled | expired (the last two keep the text so far)")
 
 
 class TimingsOut(BaseModel):
@@ -108,8 +131,20 @@ class JobOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    deadline_at: datetime | None = None
+    cancel_requested_at: datetime | None = None
     result: ResultOut | None = None
     timings: TimingsOut | None = None
+
+
+class JobEvent(BaseModel):
+    """One event of `GET /v1/jobs/{id}/events` (Server-Sent Events; the event name is `event`)."""
+
+    event: Literal["status", "text", "result"]
+    status: JobStatus | None = None  # status: the job's status now
+    text: str | None = Field(None, description="text: everything generated so far")
+    tokens: int | None = None  # text: tokens generated so far
+    job: JobOut | None = None  # result: the finished job, as GET /v1/jobs/{id}
 
 
 class BatchStatus(enum.StrEnum):
@@ -120,6 +155,10 @@ class BatchStatus(enum.StrEnum):
     failed = "failed"
     cancelling = "cancelling"
     cancelled = "cancelled"
+    expired = "expired"  # its completion window ended with items unfinished (those items are `expired`)
+
+
+BATCH_SETTLED = frozenset({BatchStatus.completed, BatchStatus.failed, BatchStatus.cancelled, BatchStatus.expired})
 
 
 class RequestCounts(BaseModel):
@@ -127,6 +166,7 @@ class RequestCounts(BaseModel):
     completed: int
     failed: int  # bad lines + jobs that failed
     cancelled: int
+    expired: int  # not finished within the completion window
     pending: int  # queued or running
 
 
@@ -149,10 +189,13 @@ class BatchOut(BaseModel):
     request_counts: RequestCounts
     errors: list[BatchLineError]
     metadata: dict
+    completion_window: str
     created_at: int
+    expires_at: int
     in_progress_at: int | None
     finalizing_at: int | None
     completed_at: int | None
     cancelling_at: int | None
     cancelled_at: int | None
     failed_at: int | None
+    expired_at: int | None

@@ -101,6 +101,12 @@ class Settings(BaseSettings):
     unpublished_grace_s: float = Field(10.0, ge=0)
     republish_after_s: float = Field(3600.0, gt=0)
 
+    # Backpressure: unfinished (queued or running) jobs allowed per API key and overall; past either bound a
+    # submission (a batch counts its lines) gets 429 with Retry-After and stores nothing. 0: no bound.
+    max_queued_per_key: int = Field(100_000, ge=0)
+    max_queued: int = Field(1_000_000, ge=0)
+    busy_retry_after_s: int = Field(5, ge=1)  # what the 429 tells a producer to wait
+
     max_upload_bytes: int = Field(100 * 2**20, ge=1)  # one batch upload
     max_wait_seconds: float = Field(60.0, ge=0)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from sqlalchemy import (
@@ -50,13 +50,17 @@ class Batch(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)  # lines in the upload
     line_errors: Mapped[list] = mapped_column(JSON, default=list)  # [{"line", "custom_id", "message"}]
     metadata_: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    completion_window: Mapped[str] = mapped_column(String(16), default="24h", server_default="24h")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # created_at + completion_window: items unfinished by then end `expired`
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Job(Base):
@@ -73,6 +77,7 @@ class Job(Base):
         Uuid, ForeignKey("batches.id", ondelete="CASCADE", name="fk_jobs_batch_id")
     )
     custom_id: Mapped[str | None] = mapped_column(String(255))
+    owner: Mapped[str | None] = mapped_column(String(64))  # sha256 of the API key that submitted it
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(255))
@@ -80,19 +85,30 @@ class Job(Base):
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # not started by then: it expires unrun; running then: it is stopped and keeps its text so far
+    deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # a cancel asked for while it ran: the worker running it stops it and ends it `cancelled`
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
+        Index("ix_jobs_owner_status", "owner", "status"),
+        Index("ix_jobs_status_deadline", "status", "deadline_at"),  # the reconciler's expiry sweep
         Index("ix_jobs_batch_status", "batch_id", "status"),
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
     )
 
 
-def job_row(job: JobIn, **columns) -> dict:
-    """A new job's row for a Core insert (the column defaults fill status, attempts and created_at): the
-    ORM's unit of work costs more than the rest of a submission."""
+def job_row(job: JobIn, now: datetime, deadline_at: datetime | None = None, **columns) -> dict:
+    """A new job's row for a Core insert (the column defaults fill status and attempts): the ORM's unit of
+    work costs more than the rest of a submission. Its deadline is the earlier of its own `deadline_s` and
+    `deadline_at` (a batch's expiry)."""
+    if job.deadline_s is not None:
+        own = now + timedelta(seconds=job.deadline_s)
+        deadline_at = own if deadline_at is None else min(own, deadline_at)
     return dict(id=uuid.uuid4(), kind=job.kind, priority=job.priority, payload=job.model_dump(mode="json"),
-                conversation_id=job.conversation_id, idempotency_key=job.idempotency_key, **columns)
+                conversation_id=job.conversation_id, idempotency_key=job.idempotency_key, created_at=now,
+                deadline_at=deadline_at, **columns)
 
 
 class Result(Base):

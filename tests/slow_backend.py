@@ -22,6 +22,9 @@ class SlowBulkEngine:
     def abort_request(self, request_id: str) -> Completion | None:
         return None if self.due.pop(request_id, None) is None else Completion(request_id, [], "", 0, "cancelled")
 
+    def partial(self, request_id: str, at_least: int) -> list[int] | None:
+        return None
+
     def has_unfinished(self) -> bool:
         return bool(self.due)
 

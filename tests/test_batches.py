@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from api.client import Client
 from cli.stack import Stack
-from jobs.schemas import JobIn
+from jobs.schemas import BATCH_SETTLED, JobIn
 from tests.conftest import API_KEY
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def wait_settled(client: Client, batch_id, timeout: float = 240):
     deadline = time.monotonic() + timeout
     while True:
         batch = client.get_batch(batch_id)
-        if batch.status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
+        if batch.status in BATCH_SETTLED or time.monotonic() > deadline:
             return batch
         time.sleep(0.3)
 

@@ -86,6 +86,8 @@ def test_flower_sees_the_worker_and_its_tasks(service_env, tmp_path):
         assert any(name.startswith("convoq@") for name in workers), workers
         assert ids <= succeeded, tasks
         assert all(tasks[t]["name"] == "convoq.run_job" for t in ids)
+        # on-call tells a chat from a bulk summary at a glance: the message carries the job's kind and priority
+        assert all("'kind': 'chat'" in tasks[t]["kwargs"] and "'priority': " in tasks[t]["kwargs"] for t in ids)
 
 
 def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, database, tmp_path):

@@ -11,6 +11,7 @@ from jobs.schemas import JobIn, Message
 from jobs.settings import Settings
 from worker.backend import load_backend
 from worker.bridge import Bridge
+from worker.outcome import Outcome
 from worker.summarize import plan_chunks, split_turn, summarize
 
 NOW = datetime.now(UTC)
@@ -38,6 +39,12 @@ def summary_job(turns: list[Message], max_new_tokens: int) -> JobIn:
     return JobIn(kind="summarize", priority=1, messages=turns, sampling={"max_new_tokens": max_new_tokens})
 
 
+def run(kind, bridge: Bridge, job_id: str, job: JobIn, created: datetime) -> Outcome:
+    """Run `job` the way the worker does: `kind` (reply or summarize) on the job's run of the bridge."""
+    with bridge.run(job_id, job, created) as job_run:
+        return kind(job_run)
+
+
 arrivals: list[float] = []  # the engine-clock arrival of every request `spy_prompts` saw
 
 
@@ -47,10 +54,10 @@ def spy_prompts(bridge: Bridge, monkeypatch) -> list[int]:
     arrivals.clear()
     submit = bridge.thread.submit
 
-    def recording(request):
+    def recording(request, on_tokens=None):
         lengths.append(len(request.prompt_ids))
         arrivals.append(request.arrival)
-        return submit(request)
+        return submit(request, on_tokens)
 
     monkeypatch.setattr(bridge.thread, "submit", recording)
     return lengths
@@ -58,7 +65,7 @@ def spy_prompts(bridge: Bridge, monkeypatch) -> list[int]:
 
 def test_short_transcript_is_one_request(bridge, monkeypatch):
     lengths = spy_prompts(bridge, monkeypatch)
-    outcome = summarize(bridge, "short", summary_job(transcript(6), 16), NOW)
+    outcome = run(summarize, bridge, "short", summary_job(transcript(6), 16), NOW)
     assert outcome.completion.ok and outcome.completion.text
     assert (outcome.chunks, outcome.levels) == (1, 1) and len(lengths) == 1
 
@@ -69,7 +76,7 @@ def test_transcript_five_times_the_context_goes_through_map_reduce(bridge, monke
     assert whole > 5 * bridge.context
     lengths = spy_prompts(bridge, monkeypatch)
     max_new = 48
-    outcome = summarize(bridge, "long", summary_job(turns, max_new), NOW)
+    outcome = run(summarize, bridge, "long", summary_job(turns, max_new), NOW)
     assert outcome.completion.ok, outcome.completion.error
     assert outcome.chunks >= 5 and outcome.levels >= 2
     assert len(lengths) >= outcome.chunks + 1
@@ -113,7 +120,7 @@ def test_chunks_are_as_large_as_fits_with_few_prompt_checks():
 
 
 def test_a_budget_too_small_to_combine_fails_clearly(bridge):
-    outcome = summarize(bridge, "hopeless", summary_job(transcript(120), 480), NOW)
+    outcome = run(summarize, bridge, "hopeless", summary_job(transcript(120), 480), NOW)
     assert outcome.completion.finish_reason == "error"
     assert "max_new_tokens" in outcome.completion.error
 
@@ -124,7 +131,7 @@ def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge, monk
 
     job = JobIn(messages=[{"role": "user", "content": "where is my parcel " * 200}], sampling={"max_new_tokens": 64})
     lengths = spy_prompts(bridge, monkeypatch)
-    outcome = reply(bridge, "too-long", job, NOW)
+    outcome = run(reply, bridge, "too-long", job, NOW)
     assert outcome.completion.finish_reason == "error" and not outcome.completion.retryable
     assert outcome.completion.error == problem(job, bridge.engine.tokenizer, bridge.context)[1]
     assert lengths == []  # refused before the engine saw it
@@ -139,7 +146,7 @@ def test_the_engine_counts_a_jobs_wait_from_its_creation(bridge, monkeypatch):
     spy_prompts(bridge, monkeypatch)
     created = datetime.now(UTC) - timedelta(seconds=30)
     job = JobIn(messages=[{"role": "user", "content": "Where is my parcel?"}], sampling={"max_new_tokens": 4})
-    outcome = reply(bridge, "waited", job, created)
+    outcome = run(reply, bridge, "waited", job, created)
     assert outcome.completion.ok
     [arrival] = arrivals
     assert 29 < time.monotonic() - arrival < 60

@@ -40,8 +40,8 @@ def test_tune_runs_the_engine_the_worker_runs_and_map_reduces_long_transcripts(t
     summary = JobIn(kind="summarize", messages=[{"role": "user", "content": long}], sampling={"max_new_tokens": 16})
     outcomes = []
 
-    def recording(bridge, job_id, job, created_at):
-        outcomes.append(summarize(bridge, job_id, job, created_at))
+    def recording(run):
+        outcomes.append(summarize(run))
         return outcomes[-1]
 
     monkeypatch.setitem(RUN_BY_KIND, "summarize", recording)

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy import insert
 
 from engine.interface import Completion, Timings
 from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobIn
-from jobs.tables import Job, job_row
+from jobs.tables import Job, job_row, utcnow
 from worker import results
 from worker.outcome import Outcome
 
 
-def new_job(sessions) -> str:
+def new_job(sessions, **payload) -> str:
+    job = JobIn(messages=[{"role": "user", "content": "hi"}], **payload)
     with sessions.begin() as session:
-        session.execute(insert(Job.__table__), row := job_row(JobIn(messages=[{"role": "user", "content": "hi"}])))
+        session.execute(insert(Job.__table__), row := job_row(job, utcnow()))
     return str(row["id"])
 
 
@@ -188,3 +191,44 @@ def test_a_job_whose_payload_is_not_a_job_fails_at_claim(database):
     with engine.connect() as conn:
         status, error = conn.execute(sa.text("SELECT status, error FROM jobs")).one()
     assert status == "failed" and "payload is not a valid job" in error and "messages" in error
+
+
+def job_columns(engine, job_id: str) -> tuple[str, str | None]:
+    with engine.connect() as conn:
+        return tuple(conn.execute(sa.text("SELECT status, error FROM jobs WHERE id = :i"), {"i": uuid.UUID(job_id)}).one())
+
+
+def test_a_job_past_its_deadline_is_not_claimed_but_expires(database):
+    engine = make_db_engine(database)
+    sessions = make_sessions(engine)
+    late, on_time = new_job(sessions, deadline_s=0.001), new_job(sessions, deadline_s=3600)
+    with sessions.begin() as session:  # the deadline was set from the creation: now it has passed
+        session.execute(sa.update(Job).where(Job.id == uuid.UUID(late)).values(deadline_at=utcnow() - timedelta(seconds=1)))
+    claimed = results.claim_many(sessions, [late, on_time], "w", 3)
+    assert claimed[0] is None and claimed[1] is not None
+    assert claimed[1].deadline_at is not None
+    assert job_columns(engine, late) == ("expired", "its deadline passed before it ran")
+
+
+def test_a_handed_back_job_whose_cancel_was_asked_for_ends_cancelled_at_claim(database):
+    engine = make_db_engine(database)
+    sessions = make_sessions(engine)
+    job_id = new_job(sessions)
+    with sessions.begin() as session:  # running when the cancel came, then its worker died and it was handed back
+        session.execute(sa.update(Job).where(Job.id == uuid.UUID(job_id)).values(cancel_requested_at=utcnow()))
+    assert results.claim(sessions, job_id, "w", 3) is None
+    assert job_columns(engine, job_id) == ("cancelled", "cancelled before it ran")
+
+
+@pytest.mark.parametrize("reason", ["cancelled", "expired"])
+def test_a_stopped_run_keeps_its_text_and_ends_with_the_reason(database, reason):
+    engine = make_db_engine(database)
+    sessions = make_sessions(engine)
+    job_id = new_job(sessions)
+    stopped = Outcome(Completion(job_id, [1, 2], "half an ans", 7, reason, None, Timings()), 5.0)
+    results.store(sessions, results.claim(sessions, job_id, "w", 3), stopped, "w")
+    assert counts(engine, job_id) == (reason, 1, 0)  # a result with the text so far; no timings: it did not finish
+    with engine.connect() as conn:
+        text, finish = conn.execute(sa.text("SELECT text, finish_reason FROM results")).one()
+    assert (text, finish) == ("half an ans", reason)
+    assert "kept in its result" in job_columns(engine, job_id)[1]

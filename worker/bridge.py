@@ -1,16 +1,21 @@
 """The worker's side of the engine: prompts in, completions out, through the one thread that owns the engine.
 
-Many Celery threads call `submit()` at once; each blocks on its own futures while the engine thread batches
-everything in flight. What a job's prompts are (one chat, or the parts of a map-reduce summary) is decided
-by the task (`worker.tasks`, `worker.summarize`), never here.
+Many Celery threads run jobs at once; each opens a `JobRun` on the bridge and blocks on its own futures while
+the engine thread batches everything in flight. What a job's prompts are (one chat, or the parts of a
+map-reduce summary) is decided by the task (`worker.tasks`, `worker.summarize`), never here.
+
+A run can be stopped from any thread (`Bridge.stop`: a cancel, or a deadline seen by the reconciler): its
+requests in the engine are stopped before the next step and keep their text so far; requests it submits
+afterwards end at once with the same reason.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import datetime
 
 from engine.engine_thread import EngineThread
@@ -19,16 +24,78 @@ from jobs.chat import Chat, encode_chat
 from jobs.schemas import JobIn, Sampling
 from jobs.tables import as_utc, utcnow
 
+TokensCallback = Callable[[list[int]], None]
 
-def engine_clock(created_at: datetime) -> float:
-    """A job's creation on the engine's clock (`time.monotonic`), so that time in the broker counts as waiting
-    (the engine ages waiting requests by it). A creation stamped in this host's future counts as now."""
-    return time.monotonic() - max(0.0, (utcnow() - as_utc(created_at)).total_seconds())
+
+def engine_clock(moment: datetime) -> float:
+    """A wall-clock moment on the engine's clock (`time.monotonic`). A job's creation becomes its requests'
+    arrival, so that time in the broker counts as waiting (the engine ages waiting requests by it); a creation
+    stamped in this host's future counts as now."""
+    return time.monotonic() - max(0.0, (utcnow() - as_utc(moment)).total_seconds())
+
+
+def deadline_clock(deadline_at: datetime) -> float:
+    """A deadline on the engine's clock; one already past is due now."""
+    return time.monotonic() + (as_utc(deadline_at) - utcnow()).total_seconds()
 
 
 def sampling_params(sampling: Sampling) -> SamplingParams:
     return SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                           top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop), seed=sampling.seed)
+
+
+class JobRun:
+    """One job's requests on the bridge: they share its sampling, priority, arrival and deadline, and stop
+    together."""
+
+    def __init__(self, bridge: Bridge, job_id: str, job: JobIn, created_at: datetime,
+                 deadline_at: datetime | None, on_tokens: TokensCallback | None) -> None:
+        self.bridge = bridge
+        self.job_id = job_id
+        self.job = job
+        self.arrival = engine_clock(created_at)
+        self.deadline = deadline_clock(deadline_at) if deadline_at is not None else None
+        self.on_tokens = on_tokens
+        self.stopped: str | None = None  # "cancelled" or "expired" once stopped
+        self._in_flight: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def context(self) -> int:
+        return self.bridge.context
+
+    def prompt_ids(self, chat: Chat) -> list[int]:
+        return self.bridge.prompt_ids(chat, self.job)
+
+    def submit(self, part: str | None, prompt_ids: list[int], stream: bool = False) -> Future[Completion]:
+        """Run one prompt of the job: `part` None is the job's only request, else the request `JOB:part`.
+        With `stream`, the run's `on_tokens` sees its output as it grows."""
+        request_id = self.job_id if part is None else f"{self.job_id}:{part}"
+        request = Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling_params(self.job.sampling),
+                          priority=self.job.priority, conversation_id=self.job.conversation_id,
+                          arrival=self.arrival, deadline=self.deadline)
+        with self._lock:  # held while handing over, so that a stop never misses a request on its way in
+            if self.stopped is not None:
+                future: Future[Completion] = Future()
+                future.set_result(Completion(request_id, [], "", len(prompt_ids), self.stopped))
+                return future
+            self._in_flight.add(request_id)
+            future = self.bridge.thread.submit(request, self.on_tokens if stream else None)
+        future.add_done_callback(lambda _: self._done(request_id))
+        return future
+
+    def stop(self, reason: str) -> None:
+        with self._lock:
+            if self.stopped is not None:
+                return
+            self.stopped = reason
+            in_flight = list(self._in_flight)
+        for request_id in in_flight:
+            self.bridge.thread.cancel(request_id, reason)
+
+    def _done(self, request_id: str) -> None:
+        with self._lock:
+            self._in_flight.discard(request_id)
 
 
 class Bridge:
@@ -40,6 +107,8 @@ class Bridge:
         # and that much Python in other threads would starve the engine thread of the GIL, stalling every step
         # (and the interactive requests in it); interactive jobs never wait for this.
         self._bulk_prompts = threading.Lock()
+        self._runs: dict[str, JobRun] = {}
+        self._runs_lock = threading.Lock()
 
     @property
     def context(self) -> int:
@@ -50,17 +119,30 @@ class Bridge:
         with nullcontext() if job.priority >= self.interactive_priority else self._bulk_prompts:
             return encode_chat(self.engine.tokenizer, chat)
 
-    def submit(self, request_id: str, prompt_ids: list[int], job: JobIn, created_at: datetime) -> Future[Completion]:
-        """Run one prompt of `job` (with its sampling, priority and conversation) in the engine; the engine counts
-        its wait from `created_at`, the job's creation."""
-        return self.thread.submit(Request(
-            request_id=request_id,
-            prompt_ids=prompt_ids,
-            sampling=sampling_params(job.sampling),
-            priority=job.priority,
-            conversation_id=job.conversation_id,
-            arrival=engine_clock(created_at),
-        ))
+    @contextmanager
+    def run(self, job_id: str, job: JobIn, created_at: datetime, deadline_at: datetime | None = None,
+            on_tokens: TokensCallback | None = None) -> Iterator[JobRun]:
+        """Run `job` here: its requests count their wait from `created_at` and stop at `deadline_at`."""
+        run = JobRun(self, job_id, job, created_at, deadline_at, on_tokens)
+        with self._runs_lock:
+            self._runs[job_id] = run
+        try:
+            yield run
+        finally:
+            with self._runs_lock:
+                self._runs.pop(job_id, None)
+
+    def running(self) -> list[str]:
+        with self._runs_lock:
+            return list(self._runs)
+
+    def stop(self, job_ids: list[str], reason: str = "cancelled") -> list[str]:
+        """Stop the runs of these jobs that are here; returns their ids."""
+        with self._runs_lock:
+            runs = [self._runs[i] for i in job_ids if i in self._runs]
+        for run in runs:
+            run.stop(reason)
+        return [run.job_id for run in runs]
 
     def stats(self) -> dict[str, float]:
         return self.thread.stats()

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from engine.interface import Completion
 
+# finish reasons of a job stopped before it ended by itself: its text so far is kept as its result
+STOPPED = ("cancelled", "expired")
+
 
 @dataclass
 class Outcome:

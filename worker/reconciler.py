@@ -6,7 +6,10 @@ Every worker process beats into the `workers` table and, on the same thread, run
 - `queued` jobs whose message a consumer took and holds unacknowledged for longer than a live worker ever
   would before claiming (a worker killed between fetching and claiming) are published again, and after a
   worker death so are queued jobs whose message is nowhere in the broker (lost as it was being fetched);
-- `queued` jobs published long ago and still queued (a message lost with the broker) are published again.
+- `queued` jobs published long ago and still queued (a message lost with the broker) are published again;
+- `queued` jobs past their deadline end `expired` (and their batches settle) without waiting for a claim.
+It also finds the jobs this worker runs whose cancel was asked for (the broadcast that normally stops them
+at once may have been missed) and stops them.
 Duplicate messages are harmless: a job is claimed only while `queued`, so the extra one is dropped.
 Every step is a conditional UPDATE, so any number of workers may sweep at once.
 """
@@ -20,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import redis
@@ -33,6 +37,7 @@ from jobs.publish import publish
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Worker, utcnow
+from worker.results import end_unrun, retrying, settle
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +126,10 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
             .values(status=JobStatus.queued.value, worker=None, published_at=None)
         ).rowcount
         session.execute(update(Worker).where(Worker.name.in_(dead)).values(stopped_at=now))
+    with sessions.begin() as session:
+        expired = end_unrun(session, now, Job.deadline_at <= now)
+    for batch_id in {b for _, b in expired if b is not None}:
+        retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
     grace = now - timedelta(seconds=settings.unpublished_grace_s)
     lost = [
         Job.published_at.is_(None) & (Job.created_at < grace),
@@ -140,14 +149,23 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
     if orphans or stranded:
         log.warning("reconciler: %d jobs of dead workers handed back, %d of %d stranded jobs published",
                     orphans, len(published), len(stranded))
-    return {"orphans": orphans, "stranded": len(stranded), "published": len(published)}
+    return {"orphans": orphans, "stranded": len(stranded), "published": len(published), "expired": len(expired)}
+
+
+def cancels_requested(sessions: sessionmaker[Session], name: str) -> list[str]:
+    """Jobs the worker `name` runs whose cancel was asked for."""
+    with sessions() as session:
+        return [str(i) for i in session.scalars(select(Job.id).where(
+            Job.status == JobStatus.running.value, Job.worker == name, Job.cancel_requested_at.is_not(None)))]
 
 
 class Reconciler:
-    """The heartbeat-and-sweep thread of one worker process."""
+    """The heartbeat-and-sweep thread of one worker process; `stop_jobs` stops runs of this worker's jobs."""
 
-    def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str) -> None:
+    def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
+                 stop_jobs: Callable[[list[str]], object]) -> None:
         self.sessions, self.celery, self.settings, self.name = sessions, celery, settings, name
+        self.stop_jobs = stop_jobs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
 
@@ -164,6 +182,8 @@ class Reconciler:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
                 beat(self.sessions, self.name)
+                if cancelled := cancels_requested(self.sessions, self.name):
+                    self.stop_jobs(cancelled)
                 reconcile(self.sessions, self.celery, self.settings)
             except Exception:  # the database or broker is away: try again next beat
                 log.exception("reconciler sweep failed")

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy import bindparam, or_, update
+from sqlalchemy import ColumnElement, bindparam, case, or_, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -26,7 +26,7 @@ from jobs.batches import settle_batch
 from jobs.db import insert_ignore
 from jobs.schemas import JobIn, JobStatus
 from jobs.tables import Job, Result, Timing, as_utc, utcnow
-from worker.outcome import Outcome
+from worker.outcome import STOPPED, Outcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +40,7 @@ class Claimed:
     created_at: datetime
     batch_id: uuid.UUID | None
     attempt: int
+    deadline_at: datetime | None = None
 
 
 def ms_between(a: datetime, b: datetime) -> float:
@@ -85,7 +86,28 @@ def _fail(sessions: sessionmaker[Session], job_id: uuid.UUID, batch_id: uuid.UUI
 
     retrying(action, f"fail {job_id}")
     if batch_id is not None:
-        retrying(lambda: _settle(sessions, batch_id), f"settle batch {batch_id}")
+        retrying(lambda: settle(sessions, batch_id), f"settle batch {batch_id}")
+
+
+NOT_RUN_ERRORS = {JobStatus.cancelled.value: "cancelled before it ran",
+                  JobStatus.expired.value: "its deadline passed before it ran"}
+STOPPED_ERRORS = {"cancelled": "cancelled while it ran; the text it had is kept in its result",
+                  "expired": "its deadline passed while it ran; the text it had is kept in its result"}
+
+
+def end_unrun(session: Session, now: datetime, *where: ColumnElement[bool]) -> list[tuple[uuid.UUID, uuid.UUID | None]]:
+    """End the queued jobs (among `where`) that must not run: a cancel was asked for (`cancelled`), or their
+    deadline has passed (`expired`). Returns (job id, batch id) of each."""
+    jobs = Job.__table__
+    cancelled = jobs.c.cancel_requested_at.is_not(None)
+    status = case((cancelled, JobStatus.cancelled.value), else_=JobStatus.expired.value)
+    error = case((cancelled, NOT_RUN_ERRORS[JobStatus.cancelled.value]), else_=NOT_RUN_ERRORS[JobStatus.expired.value])
+    return [tuple(row) for row in session.execute(
+        update(jobs)
+        .where(*where, jobs.c.status == JobStatus.queued.value, or_(cancelled, jobs.c.deadline_at <= now))
+        .values(status=status, error=error, finished_at=now)
+        .returning(jobs.c.id, jobs.c.batch_id)
+    )]
 
 
 def claim(sessions: sessionmaker[Session], job_id: str, worker: str, max_attempts: int) -> Claimed | None:
@@ -98,23 +120,27 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
     """`claim` for many jobs in one statement; an id listed twice is claimed once, by its first entry.
 
     A job that has used up its attempts (it crashed or failed that often), or whose payload is not a valid job,
-    is failed here instead of run.
+    is failed here instead of run; one cancelled or past its deadline ends without running (`end_unrun`).
     """
     jobs = Job.__table__
+    ids = {uuid.UUID(i) for i in job_ids}
 
-    def action() -> dict[uuid.UUID, tuple]:
+    def action() -> tuple[dict[uuid.UUID, tuple], set[uuid.UUID]]:
         now = utcnow()
         with sessions.begin() as session:
+            ended = end_unrun(session, now, jobs.c.id.in_(ids))
             rows = session.execute(
                 update(jobs)
-                .where(jobs.c.id.in_({uuid.UUID(i) for i in job_ids}), jobs.c.status == JobStatus.queued.value)
+                .where(jobs.c.id.in_(ids), jobs.c.status == JobStatus.queued.value)
                 .values(status=JobStatus.running.value, attempts=jobs.c.attempts + 1, worker=worker, started_at=now)
                 .returning(jobs.c.id, jobs.c.payload, jobs.c.created_at, jobs.c.batch_id, jobs.c.attempts,
-                           jobs.c.error)
+                           jobs.c.error, jobs.c.deadline_at)
             ).all()
-        return {row.id: row for row in rows}
+        return {row.id: row for row in rows}, {batch_id for _, batch_id in ended if batch_id is not None}
 
-    rows = retrying(action, f"claim {len(job_ids)} jobs")
+    rows, batches = retrying(action, f"claim {len(job_ids)} jobs")
+    for batch_id in batches:
+        retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
     out: list[Claimed | None] = []
     for job_id in job_ids:
         row = rows.pop(uuid.UUID(job_id), None)
@@ -132,7 +158,7 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
             _fail(sessions, row.id, row.batch_id, f"the job's payload is not a valid job: {exc}")
             out.append(None)
             continue
-        out.append(Claimed(row.id, job, row.created_at, row.batch_id, row.attempts))
+        out.append(Claimed(row.id, job, row.created_at, row.batch_id, row.attempts, row.deadline_at))
     return out
 
 
@@ -158,8 +184,8 @@ class Stored:
 
 
 def finished_status(completion: Completion) -> JobStatus:
-    if completion.finish_reason == "cancelled":
-        return JobStatus.cancelled
+    if completion.finish_reason in STOPPED:
+        return JobStatus(completion.finish_reason)
     return JobStatus.succeeded if completion.ok else JobStatus.failed
 
 
@@ -206,30 +232,33 @@ def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcom
             c = outcome.completion
             timing = timing_row(claimed, outcome, batch_prefix, now) if c.ok else None
             if timing is not None:
+                timing_rows.append(timing)
+            if c.ok or c.finish_reason in STOPPED:  # a stopped job keeps the text it had
                 result_rows.append(dict(
                     job_id=claimed.job_id, text=storable(c.text), prompt_tokens=c.prompt_tokens,
                     completion_tokens=len(c.token_ids), finish_reason=c.finish_reason, created_at=now,
                     chunks=outcome.chunks, levels=outcome.levels,
                 ))
-                timing_rows.append(timing)
             status = finished_status(c)
+            error = c.error or STOPPED_ERRORS.get(c.finish_reason)
             finished.append(dict(job=claimed.job_id, new_status=status.value,
-                                 new_error=c.error and storable(c.error), now=now))
+                                 new_error=error and storable(error), now=now))
             stored.append(Stored(status, timing))
         with sessions.begin() as session:
             if result_rows:
                 insert_ignore(session, Result, result_rows)
+            if timing_rows:
                 insert_ignore(session, Timing, timing_rows)
             session.connection().execute(finish, finished)
         return stored
 
     stored = retrying(action, f"store {len(done)} jobs")
     for batch_id in dict.fromkeys(claimed.batch_id for claimed, _ in done if claimed.batch_id is not None):
-        retrying(lambda b=batch_id: _settle(sessions, b), f"settle batch {batch_id}")
+        retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
     return stored
 
 
-def _settle(sessions: sessionmaker[Session], batch_id: uuid.UUID) -> None:
+def settle(sessions: sessionmaker[Session], batch_id: uuid.UUID) -> None:
     with sessions.begin() as session:
         settle_batch(session, batch_id)
 

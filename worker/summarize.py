@@ -13,13 +13,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from datetime import datetime
 
 from engine.interface import Completion, Timings
 from jobs.chat import Chat, chat_for, combine_chat, part_chat, prompt_budget, summary_problem
-from jobs.schemas import JobIn, Message
-from worker.bridge import Bridge
-from worker.outcome import Outcome
+from jobs.schemas import Message
+from worker.bridge import JobRun
+from worker.outcome import STOPPED, Outcome
 
 Turns = list[Message]
 
@@ -85,34 +84,37 @@ def merge(completions: list[Completion], final: Completion) -> Completion:
     return replace(final, prompt_tokens=sum(c.prompt_tokens for c in completions), timings=timings)
 
 
-def summarize(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> Outcome:
-    started = time.monotonic()
-    if problem := summary_problem(job.sampling.max_new_tokens, bridge.context):
-        return _too_long(job_id, problem, started)
-    budget = prompt_budget(bridge.context, job.sampling.max_new_tokens)
+def summarize(run: JobRun) -> Outcome:
+    """The final request (the whole transcript, or the last combine) streams its text; a part that does not
+    succeed ends the job with that part's completion (a stop keeps the part's text so far)."""
+    job, started = run.job, time.monotonic()
+    if problem := summary_problem(job.sampling.max_new_tokens, run.context):
+        return _too_long(run.job_id, problem, started)
+    budget = prompt_budget(run.context, job.sampling.max_new_tokens)
 
     def fits_with(make_chat: Callable[[Turns], Chat]) -> Callable[[Turns], bool]:
-        return lambda turns: len(bridge.prompt_ids(make_chat(turns), job)) <= budget
+        return lambda turns: len(run.prompt_ids(make_chat(turns))) <= budget
 
-    def run_all(chats: list[Chat], level: int) -> list[Completion]:
-        futures: list[Future] = [bridge.submit(f"{job_id}:{level}:{i}", bridge.prompt_ids(chat, job), job, created_at)
+    def run_all(chats: list[Chat], level: int, final: bool = False) -> list[Completion]:
+        futures: list[Future] = [run.submit(f"{level}:{i}", run.prompt_ids(chat), stream=final)
                                  for i, chat in enumerate(chats)]
         return [f.result() for f in futures]
 
     def failed(completion: Completion, what: str) -> Outcome:
-        return Outcome(replace(completion, error=f"{what}: {completion.error}"),
-                       (time.monotonic() - started) * 1e3)
+        if completion.finish_reason not in STOPPED:
+            completion = replace(completion, error=f"{what}: {completion.error}")
+        return Outcome(completion, (time.monotonic() - started) * 1e3)
 
     whole = chat_for(job)
-    if len(bridge.prompt_ids(whole, job)) <= budget:
-        [completion] = run_all([whole], 1)
+    if len(run.prompt_ids(whole)) <= budget:
+        [completion] = run_all([whole], 1, final=True)
         return Outcome(completion, (time.monotonic() - started) * 1e3)
 
     try:
         # sized with a two-digit part header: the real header is never longer
         chunks = plan_chunks(job.messages, fits_with(lambda ts: part_chat(ts, 99, 99)))
     except TooLong as exc:
-        return _too_long(job_id, str(exc), started)
+        return _too_long(run.job_id, str(exc), started)
     done: list[Completion] = run_all([part_chat(c, i, len(chunks)) for i, c in enumerate(chunks, 1)], 1)
     if bad := next((c for c in done if not c.ok), None):
         return failed(bad, "a chunk failed")
@@ -122,7 +124,7 @@ def summarize(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> 
         level += 1
         as_turns = [Message.model_construct(role="user", content=s) for s in summaries]
         if combine_fits(as_turns):
-            [final] = run_all([combine_chat(summaries)], level)
+            [final] = run_all([combine_chat(summaries)], level, final=True)
             done.append(final)
             if not final.ok:
                 return failed(final, "combining the summaries failed")
@@ -130,7 +132,7 @@ def summarize(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> 
                            chunks=len(chunks), levels=level)
         groups = plan_chunks(as_turns, combine_fits)
         if len(groups) >= len(summaries):
-            return _too_long(job_id, "the partial summaries do not fit together two at a time; lower "
+            return _too_long(run.job_id, "the partial summaries do not fit together two at a time; lower "
                              "max_new_tokens", started)
         level_done = run_all([combine_chat([t.content for t in g]) for g in groups], level)
         done += level_done

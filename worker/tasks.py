@@ -12,46 +12,47 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 
 from celery import Celery
 from celery.signals import worker_init, worker_shutdown
+from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.engine_thread import EngineDead
-from jobs.broker import create_celery
+from jobs.broker import CANCEL_COMMAND, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
 from jobs.group_commit import GroupCommit
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_JOB
-from jobs.schemas import JobIn
+from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
 from worker import results
 from worker.backend import load_backend
-from worker.bridge import Bridge
+from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
 from worker.metrics import WorkerMetrics
 from worker.outcome import Outcome
+from worker.progress import ProgressPublisher
 from worker.reconciler import Reconciler, hand_back
 from worker.summarize import summarize
 
 log = logging.getLogger(__name__)
 
 
-def reply(bridge: Bridge, job_id: str, job: JobIn, created_at: datetime) -> Outcome:
-    """A chat job: one request, its prompt and output within the model's context."""
+def reply(run: JobRun) -> Outcome:
+    """A chat job: one request, its prompt and output within the model's context; its text streams."""
     start = time.monotonic()
-    prompt = bridge.prompt_ids(chat_for(job), job)
-    if problem := chat_problem(len(prompt), job.sampling.max_new_tokens, bridge.context):
-        return Outcome.failed(job_id, problem)
-    completion = bridge.submit(job_id, prompt, job, created_at).result()
+    prompt = run.prompt_ids(chat_for(run.job))
+    if problem := chat_problem(len(prompt), run.job.sampling.max_new_tokens, run.context):
+        return Outcome.failed(run.job_id, problem)
+    completion = run.submit(None, prompt, stream=True).result()
     return Outcome(completion, (time.monotonic() - start) * 1e3)
 
 
-# how each kind of job runs: (bridge, job id, job, its creation) -> outcome
-RUN_BY_KIND: dict[str, Callable[[Bridge, str, JobIn, datetime], Outcome]] = {"chat": reply, "summarize": summarize}
+# how each kind of job runs on the bridge
+RUN_BY_KIND: dict[str, Callable[[JobRun], Outcome]] = {"chat": reply, "summarize": summarize}
 
 
 @dataclass
@@ -65,6 +66,7 @@ class WorkerContext:
     reconciler: Reconciler
     name: str
     metrics: WorkerMetrics
+    progress: ProgressPublisher
     claim: GroupCommit[str, results.Claimed | None]  # job id -> the claimed job, or None: not queued
     store: GroupCommit[tuple[results.Claimed, Outcome], results.Stored]
 
@@ -75,17 +77,19 @@ class WorkerContext:
         sessions = make_sessions(db)
         bridge = Bridge(load_backend(settings), settings.interactive_priority)
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
-        reconciler = Reconciler(sessions, celery, settings, name).start()
+        reconciler = Reconciler(sessions, celery, settings, name, bridge.stop).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
+        progress = ProgressPublisher(settings.broker_url, bridge.engine.tokenizer)
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, batch_prefix=name), "stores")
-        return cls(settings, celery, sessions, bridge, reconciler, name, metrics, claim, store)
+        return cls(settings, celery, sessions, bridge, reconciler, name, metrics, progress, claim, store)
 
     def close(self) -> None:
         self.reconciler.stop()
         self.bridge.close()
         self.claim.close()
         self.store.close()
+        self.progress.close()
 
 
 class Worker:
@@ -118,11 +122,15 @@ class Worker:
         if claimed is None:
             log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
             return
+        ctx.progress.status(job_id, JobStatus.running)
         try:
-            outcome = RUN_BY_KIND[claimed.job.kind](ctx.bridge, job_id, claimed.job, claimed.created_at)
+            with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
+                                on_tokens=lambda ids: ctx.progress.tokens(job_id, ids)) as run:
+                outcome = RUN_BY_KIND[claimed.job.kind](run)
             if outcome.completion.retryable:
                 raise RuntimeError(outcome.completion.error)
             stored = ctx.store((claimed, outcome))
+            ctx.progress.status(job_id, stored.status)
             ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
         except EngineDead:
             # the model's state is unknown: exit so the supervisor restarts the worker; the reconciler hands this
@@ -142,9 +150,18 @@ def worker_app(settings: Settings) -> Celery:
     worker_init.connect(worker.start, weak=False)
     worker_shutdown.connect(worker.stop, weak=False)
 
+    # `kind` and `priority` only label the message for Flower and logs (on-call tells a chat from a bulk
+    # summary at a glance); what runs is read from the job's row
     @celery.task(name=TASK_RUN_JOB)
-    def run_job(job_id: str) -> None:
+    def run_job(job_id: str, kind: str | None = None, priority: int | None = None) -> None:
         worker.run_job(job_id)
+
+    @control_command(name=CANCEL_COMMAND, args=[("job_ids", list), ("reason", str)],
+                     signature="<job_ids> [reason]")
+    def cancel(state, job_ids: list[str], reason: str = "cancelled") -> dict:
+        """Stop these jobs if this worker runs them (they end with their text so far)."""
+        ctx = worker.context
+        return {"stopped": ctx.bridge.stop(job_ids, reason) if ctx is not None else []}
 
     return celery
 
@@ -154,9 +171,11 @@ def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> N
     s = ctx.settings
     if claimed.attempt >= s.max_attempts:
         results.fail(ctx.sessions, claimed, f"failed after {claimed.attempt} attempts: {error}")
+        ctx.progress.status(str(claimed.job_id), JobStatus.failed)
         ctx.metrics.gave_up()
         return
     if results.requeue(ctx.sessions, claimed, error):
+        ctx.progress.status(str(claimed.job_id), JobStatus.queued)
         ctx.metrics.retried()
         with ctx.sessions() as session:
             job = session.get(Job, claimed.job_id)

@@ -6,7 +6,7 @@ import json
 import logging
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, File, Form, HTTPException, Request, UploadFile, status
@@ -15,17 +15,20 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.batch_input import LineError, parse_batch
-from api.deps import CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from api.deps import AUTH_ERRORS, CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
 from api.prompt_check import PromptCheck
 from jobs.batches import PENDING, settle_batch
+from jobs.broker import broadcast_cancel
 from jobs.publish import publish
 from jobs.schemas import (
     DEFAULT_BATCH_PRIORITY,
+    DEFAULT_COMPLETION_WINDOW,
     BatchLineError,
     BatchOut,
     BatchStatus,
     JobStatus,
     RequestCounts,
+    window_seconds,
 )
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, as_utc, job_row, utcnow
@@ -52,20 +55,22 @@ def batch_out(session: Session, batch: Batch) -> BatchOut:
         completed=by_status.get(JobStatus.succeeded.value, 0),
         failed=by_status.get(JobStatus.failed.value, 0) + bad_lines,
         cancelled=by_status.get(JobStatus.cancelled.value, 0),
+        expired=by_status.get(JobStatus.expired.value, 0),
         pending=sum(by_status.get(s, 0) for s in PENDING),
     )
     return BatchOut(
         id=batch.id, status=BatchStatus(batch.status), priority=batch.priority, input_name=batch.input_name,
         request_counts=counts, errors=[BatchLineError(**e) for e in batch.line_errors], metadata=batch.metadata_,
-        created_at=_unix(batch.created_at), in_progress_at=_unix(batch.in_progress_at),
+        completion_window=batch.completion_window, created_at=_unix(batch.created_at),
+        expires_at=_unix(batch.expires_at), in_progress_at=_unix(batch.in_progress_at),
         finalizing_at=_unix(batch.finalizing_at), completed_at=_unix(batch.completed_at),
         cancelling_at=_unix(batch.cancelling_at), cancelled_at=_unix(batch.cancelled_at),
-        failed_at=_unix(batch.failed_at),
+        failed_at=_unix(batch.failed_at), expired_at=_unix(batch.expired_at),
     )
 
 
 def ingest(sessions: sessionmaker[Session], celery, settings: Settings, check: PromptCheck, batch_id: uuid.UUID,
-           data: bytes) -> None:
+           data: bytes, owner: str) -> None:
     """Validate the upload line by line, create one job per good line, publish them (runs after the response)."""
     with sessions() as session:
         batch = session.get(Batch, batch_id)
@@ -77,7 +82,8 @@ def ingest(sessions: sessionmaker[Session], celery, settings: Settings, check: P
                     errors.append(LineError(p.line, p.custom_id, f"{problem[0]}: {problem[1]}"))
             errors.sort(key=lambda e: e.line)
             now = utcnow()
-            rows = [job_row(p.job, batch_id=batch_id, custom_id=p.custom_id) for p in parsed]
+            rows = [job_row(p.job, now, deadline_at=batch.expires_at, batch_id=batch_id, custom_id=p.custom_id,
+                            owner=owner) for p in parsed]
             batch.total, batch.line_errors = total, [e.as_dict() for e in errors]
             if not rows:
                 batch.status, batch.failed_at = BatchStatus.failed.value, now
@@ -108,7 +114,9 @@ def _get_batch(session: Session, batch_id: uuid.UUID) -> Batch:
     return batch
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=BatchOut)
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=BatchOut,
+             responses={**AUTH_ERRORS, 413: {"description": "The upload is larger than CONVOQ_MAX_UPLOAD_BYTES"},
+                        429: {"description": "Rate limited, or its lines would pass the bound on unfinished jobs"}})
 async def create_batch(
     file: Annotated[UploadFile, File(description="JSONL: OpenAI Batch lines or convoq lines")],
     request: Request,
@@ -117,9 +125,12 @@ async def create_batch(
     sessions: SessionsDep,
     celery: CeleryDep,
     settings: SettingsDep,
-    _: SubmitKey,
+    key: SubmitKey,
     priority: Annotated[int, Form(ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")] = DEFAULT_BATCH_PRIORITY,
     metadata: Annotated[str | None, Form(description="a JSON object kept with the batch")] = None,
+    completion_window: Annotated[str, Form(
+        description="how long the batch may take, as OpenAI's '24h' (also '90m', '2d'); items unfinished by then "
+                    "end `expired`")] = DEFAULT_COMPLETION_WINDOW,
 ) -> BatchOut:
     data = await file.read(settings.max_upload_bytes + 1)
     if len(data) > settings.max_upload_bytes:
@@ -131,11 +142,18 @@ async def create_batch(
             raise ValueError
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "metadata must be a JSON object") from exc
+    try:
+        window = timedelta(seconds=window_seconds(completion_window))
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+    request.app.state.admission.admit(session, key, sum(1 for line in data.splitlines() if line.strip()))
+    now = utcnow()
     batch = Batch(priority=priority, input_name=file.filename, status=BatchStatus.validating.value,
-                  total=0, line_errors=[], metadata_=meta)
+                  total=0, line_errors=[], metadata_=meta, completion_window=completion_window, created_at=now,
+                  expires_at=now + window)
     session.add(batch)
     session.commit()
-    background.add_task(ingest, sessions, celery, settings, request.app.state.prompt_check, batch.id, data)
+    background.add_task(ingest, sessions, celery, settings, request.app.state.prompt_check, batch.id, data, key)
     return batch_out(session, batch)
 
 
@@ -149,9 +167,12 @@ def get_batch(batch_id: uuid.UUID, session: SessionDep, _: ReadKey) -> BatchOut:
     return batch_out(session, batch)
 
 
-@router.post("/{batch_id}/cancel", response_model=BatchOut)
-def cancel_batch(batch_id: uuid.UUID, session: SessionDep, _: SubmitKey) -> BatchOut:
-    """Queued items are cancelled; running ones finish and, like everything finished, stay downloadable."""
+@router.post("/{batch_id}/cancel", response_model=BatchOut,
+             responses={**AUTH_ERRORS, 404: {"description": "No such batch"},
+                        409: {"description": "The batch is no longer open (the detail names its status)"}})
+def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, _: SubmitKey) -> BatchOut:
+    """Queued items are cancelled and never run; running ones are stopped by their workers and end `cancelled`
+    with the text they had. Finished items stay downloadable."""
     batch = _get_batch(session, batch_id)
     if batch.status not in OPEN:
         raise HTTPException(status.HTTP_409_CONFLICT, f"batch is {batch.status}; only open batches can be cancelled")
@@ -160,7 +181,16 @@ def cancel_batch(batch_id: uuid.UUID, session: SessionDep, _: SubmitKey) -> Batc
                     .values(status=BatchStatus.cancelling.value, cancelling_at=now))
     session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.queued.value)
                     .values(status=JobStatus.cancelled.value, finished_at=now, error="batch cancelled"))
+    running = [str(i) for i in session.scalars(
+        update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.running.value,
+                          Job.cancel_requested_at.is_(None))
+        .values(cancel_requested_at=now).returning(Job.id))]
     session.commit()
+    if running:
+        try:
+            broadcast_cancel(celery, running)
+        except Exception:  # each worker also finds the requests in the rows at its next heartbeat
+            log.exception("could not broadcast the cancel of batch %s", batch_id)
     settle_batch(session, batch_id)
     session.commit()
     session.refresh(batch)
@@ -206,7 +236,7 @@ def _lines(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool) -
             for e in batch.line_errors:
                 yield _line(f"batch_req_line{e['line']}", e["custom_id"], None,
                             {"code": "invalid_line", "message": f"line {e['line']}: {e['message']}"})
-            wanted = (JobStatus.failed.value, JobStatus.cancelled.value)
+            wanted = (JobStatus.failed.value, JobStatus.cancelled.value, JobStatus.expired.value)
         else:
             wanted = (JobStatus.succeeded.value,)
         rows = session.execute(
@@ -216,7 +246,7 @@ def _lines(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool) -
         )
         for job, result in rows:
             if errors:
-                code = "cancelled" if job.status == JobStatus.cancelled.value else "job_failed"
+                code = job.status if job.status in (JobStatus.cancelled, JobStatus.expired) else "job_failed"
                 yield _line(f"batch_req_{job.id.hex}", job.custom_id, None, {"code": code, "message": job.error})
             else:
                 response = {"status_code": 200, "request_id": str(job.id), "body": _completion(job, result)}
@@ -236,7 +266,8 @@ def batch_output(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep
 
 @router.get("/{batch_id}/errors")
 def batch_errors(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, _: ReadKey) -> StreamingResponse:
-    """Bad lines, failed and cancelled items, as OpenAI Batch error lines."""
+    """Bad lines, failed, cancelled and expired items, as OpenAI Batch error lines (`error.code`: `invalid_line`,
+    `job_failed`, `cancelled`, `expired`)."""
     _get_batch(session, batch_id)
     return StreamingResponse(_lines(sessions, batch_id, errors=True), media_type="application/jsonl")
 

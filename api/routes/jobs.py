@@ -1,40 +1,52 @@
-"""`/v1/jobs`: submit a job, read it back (optionally waiting for it to finish)."""
+"""`/v1/jobs`: submit a job, read it back (optionally waiting for it to finish), follow it, cancel it."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from uuid import UUID
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import insert, select
+from fastapi.responses import StreamingResponse
+from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.deps import CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from api.deps import AUTH_ERRORS, CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from api.events import job_events
+from jobs.batches import settle_batch
+from jobs.broker import broadcast_cancel
 from jobs.publish import publish
 from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut
-from jobs.tables import Job, Result, Timing, job_row
+from jobs.tables import Job, Result, Timing, job_row, utcnow
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+NOT_FOUND = {**AUTH_ERRORS, 404: {"description": "No such job"}}
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted)
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted,
+             responses={429: {"description": "Rate limited, or too many unfinished jobs (see Retry-After)"}})
 def submit_job(
     job_in: JobIn, request: Request, response: Response, session: SessionDep, celery: CeleryDep,
-    settings: SettingsDep, _: SubmitKey,
+    settings: SettingsDep, key: SubmitKey,
 ) -> JobAccepted:
     if problem := request.app.state.prompt_check.problem(job_in):
         field, message = problem
         loc = ["body", "messages"] if field == "messages" else ["body", "sampling", field]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": loc, "msg": message, "type": "value_error"}])
-    row = job_row(job_in)
+    admission = request.app.state.admission
+    admission.admit(session, key, 1)
+    row = job_row(job_in, utcnow(), owner=key)
     try:
         session.execute(insert(Job.__table__), row)
         session.commit()  # the row exists before any message does: a lost publish is recoverable
     except IntegrityError:
         session.rollback()
+        admission.give_back(key, 1)
         existing = session.scalar(select(Job).where(Job.idempotency_key == job_in.idempotency_key))
         if existing is None:
             raise
@@ -60,7 +72,7 @@ def load_job(sessions: sessionmaker[Session], job_id: UUID) -> JobOut | None:
         return out
 
 
-@router.get("/{job_id}", response_model=JobOut)
+@router.get("/{job_id}", response_model=JobOut, responses=NOT_FOUND)
 async def get_job(
     job_id: UUID,
     sessions: SessionsDep,
@@ -78,3 +90,52 @@ async def get_job(
             return job
         await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 1.5, 0.5)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={200: {"description": "Server-Sent Events: `status`, `text` (all the text so far), then `result` "
+                                    "(see the JobEvent schema)", "content": {"text/event-stream": {}}},
+               **NOT_FOUND},
+)
+async def follow_job(job_id: UUID, request: Request, sessions: SessionsDep, _: ReadKey) -> StreamingResponse:
+    """Follow a job as it runs: its status changes and its text as it is generated, then its result. A client
+    that connects late starts from the job's current state."""
+    if await run_in_threadpool(load_job, sessions, job_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+    events = job_events(request.app.state.redis, lambda i: load_job(sessions, i), job_id)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut,
+             responses={**NOT_FOUND, 409: {"description": "The job already finished (the detail names its status)"}})
+def cancel_job(job_id: UUID, session: SessionDep, sessions: SessionsDep, celery: CeleryDep, _: SubmitKey) -> JobOut:
+    """Cancel a job. A queued one ends `cancelled` at once and never runs; a running one is stopped by its
+    worker within an engine step and ends `cancelled` with the text it had (until then it shows
+    `cancel_requested_at`). Cancelling again changes nothing."""
+    now = utcnow()
+    queued = session.execute(
+        update(Job).where(Job.id == job_id, Job.status == JobStatus.queued.value)
+        .values(status=JobStatus.cancelled.value, finished_at=now, error="cancelled before it ran")
+        .returning(Job.batch_id)
+    ).first()
+    session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.running.value,
+                                      Job.cancel_requested_at.is_(None)).values(cancel_requested_at=now))
+    session.commit()
+    if queued is not None and queued.batch_id is not None:
+        settle_batch(session, queued.batch_id)
+        session.commit()
+    job = load_job(sessions, job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+    if job.status in TERMINAL and job.status != JobStatus.cancelled:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job is {job.status.value}; only queued or running jobs "
+                                                      "can be cancelled")
+    if job.status == JobStatus.running:
+        try:
+            broadcast_cancel(celery, [str(job_id)])
+        except Exception:  # the worker also finds the request in the row at its next heartbeat
+            log.exception("could not broadcast the cancel of %s", job_id)
+    return job

@@ -1,0 +1,28 @@
+"""Our engine at a set pace, with replies that never stop early at an end-of-text token: a reply takes as long
+as a test needs to act on it mid-generation (follow its text, cancel it, let its deadline pass)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from engine.interface import Completion, Request
+from engine.llm_engine import LLMEngine
+from jobs.settings import Settings
+from worker.backend import engine_config
+
+STEP_S = 0.03
+
+
+class PacedEngine(LLMEngine):
+    def add_request(self, request: Request) -> None:
+        request.sampling = replace(request.sampling, ignore_eos=True)
+        super().add_request(request)
+
+    def step(self) -> list[Completion]:
+        time.sleep(STEP_S)
+        return super().step()
+
+
+def create(model: str, device: str, dtype: str) -> PacedEngine:
+    return PacedEngine(engine_config(Settings(model=model, device=device, dtype=dtype)))

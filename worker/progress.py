@@ -1,0 +1,83 @@
+"""Progress of the jobs a worker runs, published on Redis pub/sub for `GET /v1/jobs/{id}/events`.
+
+Status changes go out as they happen. Text is published only for jobs someone is subscribed to (one PUBSUB
+NUMSUB per flush asks), at most once per `interval` per job, and always as the whole text so far, so a
+subscriber that connects late is up to date with its first text event. Nothing is stored: a subscriber
+reads the job's row for what happened before it connected. Publishing is best-effort: a Redis error loses
+progress events, never a job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import redis
+
+from jobs.broker import progress_channel
+from jobs.schemas import TERMINAL, JobStatus
+
+log = logging.getLogger(__name__)
+
+
+class ProgressPublisher:
+    def __init__(self, redis_url: str, tokenizer, interval: float = 0.1) -> None:
+        self.client = redis.Redis.from_url(redis_url)
+        self.tokenizer = tokenizer
+        self.interval = interval
+        self._statuses: list[tuple[str, JobStatus]] = []
+        self._tokens: dict[str, list[int]] = {}  # job id -> its latest output so far
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+        self._thread.start()
+
+    def status(self, job_id: str, status: JobStatus) -> None:
+        with self._lock:
+            self._statuses.append((job_id, status))
+            if status in TERMINAL:
+                self._tokens.pop(job_id, None)  # the final event carries the whole result
+
+    def tokens(self, job_id: str, token_ids: list[int]) -> None:
+        """The job's output so far (called on the engine thread: only a dict write)."""
+        with self._lock:
+            self._tokens[job_id] = token_ids
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._flush()
+        self.client.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            statuses, self._statuses = self._statuses, []
+            tokens, self._tokens = self._tokens, {}
+        if not statuses and not tokens:
+            return
+        try:
+            watched = self._watched(list(tokens))
+            pipe = self.client.pipeline(transaction=False)
+            ending = [(j, s) for j, s in statuses if s in TERMINAL]
+            for job_id, status in (x for x in statuses if x[1] not in TERMINAL):
+                pipe.publish(progress_channel(job_id), json.dumps({"event": "status", "status": status.value}))
+            for job_id in watched:
+                text = self.tokenizer.decode(tokens[job_id], skip_special_tokens=True)
+                pipe.publish(progress_channel(job_id),
+                             json.dumps({"event": "text", "text": text, "tokens": len(tokens[job_id])}))
+            for job_id, status in ending:
+                pipe.publish(progress_channel(job_id), json.dumps({"event": "status", "status": status.value}))
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("progress events lost: %s", exc)
+
+    def _watched(self, job_ids: list[str]) -> list[str]:
+        if not job_ids:
+            return []
+        counts = self.client.pubsub_numsub(*(progress_channel(j) for j in job_ids))
+        return [j for j, (_, n) in zip(job_ids, counts, strict=True) if n > 0]
