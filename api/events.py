@@ -72,7 +72,8 @@ async def job_events(redis: Redis, load: Callable[[UUID], JobOut | None], job_id
         # the row is final before its terminal event goes out
         if (job := await run_in_threadpool(load, job_id)) is None:
             return
-        yield sse(JobEvent(event="status", status=job.status))
+        if job.status != status:
+            yield sse(JobEvent(event="status", status=job.status))
         yield sse(JobEvent(event="result", job=job))
     finally:
         await pubsub.unsubscribe()

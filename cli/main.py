@@ -208,7 +208,8 @@ def _print_stream(client: Client, job_id: UUID) -> JobOut:
             final = job.result.text if job.result is not None else ""
             if final.startswith(shown):  # the stored text (stop strings cut) may end before what streamed
                 sys.stdout.write(final[len(shown):])
-            typer.echo("")
+            sys.stdout.write("\n")
+            sys.stdout.flush()
             reason = job.result.finish_reason if job.result is not None else job.error
             typer.echo(f"[{job.id} {job.status.value}: {reason}]", err=True)
             return job

@@ -128,14 +128,17 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
     def action() -> tuple[dict[uuid.UUID, tuple], set[uuid.UUID]]:
         now = utcnow()
         with sessions.begin() as session:
-            ended = end_unrun(session, now, jobs.c.id.in_(ids))
             rows = session.execute(
                 update(jobs)
-                .where(jobs.c.id.in_(ids), jobs.c.status == JobStatus.queued.value)
+                .where(jobs.c.id.in_(ids), jobs.c.status == JobStatus.queued.value,
+                       jobs.c.cancel_requested_at.is_(None), or_(jobs.c.deadline_at.is_(None), jobs.c.deadline_at > now))
                 .values(status=JobStatus.running.value, attempts=jobs.c.attempts + 1, worker=worker, started_at=now)
                 .returning(jobs.c.id, jobs.c.payload, jobs.c.created_at, jobs.c.batch_id, jobs.c.attempts,
                            jobs.c.error, jobs.c.deadline_at)
             ).all()
+            # the rest are duplicates, or must not run; only then is a second statement needed
+            rest = ids - {row.id for row in rows}
+            ended = end_unrun(session, now, jobs.c.id.in_(rest)) if rest else []
         return {row.id: row for row in rows}, {batch_id for _, batch_id in ended if batch_id is not None}
 
     rows, batches = retrying(action, f"claim {len(job_ids)} jobs")
