@@ -142,11 +142,18 @@ def tune(
 
 
 @app.command("tiny-model")
-def tiny_model(path: Path, preset: str = "tiny", seed: int = 0) -> None:
+def tiny_model(
+    path: Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="a folder with the real Qwen3 tokenizer files (e.g. tests/data/qwen3-tokenizer) instead of a small "
+             "trained one")] = None,
+) -> None:
     """Write a small random Qwen3 checkpoint folder (loads like a real Qwen/Qwen3-* folder)."""
     from cli.tiny_model import build_tiny_model
 
-    typer.echo(str(build_tiny_model(path, preset=preset, seed=seed)))
+    typer.echo(str(build_tiny_model(path, preset=preset, seed=seed, tokenizer=tokenizer)))
 
 
 API_URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="CONVOQ_API_URL", help="the convoq API")

@@ -7,13 +7,15 @@ random, so the text it writes is gibberish; speed and correctness against transf
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -36,6 +38,10 @@ PRESETS: dict[str, dict] = {
     "tiny-swa": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
                      use_sliding_window=True, sliding_window=64, max_window_layers=2),
+    # with the real Qwen3 tokenizer (`tokenizer=`): small, but with Qwen3's vocabulary and a longer context
+    "qwen3-small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
+                        vocab_size=151936),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                  vocab_size=151936),
@@ -83,13 +89,34 @@ def build_tokenizer(vocab_size: int = 4096, seed: int = 0) -> PreTrainedTokenize
     )
 
 
-def build_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0, **overrides) -> Path:
-    """Write a checkpoint folder; the same preset, seed and overrides give the same bytes."""
+# Qwen3's published generation_config.json: it samples by default
+QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+                           "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def copy_qwen3_tokenizer(source: Path, path: Path) -> PreTrainedTokenizerFast:
+    """The real Qwen3 tokenizer files from `source` (tokenizer.json may be gzipped) into the folder `path`."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(source / name, path / name)
+    if (source / "tokenizer.json").exists():
+        shutil.copyfile(source / "tokenizer.json", path / "tokenizer.json")
+    else:
+        with gzip.open(source / "tokenizer.json.gz", "rb") as src, open(path / "tokenizer.json", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0, tokenizer: str | Path | None = None,
+                     **overrides) -> Path:
+    """Write a checkpoint folder; the same preset, seed and overrides give the same bytes. With `tokenizer`
+    (a folder of the real Qwen3 tokenizer files), the folder tokenizes, renders chats and samples by default
+    exactly like a downloaded `Qwen/Qwen3-*` one."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed=seed)
+    real = tokenizer is not None
+    tokenizer = copy_qwen3_tokenizer(Path(tokenizer), path) if real else build_tokenizer(seed=seed)
     shape = {**PRESETS[preset], **overrides}
     shape.setdefault("vocab_size", len(tokenizer))
     config = Qwen3Config(
@@ -106,6 +133,10 @@ def build_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0, **ov
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).eval()
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    (path / "convoq-tiny.json").write_text(json.dumps({"preset": preset, "seed": seed, **overrides}))
+    if real:
+        (path / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION_CONFIG, indent=2))
+    else:
+        tokenizer.save_pretrained(path)
+    (path / "convoq-tiny.json").write_text(json.dumps({"preset": preset, "seed": seed, "qwen3_tokenizer": real,
+                                                       **overrides}))
     return path

@@ -25,6 +25,17 @@ def tiny_model(tiny_models) -> Path:
     return tiny_models["tiny"]
 
 
+QWEN3_TOKENIZER = Path(__file__).parent / "data" / "qwen3-tokenizer"
+
+
+@pytest.fixture(scope="session")
+def qwen3_model(tmp_path_factory) -> Path:
+    """Small random weights around the real Qwen3 tokenizer, chat template and generation config: renders,
+    tokenizes and samples by default like a downloaded `Qwen/Qwen3-*` folder."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3-small", preset="qwen3-small",
+                            tokenizer=QWEN3_TOKENIZER)
+
+
 # --- real servers -------------------------------------------------------------------------------------------
 # Throwaway Redis and PostgreSQL started from the installed binaries, unless CONVOQ_TEST_REDIS_URL /
 # CONVOQ_TEST_DATABASE_URL point at servers to use instead (the database URL must allow CREATE DATABASE).
