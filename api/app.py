@@ -30,7 +30,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     if not settings.api_key_scopes:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
-    check = PromptCheck(settings.model)
+    check = PromptCheck(settings.model, settings.default_thinking)
     sessions = make_sessions(make_db_engine(settings.database_url))
     stamps = stamp_writer(sessions)
     redis = Redis.from_url(settings.broker_url)  # progress events (`/v1/jobs/{id}/events`)

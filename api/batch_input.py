@@ -2,7 +2,9 @@
 
 OpenAI lines: `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {"messages", ...}}`.
 Our lines: `{"custom_id", "transcript": [turns] | "text"}` (summarized) or `{"custom_id", "messages"}`
-(answered as a chat), with optional `max_new_tokens`, `temperature`, `conversation_id`.
+(answered as a chat), with optional sampling fields (`max_new_tokens`, `temperature`, `top_p`, `top_k`,
+`min_p`, `repetition_penalty`, `presence_penalty`, `seed`), `thinking`, `max_thinking_tokens`,
+`conversation_id`. OpenAI lines may say thinking as vLLM's `chat_template_kwargs: {"enable_thinking": ...}`.
 A bad line becomes a `LineError` with its number and reason; it never sinks the other lines.
 """
 
@@ -45,6 +47,13 @@ class OpenAIBody(BaseModel):
     max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # vLLM's extensions of the request, which its clients send
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
@@ -73,17 +82,27 @@ def _job_from_openai(obj: dict, priority: int) -> JobIn:
     max_new = body.max_completion_tokens or body.max_tokens
     if max_new is not None:
         sampling["max_new_tokens"] = max_new
-    for name in ("temperature", "top_p", "seed"):
+    if body.frequency_penalty:  # it changes the output: never ignored silently
+        raise ValueError("frequency_penalty is not supported; use presence_penalty or repetition_penalty")
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "seed"):
         if getattr(body, name) is not None:
             sampling[name] = getattr(body, name)
     if body.stop is not None:
         sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    kwargs = dict(body.chat_template_kwargs or {})
+    thinking = kwargs.pop("enable_thinking", None)
+    if kwargs:
+        raise ValueError(f"chat_template_kwargs may only hold enable_thinking, not {sorted(kwargs)}")
     messages = [{**m, "content": _text(m.get("content"))} for m in body.messages]
-    return JobIn(messages=messages, kind="chat", priority=priority, sampling=sampling)
+    return JobIn(messages=messages, kind="chat", priority=priority, sampling=sampling, thinking=thinking)
+
+
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "seed")
 
 
 def _job_from_ours(obj: dict, priority: int) -> JobIn:
-    sampling = {k: obj[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed") if k in obj}
+    sampling = {k: obj[k] for k in SAMPLING_KEYS if k in obj}
     if "transcript" in obj:
         transcript = obj["transcript"]
         messages = [{"role": "user", "content": transcript}] if isinstance(transcript, str) else transcript
@@ -93,7 +112,8 @@ def _job_from_ours(obj: dict, priority: int) -> JobIn:
     else:
         raise ValueError("a line needs `transcript`, `messages`, or an OpenAI `body`")
     return JobIn(messages=messages, kind=kind, priority=priority, sampling=sampling,
-                 conversation_id=obj.get("conversation_id"))
+                 conversation_id=obj.get("conversation_id"), thinking=obj.get("thinking"),
+                 max_thinking_tokens=obj.get("max_thinking_tokens"))
 
 
 def parse_batch(data: bytes, priority: int) -> tuple[list[ParsedLine], list[LineError], int]:

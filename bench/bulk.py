@@ -72,7 +72,8 @@ def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple
 
 
 def through_engine(lines: list[dict], settings: Settings, model: Path, threads: int) -> tuple[float, int]:
-    bridge = Bridge(load_backend(settings.model_copy(update={"model": str(model)})), settings.interactive_priority)
+    settings = settings.model_copy(update={"model": str(model)})
+    bridge = Bridge.for_settings(load_backend(settings), settings)
     jobs = [JobIn(kind="summarize", priority=1, messages=x["transcript"],
                   sampling={"max_new_tokens": x["max_new_tokens"]}) for x in lines]
     try:

@@ -43,7 +43,7 @@ class Trial:
 
 def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> Trial:
     engine = LLMEngine(engine_config(settings, max_num_seqs=seqs, max_num_batched_tokens=tokens))
-    bridge = Bridge(engine, settings.interactive_priority)
+    bridge = Bridge.for_settings(engine, settings)
     start = time.monotonic()
 
     created = datetime.now(UTC)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from engine.config import model_dtype
 from engine.interface import Completion, Request, RequestError, Timings
-from engine.text import finish_text
+from engine.text import finish_text, think_ids
 
 
 class _Clock(LogitsProcessor):
@@ -28,6 +28,36 @@ class _Clock(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.first is None:
             self.first = time.monotonic()
+        return scores
+
+
+class _Presence(LogitsProcessor):
+    """OpenAI's presence penalty, which transformers lacks: `penalty` off every token already generated."""
+
+    def __init__(self, start: int, penalty: float) -> None:
+        self.start, self.penalty = start, penalty
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.start:]
+        if generated.shape[1] == 0:
+            return scores
+        return scores - self.penalty * torch.zeros_like(scores, dtype=torch.bool).scatter_(1, generated, True)
+
+
+class _ThinkingBudget(LogitsProcessor):
+    """Forces `</think>` once a row's open `<think>` block holds `budget` tokens, as `LLMEngine` does."""
+
+    def __init__(self, start: int, budget: int, think_ids: tuple[int, int]) -> None:
+        self.start, self.budget, (self.opening, self.closing) = start, budget, think_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row, generated in enumerate(input_ids[:, self.start:].tolist()):
+            if self.opening not in generated:
+                continue
+            block = generated[len(generated) - generated[::-1].index(self.opening):]
+            if self.closing not in block and len(block) >= self.budget:
+                scores[row] = float("-inf")
+                scores[row, self.closing] = 0.0
         return scores
 
 
@@ -43,6 +73,7 @@ class HFEngine:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.think_ids = think_ids(self.tokenizer)
         self._waiting: list[tuple[int, float, int, Request]] = []
         self._order = itertools.count()
         self._batches = 0
@@ -86,18 +117,27 @@ class HFEngine:
             mask[i, longest - len(r.prompt_ids):] = 1
         if s.seed is not None:
             torch.manual_seed(s.seed)
+        processors = [clock]
+        if s.presence_penalty:
+            processors.append(_Presence(longest, s.presence_penalty))
+        if s.max_thinking_tokens is not None and self.think_ids is not None:
+            processors.append(_ThinkingBudget(longest, s.max_thinking_tokens, self.think_ids))
+        sampled = s.temperature > 0
         with torch.inference_mode():
+            # every value explicit: what is left out, generate takes from the model's generation_config
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 max_new_tokens=max(budget),
-                do_sample=s.temperature > 0,
-                temperature=s.temperature if s.temperature > 0 else None,
-                top_p=s.top_p if s.temperature > 0 else None,
-                top_k=(s.top_k or None) if s.temperature > 0 else None,
+                do_sample=sampled,
+                temperature=s.temperature if sampled else None,
+                top_p=s.top_p if sampled else None,
+                top_k=s.top_k if sampled else None,
+                min_p=s.min_p if sampled else None,
+                repetition_penalty=s.repetition_penalty,
                 eos_token_id=None if s.ignore_eos else sorted(self.eos_ids),
                 pad_token_id=self.pad_id,
-                logits_processor=LogitsProcessorList([clock]),
+                logits_processor=LogitsProcessorList(processors),
             )
         end = time.monotonic()
         self._batches += 1
@@ -135,7 +175,9 @@ class HFEngine:
     @staticmethod
     def _group_key(request: Request) -> tuple:
         s = request.sampling
+        shared = (s.ignore_eos, s.repetition_penalty, s.presence_penalty, s.max_thinking_tokens)
         if s.temperature <= 0:
-            return ("greedy", s.ignore_eos)
+            return ("greedy", *shared)
         # a seeded request runs alone so that its random draws do not depend on its batch-mates
-        return ("sample", s.temperature, s.top_p, s.top_k, s.ignore_eos, s.seed, request.request_id if s.seed is not None else None)
+        return ("sample", *shared, s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
+                request.request_id if s.seed is not None else None)

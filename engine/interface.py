@@ -17,7 +17,12 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    repetition_penalty: float = 1.0  # as transformers: logits of tokens in the prompt or output / (or *) it
+    presence_penalty: float = 0.0  # as OpenAI: subtracted from the logits of tokens already in the output
     stop: tuple[str, ...] = ()
+    # a thinking model's reasoning budget: past it, `</think>` is forced and the model goes on to answer
+    max_thinking_tokens: int | None = None
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks generate exactly max_new_tokens
 

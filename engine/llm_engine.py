@@ -22,7 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler, work_of
 from engine.sequence import Sequence
-from engine.text import cut_at_stop, finish_text
+from engine.text import cut_at_stop, finish_text, think_ids
 from kernels.dispatch import select_ops
 
 
@@ -40,6 +40,8 @@ class LLMEngine:
         self.model = load_model(config.model, self.device, dtype, ops, weights)
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
         self.eos_ids = read_eos_ids(config.model)
+        # a thinking model's block delimiters (Qwen3: `<think>` 151667, `</think>` 151668), if it has them
+        self.think_ids = think_ids(self.tokenizer)
 
         self.plan = plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
         self.windows = plan.windows
@@ -84,8 +86,11 @@ class LLMEngine:
             raise RequestError(f"prompt has {n} tokens; the model's context is {self.max_model_len}")
         if request.request_id in self._seqs:
             raise RequestError(f"request {request.request_id!r} is already running")
-        if p.max_new_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
+        if (p.max_new_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p < 1
+                or p.repetition_penalty <= 0):
             raise RequestError(f"invalid sampling parameters {p}")
+        if p.max_thinking_tokens is not None and self.think_ids is None:
+            raise RequestError("max_thinking_tokens needs a thinking model; this tokenizer has no <think> tokens")
         longest = min(n + p.max_new_tokens, self.max_model_len)
         needed = self.plan.blocks_per_seq(self.config.block_size, longest)
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
@@ -131,6 +136,8 @@ class LLMEngine:
             token = sampled.get(seq)
             if token is None:
                 continue
+            if seq.params.max_thinking_tokens is not None:
+                token = self._within_thinking_budget(seq, token)
             seq.append_token(token, end)
             self._tokens_generated += 1
             reason = self._finish_reason(seq, token)
@@ -141,6 +148,19 @@ class LLMEngine:
         # the whole step, planning and bookkeeping included: what an interactive request waits per token
         self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
+
+    def _within_thinking_budget(self, seq: Sequence, token: int) -> int:
+        """`token`, or `</think>` once the open reasoning block has used the request's budget."""
+        opening, closing = self.think_ids
+        if seq.reasoning is not None and seq.reasoning >= seq.params.max_thinking_tokens:
+            token = closing
+        if token == opening:
+            seq.reasoning = 0
+        elif token == closing:
+            seq.reasoning = None
+        elif seq.reasoning is not None:
+            seq.reasoning += 1
+        return token
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionBatch
 from kernels.dispatch import Ops
-from kernels.qk_norm_rope import rope_tables
+from kernels.qk_norm_rope import Yarn, rope_tables
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     windows: tuple[int, ...]  # per layer: 0 for full attention, else the sliding window
+    yarn: Yarn | None = None  # YaRN rope scaling; None: the default rotary embedding
 
 
 class Rope(NamedTuple):
@@ -177,7 +178,7 @@ class Qwen3ForCausalLM(nn.Module):
         tied = self.model.embed_tokens.weight if shape.tie_word_embeddings else None
         self.lm_head = Linear(shape.hidden_size, shape.vocab_size, tied)
         cos, sin = rope_tables(shape.max_position_embeddings, shape.head_dim, shape.rope_theta,
-                               self.lm_head.weight.device)
+                               self.lm_head.weight.device, shape.yarn)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -57,7 +57,7 @@ class ModelRunner:
         last = (step.cu_seqlens[1:][ends] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last])
         seqs = [step.seqs[i] for i in ends]
-        tokens = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+        tokens = sample(logits, seqs)
         return dict(zip(seqs, tokens, strict=True))
 
     def pack(self, batch: list[tuple[Sequence, int]]) -> Step:

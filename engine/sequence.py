@@ -33,6 +33,7 @@ class Sequence:
         self.admitted = -1  # admission counter: the most recently admitted sequence is pre-empted first
         self.last_step = -1  # the scheduler's last step that ran this sequence
         self.interactive = False  # a person waits on its tokens (the scheduler decides, from the priority)
+        self.reasoning: int | None = None  # tokens in its open <think> block; None: no block open
         self.timings = Timings()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None

@@ -27,3 +27,14 @@ def finish_text(tokenizer, token_ids: list[int], stops: Sequence[str], eos_ids: 
                 token_ids = token_ids[:n]
                 break
     return token_ids, text, ended or stopped
+
+
+THINK_TAGS = ("<think>", "</think>")
+
+
+def think_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of a thinking model's `<think>` and `</think>` tokens, when its vocabulary has both."""
+    ids = [tokenizer.convert_tokens_to_ids(tag) for tag in THINK_TAGS]
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        return None
+    return ids[0], ids[1]

@@ -23,15 +23,35 @@ COMBINE_INSTRUCTION = (
 )
 
 
-def encode_chat(tokenizer, chat: Sequence[Mapping[str, str]]) -> list[int]:
-    """Token ids of a chat, ending with the assistant's turn opener (the model's chat template)."""
+def encode_chat(tokenizer, chat: Sequence[Mapping[str, str]], thinking: bool) -> list[int]:
+    """Token ids of a chat, ending with the assistant's turn opener (the model's chat template). `thinking` goes
+    to the template as `enable_thinking`: off, Qwen3's template opens the answer with an empty think block; a
+    template without the switch ignores it."""
     enc = tokenizer.apply_chat_template(
         [{"role": m["role"], "content": m["content"]} for m in chat],
         add_generation_prompt=True,
         tokenize=True,
+        enable_thinking=thinking,
     )
     # transformers 5 returns a BatchEncoding, older versions a plain list
     return list(enc["input_ids"] if isinstance(enc, Mapping) else enc)
+
+
+def thinking_of(job: JobIn, default_thinking: bool) -> bool:
+    """Whether `job` lets the model reason first: as it says, else summaries never and chats by the default."""
+    if job.thinking is not None:
+        return job.thinking
+    return default_thinking and job.kind == "chat"
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of a thinking model's output `<think>reasoning</think>answer`; (None, text) when
+    it holds no think block. A block never closed (the output budget ran out) is all reasoning."""
+    head, opened, rest = text.partition("<think>")
+    if not opened or head.strip():
+        return None, text
+    reasoning, closed, answer = rest.partition("</think>")
+    return reasoning.strip(), answer.strip() if closed else ""
 
 
 def render_transcript(turns: Sequence[Message]) -> str:
@@ -83,11 +103,12 @@ def summary_problem(max_new_tokens: int, context: int) -> str | None:
     return None
 
 
-def problem(job: JobIn, tokenizer, context: int) -> tuple[str, str] | None:
+def problem(job: JobIn, tokenizer, context: int, default_thinking: bool) -> tuple[str, str] | None:
     """(field, message) when `job` can never run on a model with this tokenizer and context, else None."""
     max_new = job.sampling.max_new_tokens
     if job.kind == "summarize":
         message = summary_problem(max_new, context)
         return None if message is None else ("max_new_tokens", message)
-    message = chat_problem(len(encode_chat(tokenizer, chat_for(job))), max_new, context)
+    prompt = encode_chat(tokenizer, chat_for(job), thinking_of(job, default_thinking))
+    message = chat_problem(len(prompt), max_new, context)
     return None if message is None else ("messages", message)

@@ -44,11 +44,25 @@ class Message(Strict):
     content: Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]
 
 
+UNSET = ("left unset, the model's generation_config.json decides (CONVOQ_GENERATION_CONFIG=auto), else "
+         "convoq's default: ")
+
+
 class Sampling(Strict):
-    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1000, description="0 means off")
+    """Unset fields (None) take the model's own defaults from its generation_config.json, as `transformers`
+    and vLLM do; with CONVOQ_GENERATION_CONFIG=none, or where the model says nothing, convoq's: greedy."""
+
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS,
+                                description="output tokens at most, thinking included")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; " + UNSET + "0")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description=UNSET + "1")
+    top_k: int | None = Field(None, ge=0, le=1000, description="0 means off; " + UNSET + "0")
+    min_p: float | None = Field(None, ge=0.0, lt=1.0, description="drop tokens less likely than min_p times the "
+                                "most likely one; " + UNSET + "0")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="> 1 makes tokens already in the "
+                                             "prompt or output less likely; " + UNSET + "1")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of every "
+                                           "token already in the output; convoq's default: 0")
     stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
@@ -77,6 +91,13 @@ class JobIn(Strict):
     conversation_id: Key | None = None
     idempotency_key: Key | None = None
     sampling: Sampling = Field(default_factory=Sampling)
+    thinking: bool | None = Field(
+        None, description="let a thinking model (Qwen3) reason in a <think> block before it answers; the result "
+                          "then holds the reasoning apart from the answer. Unset: off for `summarize`, "
+                          "CONVOQ_DEFAULT_THINKING for `chat`")
+    max_thinking_tokens: int | None = Field(
+        None, ge=1, le=MAX_NEW_TOKENS, description="with thinking: once the reasoning is this long the block is "
+                                                   "closed and the model answers (within max_new_tokens)")
     deadline_s: float | None = Field(
         None, gt=0, le=MAX_DEADLINE_S,
         description="seconds after creation: not started by then, the job ends `expired` without running; "
@@ -97,9 +118,10 @@ class JobAccepted(BaseModel):
 
 
 class ResultOut(BaseModel):
-    text: str
+    text: str = Field(description="the answer (with thinking, what follows the reasoning)")
+    reasoning: str | None = Field(None, description="with thinking: the reasoning, without its <think> tags")
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int = Field(description="every generated token, the reasoning's included")
     finish_reason: str = Field(description="stop | length | cancelled | expired (the last two keep the text so far)")
 
 

@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     # full-attention layers: "dense" | "sliding:W" | "streaming:W:S" (W + S sink tokens) | "strided:L:S"
     attention_policy: str = Field("dense", pattern=r"^(dense|sliding:\d+|streaming:\d+:\d+|strided:\d+:\d+)$")
     enable_prefix_cache: bool = True
+    # Sampling fields a job leaves unset: `auto` takes them from the model folder's generation_config.json (Qwen3
+    # samples by default: temperature 0.6, top_p 0.95, top_k 20), `none` uses convoq's defaults (greedy).
+    generation_config: Literal["auto", "none"] = "auto"
+    # Chats that do not say `thinking` let a thinking model reason first (summaries never do unless asked).
+    default_thinking: bool = False
     host_cache_memory: int = Field(2**30, ge=0)  # bytes of host memory for KV blocks evicted from the device
 
     # Comma-separated `KEY[:scopes]` or `sha256=HEX[:scopes]` entries, scopes `+`-joined from submit, read,

@@ -116,6 +116,7 @@ class Result(Base):
 
     job_id: Mapped[uuid.UUID] = mapped_column(Uuid, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     text: Mapped[str] = mapped_column(Text)
+    reasoning: Mapped[str | None] = mapped_column(Text)  # with thinking: the <think> block's content
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(16))

@@ -6,6 +6,9 @@ position; rotate-half pairs element `i` with `i + head_dim // 2`.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -13,13 +16,49 @@ import triton.language as tl
 from kernels.rms_norm import rms_norm_ref
 
 
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN context extension, its defaults already resolved from config.json (`engine.loader`)."""
+
+    factor: float
+    original_max_positions: int
+    attention_factor: float  # multiplies cos and sin, so every kernel reading the tables applies it
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, yarn: Yarn) -> torch.Tensor:
+    """transformers' `_compute_yarn_parameters`: fast-rotating dims keep their frequency, slow ones are divided by
+    `factor`, and a linear ramp between the two correction dims blends them."""
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(yarn.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, to keep the ramp finite
+    dims = torch.arange(head_dim // 2, device=inv_freq.device, dtype=inv_freq.dtype)
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
+    return inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_tables(
-    max_positions: int, head_dim: int, theta: float, device: torch.device | str = "cpu"
+    max_positions: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device | str = "cpu",
+    yarn: Yarn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(cos, sin)`, each `[max_positions, head_dim // 2]` float32, for the default (unscaled) rotary embedding."""
+    """`(cos, sin)`, each `[max_positions, head_dim // 2]` float32: the default rotary embedding, or YaRN's."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    scale = 1.0
+    if yarn is not None:
+        inv_freq, scale = _yarn_inv_freq(inv_freq, head_dim, theta, yarn), yarn.attention_factor
     angles = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
 
 def _norm_rope_ref(

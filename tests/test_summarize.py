@@ -72,7 +72,7 @@ def test_short_transcript_is_one_request(bridge, monkeypatch):
 
 def test_transcript_five_times_the_context_goes_through_map_reduce(bridge, monkeypatch):
     turns = transcript(250)
-    whole = len(bridge.prompt_ids(chat_for(job := summary_job(turns, 48)), job))
+    whole = len(bridge.prompt_ids(chat_for(job := summary_job(turns, 48)), job, False))
     assert whole > 5 * bridge.context
     lengths = spy_prompts(bridge, monkeypatch)
     max_new = 48
@@ -133,7 +133,7 @@ def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge, monk
     lengths = spy_prompts(bridge, monkeypatch)
     outcome = run(reply, bridge, "too-long", job, NOW)
     assert outcome.completion.finish_reason == "error" and not outcome.completion.retryable
-    assert outcome.completion.error == problem(job, bridge.engine.tokenizer, bridge.context)[1]
+    assert outcome.completion.error == problem(job, bridge.engine.tokenizer, bridge.context, False)[1]
     assert lengths == []  # refused before the engine saw it
 
 

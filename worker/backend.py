@@ -1,4 +1,8 @@
-"""The engine a worker runs, built from settings: the one place settings become an `EngineConfig`."""
+"""The engine a worker runs, built from settings: the one place settings become an `EngineConfig`.
+
+Every backend gets `settings.model` as a local folder (`jobs.model_source`): a hub id is fetched into the
+Hugging Face cache here, so the engine and custom backends only ever read folders.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.interface import StepEngine
+from jobs.model_source import resolve_model
 from jobs.settings import Settings
 
 
@@ -20,7 +25,7 @@ def resolve_device(device: str) -> str:
 def engine_config(settings: Settings, **overrides) -> EngineConfig:
     """Our engine's configuration for these settings; `overrides` (EngineConfig fields) win, e.g. in `tune`."""
     values = dict(
-        model=settings.model, device=resolve_device(settings.device), dtype=settings.dtype,
+        model=str(resolve_model(settings.model)), device=resolve_device(settings.device), dtype=settings.dtype,
         kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, kv_cache_dtype=settings.kv_cache_dtype,
         attention_policy=settings.attention_policy, enable_prefix_cache=settings.enable_prefix_cache,
@@ -36,13 +41,14 @@ def engine_config(settings: Settings, **overrides) -> EngineConfig:
 def load_backend(settings: Settings) -> StepEngine:
     """The backend `settings.backend` names: `engine` (ours), `hf` (transformers' generate) or a factory."""
     device = resolve_device(settings.device)
-    if settings.backend == "hf":
-        from engine.hf_backend import HFEngine
-
-        return HFEngine(settings.model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size)
     if settings.backend == "engine":
         from engine.llm_engine import LLMEngine
 
-        return LLMEngine(engine_config(settings))
+        return LLMEngine(engine_config(settings))  # resolves the model itself: `tune` builds configs too
+    model = str(resolve_model(settings.model))
+    if settings.backend == "hf":
+        from engine.hf_backend import HFEngine
+
+        return HFEngine(model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size)
     module, _, factory = settings.backend.partition(":")
-    return getattr(importlib.import_module(module), factory)(settings.model, device=device, dtype=settings.dtype)
+    return getattr(importlib.import_module(module), factory)(model, device=device, dtype=settings.dtype)

@@ -19,10 +19,13 @@ from contextlib import contextmanager, nullcontext
 from datetime import datetime
 
 from engine.engine_thread import EngineThread
-from engine.interface import Completion, Request, SamplingParams, StepEngine
-from jobs.chat import Chat, encode_chat
-from jobs.schemas import JobIn, Sampling
+from engine.interface import Completion, Request, StepEngine
+from jobs.chat import Chat, encode_chat, thinking_of
+from jobs.model_source import resolve_model
+from jobs.schemas import JobIn
+from jobs.settings import Settings
 from jobs.tables import as_utc, utcnow
+from worker.sampling import OURS, sampling_defaults, sampling_params
 
 TokensCallback = Callable[[list[int]], None]
 
@@ -39,11 +42,6 @@ def deadline_clock(deadline_at: datetime) -> float:
     return time.monotonic() + (as_utc(deadline_at) - utcnow()).total_seconds()
 
 
-def sampling_params(sampling: Sampling) -> SamplingParams:
-    return SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                          top_p=sampling.top_p, top_k=sampling.top_k, stop=tuple(sampling.stop), seed=sampling.seed)
-
-
 class JobRun:
     """One job's requests on the bridge: they share its sampling, priority, arrival and deadline, and stop
     together."""
@@ -56,6 +54,8 @@ class JobRun:
         self.arrival = engine_clock(created_at)
         self.deadline = deadline_clock(deadline_at) if deadline_at is not None else None
         self.on_tokens = on_tokens
+        self.thinking = thinking_of(job, bridge.default_thinking)
+        self.sampling = sampling_params(job, bridge.sampling_defaults)
         self.stopped: str | None = None  # "cancelled" or "expired" once stopped
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
@@ -65,13 +65,13 @@ class JobRun:
         return self.bridge.context
 
     def prompt_ids(self, chat: Chat) -> list[int]:
-        return self.bridge.prompt_ids(chat, self.job)
+        return self.bridge.prompt_ids(chat, self.job, self.thinking)
 
     def submit(self, part: str | None, prompt_ids: list[int], stream: bool = False) -> Future[Completion]:
         """Run one prompt of the job: `part` None is the job's only request, else the request `JOB:part`.
         With `stream`, the run's `on_tokens` sees its output as it grows."""
         request_id = self.job_id if part is None else f"{self.job_id}:{part}"
-        request = Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling_params(self.job.sampling),
+        request = Request(request_id=request_id, prompt_ids=prompt_ids, sampling=self.sampling,
                           priority=self.job.priority, conversation_id=self.job.conversation_id,
                           arrival=self.arrival, deadline=self.deadline)
         with self._lock:  # held while handing over, so that a stop never misses a request on its way in
@@ -99,10 +99,15 @@ class JobRun:
 
 
 class Bridge:
-    def __init__(self, engine: StepEngine, interactive_priority: int) -> None:
+    def __init__(self, engine: StepEngine, interactive_priority: int, default_thinking: bool = False,
+                 sampling_defaults: dict[str, float] = OURS) -> None:
+        """`default_thinking`: whether chats that do not say reason first; `sampling_defaults`: what sampling
+        fields a job leaves unset become (`worker.sampling`)."""
         self.engine = engine
         self.thread = EngineThread(engine)
         self.interactive_priority = interactive_priority
+        self.default_thinking = default_thinking
+        self.sampling_defaults = sampling_defaults
         # Bulk jobs render and tokenize their prompts one at a time. A batch starts a hundred of them at once,
         # and that much Python in other threads would starve the engine thread of the GIL, stalling every step
         # (and the interactive requests in it); interactive jobs never wait for this.
@@ -110,14 +115,21 @@ class Bridge:
         self._runs: dict[str, JobRun] = {}
         self._runs_lock = threading.Lock()
 
+    @classmethod
+    def for_settings(cls, engine: StepEngine, settings: Settings) -> Bridge:
+        """The bridge a worker runs jobs through: the settings' thinking default, and the sampling defaults of
+        CONVOQ_GENERATION_CONFIG for the model it serves."""
+        defaults = sampling_defaults(resolve_model(settings.model, weights=False), settings.generation_config)
+        return cls(engine, settings.interactive_priority, settings.default_thinking, defaults)
+
     @property
     def context(self) -> int:
         return self.engine.max_model_len
 
-    def prompt_ids(self, chat: Chat, job: JobIn) -> list[int]:
+    def prompt_ids(self, chat: Chat, job: JobIn, thinking: bool) -> list[int]:
         """`chat` (a prompt of `job`) as token ids."""
         with nullcontext() if job.priority >= self.interactive_priority else self._bulk_prompts:
-            return encode_chat(self.engine.tokenizer, chat)
+            return encode_chat(self.engine.tokenizer, chat, thinking)
 
     @contextmanager
     def run(self, job_id: str, job: JobIn, created_at: datetime, deadline_at: datetime | None = None,

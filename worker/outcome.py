@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.interface import Completion
+from jobs.chat import split_reasoning
 
 # finish reasons of a job stopped before it ended by itself: its text so far is kept as its result
 STOPPED = ("cancelled", "expired")
@@ -16,6 +17,16 @@ class Outcome:
     engine_ms: float  # first request submitted -> last completion back
     chunks: int = 1  # transcript chunks summarized (map-reduce)
     levels: int = 1  # summarization levels, the final combine included
+    reasoning: str | None = None  # with thinking: the reasoning; the completion's text is then the answer
+
+    @classmethod
+    def answered(cls, completion: Completion, engine_ms: float, thinking: bool, **counts: int) -> Outcome:
+        """With thinking, the reasoning kept apart from the answer."""
+        reasoning = None
+        if thinking:
+            reasoning, answer = split_reasoning(completion.text)
+            completion = replace(completion, text=answer)
+        return cls(completion, engine_ms, reasoning=reasoning, **counts)
 
     @classmethod
     def failed(cls, request_id: str, error: str, engine_ms: float = 0.0) -> Outcome:

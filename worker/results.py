@@ -238,7 +238,9 @@ def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcom
                 timing_rows.append(timing)
             if c.ok or c.finish_reason in STOPPED:  # a stopped job keeps the text it had
                 result_rows.append(dict(
-                    job_id=claimed.job_id, text=storable(c.text), prompt_tokens=c.prompt_tokens,
+                    job_id=claimed.job_id, text=storable(c.text),
+                    reasoning=None if outcome.reasoning is None else storable(outcome.reasoning),
+                    prompt_tokens=c.prompt_tokens,
                     completion_tokens=len(c.token_ids), finish_reason=c.finish_reason, created_at=now,
                     chunks=outcome.chunks, levels=outcome.levels,
                 ))

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from engine.interface import Completion, Timings
-from jobs.chat import Chat, chat_for, combine_chat, part_chat, prompt_budget, summary_problem
+from jobs.chat import Chat, chat_for, combine_chat, part_chat, prompt_budget, split_reasoning, summary_problem
 from jobs.schemas import Message
 from worker.bridge import JobRun
 from worker.outcome import STOPPED, Outcome
@@ -105,10 +105,14 @@ def summarize(run: JobRun) -> Outcome:
             completion = replace(completion, error=f"{what}: {completion.error}")
         return Outcome(completion, (time.monotonic() - started) * 1e3)
 
+    def answers(completions: list[Completion]) -> list[str]:
+        """What the parts concluded: with thinking, only the answer after each one's reasoning is combined."""
+        return [split_reasoning(c.text)[1] if run.thinking else c.text for c in completions]
+
     whole = chat_for(job)
     if len(run.prompt_ids(whole)) <= budget:
         [completion] = run_all([whole], 1, final=True)
-        return Outcome(completion, (time.monotonic() - started) * 1e3)
+        return Outcome.answered(completion, (time.monotonic() - started) * 1e3, run.thinking)
 
     try:
         # sized with a two-digit part header: the real header is never longer
@@ -118,7 +122,7 @@ def summarize(run: JobRun) -> Outcome:
     done: list[Completion] = run_all([part_chat(c, i, len(chunks)) for i, c in enumerate(chunks, 1)], 1)
     if bad := next((c for c in done if not c.ok), None):
         return failed(bad, "a chunk failed")
-    summaries, level = [c.text for c in done], 1
+    summaries, level = answers(done), 1
     combine_fits = fits_with(lambda ts: combine_chat([t.content for t in ts]))
     while True:
         level += 1
@@ -128,8 +132,8 @@ def summarize(run: JobRun) -> Outcome:
             done.append(final)
             if not final.ok:
                 return failed(final, "combining the summaries failed")
-            return Outcome(merge(done, final), (time.monotonic() - started) * 1e3,
-                           chunks=len(chunks), levels=level)
+            return Outcome.answered(merge(done, final), (time.monotonic() - started) * 1e3, run.thinking,
+                                    chunks=len(chunks), levels=level)
         groups = plan_chunks(as_turns, combine_fits)
         if len(groups) >= len(summaries):
             return _too_long(run.job_id, "the partial summaries do not fit together two at a time; lower "
@@ -138,7 +142,7 @@ def summarize(run: JobRun) -> Outcome:
         done += level_done
         if bad := next((c for c in level_done if not c.ok), None):
             return failed(bad, "combining the summaries failed")
-        summaries = [c.text for c in level_done]
+        summaries = answers(level_done)
 
 
 def _too_long(job_id: str, why: str, started: float) -> Outcome:

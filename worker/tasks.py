@@ -48,7 +48,7 @@ def reply(run: JobRun) -> Outcome:
     if problem := chat_problem(len(prompt), run.job.sampling.max_new_tokens, run.context):
         return Outcome.failed(run.job_id, problem)
     completion = run.submit(None, prompt, stream=True).result()
-    return Outcome(completion, (time.monotonic() - start) * 1e3)
+    return Outcome.answered(completion, (time.monotonic() - start) * 1e3, run.thinking)
 
 
 # how each kind of job runs on the bridge
@@ -75,7 +75,7 @@ class WorkerContext:
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
         db = make_db_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
         sessions = make_sessions(db)
-        bridge = Bridge(load_backend(settings), settings.interactive_priority)
+        bridge = Bridge.for_settings(load_backend(settings), settings)
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         reconciler = Reconciler(sessions, celery, settings, name, bridge.stop).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)

@@ -216,13 +216,15 @@ def retry_failed(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, se
 
 
 def _completion(job: Job, result: Result) -> dict:
+    message = {"role": "assistant", "content": result.text}
+    if result.reasoning is not None:  # vLLM's reasoning parser's convention
+        message["reasoning_content"] = result.reasoning
     return {
         "id": f"chatcmpl-{job.id.hex}",
         "object": "chat.completion",
         "created": _unix(result.created_at),
         "model": "convoq",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                     "finish_reason": result.finish_reason}],
+        "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason}],
         "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                   "total_tokens": result.prompt_tokens + result.completion_tokens},
         "convoq": {"chunks": result.chunks, "levels": result.levels},

@@ -1,0 +1,52 @@
+"""A job's sampling as the engine takes it.
+
+What a job leaves unset comes from the model folder's `generation_config.json` when CONVOQ_GENERATION_CONFIG is
+`auto` (as transformers and vLLM do: Qwen3 samples at temperature 0.6, top_p 0.95, top_k 20), else from
+convoq's defaults (greedy, no filters, no penalties).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from engine.interface import SamplingParams
+from jobs.schemas import JobIn
+
+log = logging.getLogger(__name__)
+
+OURS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0}
+FROM_MODEL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling defaults a model folder's generation_config.json states (empty without one)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    stated = {k: config[k] for k in FROM_MODEL if config.get(k) is not None}
+    if not config.get("do_sample", False):
+        # transformers decodes greedily then, whatever temperature and filters say
+        stated = {k: v for k, v in stated.items() if k == "repetition_penalty"} | {"temperature": 0.0}
+    if stated.get("top_k", 0) < 0:  # some configs say -1 for "off"
+        stated["top_k"] = 0
+    return stated
+
+
+def sampling_defaults(model_dir: Path, mode: str) -> dict[str, float]:
+    """Defaults for unset fields: the model's (`auto`) over ours, or ours alone (`none`)."""
+    if mode == "none":
+        return dict(OURS)
+    defaults = OURS | model_defaults(model_dir)
+    log.info("sampling defaults for unset fields (%s): %s", mode, defaults)
+    return defaults
+
+
+def sampling_params(job: JobIn, defaults: Mapping[str, float] = OURS) -> SamplingParams:
+    s = job.sampling
+    given = {k: getattr(s, k) for k in OURS if getattr(s, k) is not None}
+    return SamplingParams(max_new_tokens=s.max_new_tokens, stop=tuple(s.stop), seed=s.seed,
+                          max_thinking_tokens=job.max_thinking_tokens, **(OURS | dict(defaults) | given))
