@@ -10,14 +10,15 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from redis.asyncio import Redis
+from starlette.exceptions import HTTPException
 
 from api import metrics
 from api.admission import Admission
-from api.errors import validation_error
+from api.errors import http_error, validation_error
 from api.limits import BodyLimit
 from api.prompt_check import PromptCheck
 from api.ratelimit import RateLimiter
-from api.routes import batches, health, jobs
+from api.routes import batches, chat, files, health, jobs, models
 from jobs.broker import create_celery
 from jobs.db import make_db_engine, make_sessions
 from jobs.publish import stamp_writer
@@ -58,8 +59,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.prompt_check = check
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(batches.router)
+    app.include_router(chat.router)
+    app.include_router(files.router)
+    app.include_router(models.router)
     app.include_router(metrics.router)
     return app

@@ -77,7 +77,12 @@ def _job_from_openai(obj: dict, priority: int) -> JobIn:
         raise ValueError(f"method must be POST, not {obj.get('method')!r}")
     if obj.get("url") != CHAT_COMPLETIONS:
         raise ValueError(f"url must be {CHAT_COMPLETIONS}, not {obj.get('url')!r}")
-    body = OpenAIBody.model_validate(obj.get("body"))
+    return openai_job(OpenAIBody.model_validate(obj.get("body")), priority)
+
+
+def openai_job(body: OpenAIBody, priority: int) -> JobIn:
+    """A chat job from an OpenAI chat-completions request body (a batch line's, or `POST /v1/chat/completions`);
+    a `ValueError` (or pydantic's `ValidationError`) says what it cannot run."""
     sampling: dict[str, Any] = {}
     max_new = body.max_completion_tokens or body.max_tokens
     if max_new is not None:

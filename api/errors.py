@@ -1,10 +1,40 @@
-"""Validation errors as 422s that always serialize: each names the field (`loc`) and says what is wrong."""
+"""Error bodies. Every error has `detail` (FastAPI's shape, which our client reads). On the routes the `openai`
+SDK calls (files, models, chat completions, batches) it also has OpenAI's `error` object, from which the SDK
+raises its typed exceptions (`NotFoundError`, `RateLimitError`, ...) with our message.
+
+Validation errors are 422s that always serialize: each names the field (`loc`) and says what is wrong.
+"""
 
 from __future__ import annotations
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+OPENAI_PATHS = ("/v1/files", "/v1/models", "/v1/chat/completions", "/v1/batches")
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                409: "conflict_error", 429: "rate_limit_error"}
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"message": message, "type": kind, "param": param, "code": code}
+
+
+def _body(request: Request, status: int, detail: object, param: str | None = None) -> dict:
+    body: dict = {"detail": detail}
+    if request.url.path.startswith(OPENAI_PATHS):
+        message = detail if isinstance(detail, str) else "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d.get('msg')}" if isinstance(d, dict) else str(d)
+            for d in (detail if isinstance(detail, list) else [detail]))
+        body["error"] = openai_error(status, message, param)
+    return body
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return JSONResponse(_body(request, exc.status_code, exc.detail), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -14,4 +44,5 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
          "input": repr(e.get("input"))[:200]}
         for e in exc.errors()
     ]
-    return JSONResponse({"detail": detail}, status_code=422)
+    first = detail[0]["loc"][-1] if detail and detail[0]["loc"] else None
+    return JSONResponse(_body(request, 422, detail, param=None if first is None else str(first)), status_code=422)

@@ -33,13 +33,21 @@ def sse(event: JobEvent) -> bytes:
 
 async def job_events(redis: Redis, load: Callable[[UUID], JobOut | None], job_id: UUID,
                      poll_s: float = 1.0) -> AsyncIterator[bytes]:
+    """The job's events as a Server-Sent Events stream, with a comment line every `KEEPALIVE_S` of quiet."""
+    async for event in follow(redis, load, job_id, poll_s):
+        yield b": keep-alive\n\n" if event is None else sse(event)
+
+
+async def follow(redis: Redis, load: Callable[[UUID], JobOut | None], job_id: UUID,
+                 poll_s: float = 1.0) -> AsyncIterator[JobEvent | None]:
+    """The job's events (None: nothing happened for `KEEPALIVE_S`), ending with its `result`."""
     pubsub = redis.pubsub()
     await pubsub.subscribe(progress_channel(str(job_id)))
     try:
         if (job := await run_in_threadpool(load, job_id)) is None:
             return
         status = job.status
-        yield sse(JobEvent(event="status", status=status))
+        yield JobEvent(event="status", status=status)
         quiet_since = last_sent = time.monotonic()
         while status not in TERMINAL:
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
@@ -48,7 +56,7 @@ async def job_events(redis: Redis, load: Callable[[UUID], JobOut | None], job_id
                 quiet_since = now
                 event = json.loads(message["data"])
                 if event["event"] == "text":
-                    yield sse(JobEvent(event="text", text=event["text"], tokens=event["tokens"]))
+                    yield JobEvent(event="text", text=event["text"], tokens=event["tokens"])
                     last_sent = now
                     continue
                 new = JobStatus(event["status"])
@@ -64,17 +72,17 @@ async def job_events(redis: Redis, load: Callable[[UUID], JobOut | None], job_id
                 break
             if new != status:
                 status = new
-                yield sse(JobEvent(event="status", status=status))
+                yield JobEvent(event="status", status=status)
                 last_sent = now
             elif now - last_sent >= KEEPALIVE_S:
-                yield b": keep-alive\n\n"
+                yield None
                 last_sent = now
         # the row is final before its terminal event goes out
         if (job := await run_in_threadpool(load, job_id)) is None:
             return
         if job.status != status:
-            yield sse(JobEvent(event="status", status=job.status))
-        yield sse(JobEvent(event="result", job=job))
+            yield JobEvent(event="status", status=job.status)
+        yield JobEvent(event="result", job=job)
     finally:
         await pubsub.unsubscribe()
         await pubsub.aclose()

@@ -10,17 +10,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 class BodyLimit:
     """Buffers each request body up to a limit (uploads get a larger one) and answers 413 beyond it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_upload_bytes: int, upload_path: str = "/v1/batches") -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_upload_bytes: int,
+                 upload_paths: tuple[str, ...] = ("/v1/batches", "/v1/files")) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_upload_bytes = max_upload_bytes + 2**20  # room for the multipart envelope
-        self.upload_path = upload_path
+        self.upload_paths = upload_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        limit = self.max_upload_bytes if scope["path"] == self.upload_path else self.max_bytes
+        limit = self.max_upload_bytes if scope["path"] in self.upload_paths else self.max_bytes
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._too_large(send, limit)

@@ -28,10 +28,11 @@ def _show(batch: BatchOut) -> None:
     c = batch.request_counts
     typer.echo(f"batch {batch.id}: {batch.status}  total {c.total}  completed {c.completed}  failed {c.failed}  "
                f"cancelled {c.cancelled}  expired {c.expired}  pending {c.pending}  (priority {batch.priority})")
-    for e in batch.errors[:10]:
+    bad_lines = batch.errors.data if batch.errors else []
+    for e in bad_lines[:10]:
         typer.echo(f"  line {e.line} ({e.custom_id}): {e.message}", err=True)
-    if len(batch.errors) > 10:
-        typer.echo(f"  ... and {len(batch.errors) - 10} more bad lines (see `convoq batch download --errors`)", err=True)
+    if len(bad_lines) > 10:
+        typer.echo(f"  ... and {len(bad_lines) - 10} more bad lines (see `convoq batch download --errors`)", err=True)
 
 
 def follow(client: Client, batch_id: str, poll: float = 0.5) -> BatchOut:

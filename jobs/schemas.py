@@ -6,12 +6,21 @@ Priority runs 0..9 with **9 the most urgent**; the worker maps it to the broker'
 from __future__ import annotations
 
 import enum
+import json
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 200_000
@@ -19,6 +28,7 @@ MAX_NEW_TOKENS = 4096
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_PRIORITY = 5  # a job submitted on its own
 DEFAULT_BATCH_PRIORITY = 1  # bulk work: low, so that chats overtake it
+T = TypeVar("T")
 
 
 class JobStatus(enum.StrEnum):
@@ -193,14 +203,23 @@ class RequestCounts(BaseModel):
 
 
 class BatchLineError(BaseModel):
+    """A line that could not become a job: OpenAI's BatchError, plus the line's `custom_id` when it had one."""
+
     code: str = "invalid_line"
-    line: int
-    custom_id: str | None
     message: str
+    param: str | None = None
+    line: int | None = Field(description="1-based line number in the input")
+    custom_id: str | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchLineError]
 
 
 class BatchOut(BaseModel):
-    """Shaped like OpenAI's Batch object (timestamps in Unix seconds), plus `priority`."""
+    """Shaped like OpenAI's Batch object (timestamps in Unix seconds), plus `priority`, `input_name` and the
+    extra `request_counts`."""
 
     id: UUID
     object: Literal["batch"] = "batch"
@@ -208,8 +227,14 @@ class BatchOut(BaseModel):
     status: BatchStatus
     priority: int
     input_name: str | None
+    input_file_id: str | None = Field(None, description="the uploaded file it was made from (None: a multipart "
+                                                        "upload)")
+    output_file_id: str | None = Field(None, description="once the batch settled with succeeded items: their "
+                                                         "output lines, at GET /v1/files/{id}/content")
+    error_file_id: str | None = Field(None, description="once the batch settled with bad lines or failed, "
+                                                        "cancelled or expired items: their error lines")
     request_counts: RequestCounts
-    errors: list[BatchLineError]
+    errors: BatchErrors | None = Field(description="the lines that could not become jobs; null when none")
     metadata: dict
     completion_window: str
     created_at: int
@@ -221,3 +246,92 @@ class BatchOut(BaseModel):
     cancelled_at: int | None
     failed_at: int | None
     expired_at: int | None
+
+
+ENDPOINTS = ("/v1/chat/completions",)  # what a batch's lines may call
+
+
+def _priority_is_a_digit(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    if metadata and "priority" in metadata and not re.fullmatch(r"[0-9]", metadata["priority"]):
+        raise ValueError(f"metadata.priority must be a digit '0'..'9' (9 most urgent), not {metadata['priority']!r}")
+    return metadata
+
+
+# OpenAI's `metadata` (string values), in which a priority may ride: "0".."9"
+PriorityMetadata = Annotated[dict[str, str] | None, AfterValidator(_priority_is_a_digit)]
+
+
+def metadata_priority(metadata: dict[str, str] | None) -> int | None:
+    return None if not metadata or "priority" not in metadata else int(metadata["priority"])
+
+
+class BatchCreate(BaseModel):
+    """`POST /v1/batches` as JSON, OpenAI's way: the requests are in a file uploaded with purpose `batch`.
+    Priority rides in `metadata["priority"]` ("0".."9"; OpenAI metadata values are strings) or the
+    `X-Convoq-Priority` header; bulk work defaults low."""
+
+    # OpenAI's options that do not apply here (`output_expires_after`) are accepted and ignored
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str = Field(max_length=64)
+    endpoint: str = Field(description=f"one of {', '.join(ENDPOINTS)}")
+    completion_window: str = Field(DEFAULT_COMPLETION_WINDOW, description="as OpenAI's '24h' (also '90m', '2d')")
+    metadata: PriorityMetadata = Field(None, max_length=16)
+
+    @property
+    def priority(self) -> int | None:
+        return metadata_priority(self.metadata)
+
+
+class BatchUpload(BaseModel):
+    """`POST /v1/batches` as multipart/form-data (our client and CLI): the JSONL itself, in `file`."""
+
+    priority: int | None = Field(None, ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")
+    metadata: dict | None = Field(None, description="a JSON object kept with the batch")
+    completion_window: str = Field(DEFAULT_COMPLETION_WINDOW, description=(
+        "how long the batch may take, as OpenAI's '24h' (also '90m', '2d'); items unfinished by then end `expired`"))
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _json_text(cls, metadata: object) -> object:
+        if not isinstance(metadata, str):  # a form field is text
+            return metadata
+        try:
+            return json.loads(metadata) if metadata else None
+        except ValueError:
+            raise ValueError("metadata must be a JSON object") from None
+
+
+class FileOut(BaseModel):
+    """OpenAI's File object. A batch's output and error files are files too (`purpose` `batch_output`)."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class ModelOut(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "convoq"
+
+
+class ListOf(BaseModel, Generic[T]):
+    """OpenAI's list object; `after` (an id) and `limit` page through it."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False

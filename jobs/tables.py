@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     SmallInteger,
     String,
     Text,
@@ -50,6 +52,9 @@ class Batch(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)  # lines in the upload
     line_errors: Mapped[list] = mapped_column(JSON, default=list)  # [{"line", "custom_id", "message"}]
     metadata_: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    # the `File` it was made from (OpenAI's JSON create); None for a multipart upload. No foreign key: deleting
+    # the file later leaves the batch as it is, as OpenAI's do
+    input_file_id: Mapped[str | None] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16), default="24h", server_default="24h")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # created_at + completion_window: items unfinished by then end `expired`
@@ -61,6 +66,25 @@ class Batch(Base):
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_batches_created", "created_at", "id"),)  # `GET /v1/batches`, newest first
+
+
+class File(Base):
+    """An upload of `POST /v1/files` (OpenAI's File), its content in the database: batches are made from it."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # file-<32 hex>
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(255))
+    size: Mapped[int] = mapped_column("bytes", BigInteger)
+    owner: Mapped[str] = mapped_column(String(64))  # sha256 of the API key that uploaded it
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # deferred: listings and metadata reads never load what may be many megabytes
+    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+
+    __table_args__ = (Index("ix_files_owner_created", "owner", "created_at", "id"),)
 
 
 class Job(Base):

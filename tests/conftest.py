@@ -132,3 +132,20 @@ def stack(service_env, tmp_path):
         s.start_api()
         s.start_worker()
         yield s
+
+
+@pytest.fixture
+def paced(service_env, tmp_path):
+    """API + one worker running our engine at a set pace, replies never stopping early (`tests.paced_backend`):
+    long enough to follow, cancel or outlive. Its worker's metrics are at `metrics_url`."""
+    from cli.servers import free_port
+    from cli.stack import Stack
+
+    port = free_port()
+    env = {**service_env, "CONVOQ_BACKEND": "tests.paced_backend:create", "CONVOQ_WORKER_METRICS_PORT": str(port),
+           "CONVOQ_HEARTBEAT_S": "0.5"}
+    with Stack(env, tmp_path / "logs") as stack:
+        stack.start_api()
+        stack.start_worker()
+        stack.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        yield stack

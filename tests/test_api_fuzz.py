@@ -86,7 +86,7 @@ def test_every_v1_route_refuses_missing_wrong_and_wrong_scope_keys(tiny_models, 
     upgrade(database)
     app = create_app(Settings(database_url=database, broker_url=redis_url, model=str(tiny_models["tiny"]),
                               api_keys="reader-key-1:read,submitter-1:submit"))
-    scope_of = {"get": "read", "post": "submit"}
+    scope_of = {"get": "read", "post": "submit", "delete": "submit"}
     with TestClient(app) as c:
         routes = [(path, method) for path, item in c.get("/openapi.json").json()["paths"].items()
                   for method in item if path.startswith("/v1/")]

@@ -11,13 +11,11 @@ import uuid
 from itertools import pairwise
 
 import httpx
-import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.client import AsyncClient, Client
-from cli.servers import free_port
 from cli.stack import Stack
 from jobs.broker import CANCEL_COMMAND, create_celery
 from jobs.schemas import JobIn
@@ -121,19 +119,6 @@ def test_every_new_route_documents_its_errors(database, broker, tiny_model):
 
 
 # --- the service as real processes ------------------------------------------------------------------------------
-
-@pytest.fixture
-def paced(service_env, tmp_path):
-    """API + one worker running our engine at a set pace (replies never stop early), progress and metrics on."""
-    port = free_port()
-    env = {**service_env, "CONVOQ_BACKEND": "tests.paced_backend:create", "CONVOQ_WORKER_METRICS_PORT": str(port),
-           "CONVOQ_HEARTBEAT_S": "0.5"}
-    with Stack(env, tmp_path / "logs") as stack:
-        stack.start_api()
-        stack.start_worker()
-        stack.metrics_url = f"http://127.0.0.1:{port}/metrics"
-        yield stack
-
 
 def follow(client: Client, job_id, events: list, seen: threading.Event | None = None, tokens: int = 0) -> threading.Thread:
     """Collect the job's events on a thread; `seen` is set once a text event has at least `tokens` tokens."""

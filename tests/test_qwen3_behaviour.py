@@ -308,5 +308,6 @@ def test_stored_reasoning_reaches_the_api_and_batch_output(database):
     out = load_job(sessions, job_id)
     assert (out.result.reasoning, out.result.text, out.result.completion_tokens) == ("weigh it", "Yes.", 3)
     with sessions() as session:
-        row = _completion(session.get(Job, out.id), session.get(Result, out.id))
+        row = _completion(session.get(Job, out.id), session.get(Result, out.id), "Qwen/Qwen3-8B")
     assert row["choices"][0]["message"] == {"role": "assistant", "content": "Yes.", "reasoning_content": "weigh it"}
+    assert row["model"] == "Qwen/Qwen3-8B" and row["usage"]["completion_tokens"] == 3

@@ -4,63 +4,106 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Annotated
+from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, BackgroundTasks, File, Form, HTTPException, Request, UploadFile, status
+from fastapi import APIRouter, BackgroundTasks, Header, HTTPException, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import func, insert, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker, undefer
+from starlette.datastructures import UploadFile
 
 from api.batch_input import LineError, parse_batch
 from api.deps import AUTH_ERRORS, CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from api.openai_objects import chat_completion
+from api.paging import list_of, page
 from api.prompt_check import PromptCheck
 from jobs.batches import PENDING, settle_batch
 from jobs.broker import broadcast_cancel
 from jobs.publish import publish
 from jobs.schemas import (
+    BATCH_SETTLED,
     DEFAULT_BATCH_PRIORITY,
-    DEFAULT_COMPLETION_WINDOW,
+    ENDPOINTS,
+    BatchCreate,
+    BatchErrors,
     BatchLineError,
     BatchOut,
     BatchStatus,
+    BatchUpload,
     JobStatus,
+    ListOf,
     RequestCounts,
+    ResultOut,
     window_seconds,
 )
 from jobs.settings import Settings
-from jobs.tables import Batch, Job, Result, as_utc, job_row, utcnow
+from jobs.tables import Batch, File, Job, Result, as_utc, job_row, utcnow
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 OPEN = (BatchStatus.validating.value, BatchStatus.in_progress.value)
+M = TypeVar("M", bound=BaseModel)
 
 
 def _unix(moment: datetime | None) -> int | None:
     return None if moment is None else int(as_utc(moment).timestamp())
 
 
-def batch_out(session: Session, batch: Batch) -> BatchOut:
-    by_status = dict(
-        session.execute(
-            select(Job.status, func.count()).where(Job.batch_id == batch.id).group_by(Job.status)
-        ).all()
-    )
-    bad_lines = len(batch.line_errors)
+# A batch's output and error lines are files too (OpenAI's `output_file_id`, `error_file_id`): nothing is
+# stored, their ids name the batch and their content is read from its jobs on each download.
+BATCH_FILE = re.compile(r"file-([0-9a-f]{32})-(output|errors)")
+
+
+def batch_file_id(batch_id: uuid.UUID, errors: bool) -> str:
+    return f"file-{batch_id.hex}-{'errors' if errors else 'output'}"
+
+
+def parse_batch_file_id(file_id: str) -> tuple[uuid.UUID, bool] | None:
+    """(batch id, whether it is the error file) for a batch's output or error file id; None for any other id."""
+    match = BATCH_FILE.fullmatch(file_id)
+    return None if match is None else (uuid.UUID(match[1]), match[2] == "errors")
+
+
+def _job_counts(session: Session, batch_ids: list[uuid.UUID]) -> dict[uuid.UUID, dict[str, int]]:
+    """Each batch's jobs by status, in one query for a whole page of batches."""
+    counts: dict[uuid.UUID, dict[str, int]] = {i: {} for i in batch_ids}
+    for batch_id, job_status, n in session.execute(
+            select(Job.batch_id, Job.status, func.count()).where(Job.batch_id.in_(batch_ids))
+            .group_by(Job.batch_id, Job.status)):
+        counts[batch_id][job_status] = n
+    return counts
+
+
+def batch_out(session: Session, batch: Batch, by_status: dict[str, int] | None = None) -> BatchOut:
+    if by_status is None:
+        by_status = _job_counts(session, [batch.id])[batch.id]
     counts = RequestCounts(
         total=batch.total,
         completed=by_status.get(JobStatus.succeeded.value, 0),
-        failed=by_status.get(JobStatus.failed.value, 0) + bad_lines,
+        failed=by_status.get(JobStatus.failed.value, 0) + len(batch.line_errors),
         cancelled=by_status.get(JobStatus.cancelled.value, 0),
         expired=by_status.get(JobStatus.expired.value, 0),
         pending=sum(by_status.get(s, 0) for s in PENDING),
     )
+    # as OpenAI's: the files are named once they are final, and only when they have a line
+    settled = batch.status in BATCH_SETTLED
+    has_errors = counts.failed + counts.cancelled + counts.expired > 0
     return BatchOut(
         id=batch.id, status=BatchStatus(batch.status), priority=batch.priority, input_name=batch.input_name,
-        request_counts=counts, errors=[BatchLineError(**e) for e in batch.line_errors], metadata=batch.metadata_,
+        input_file_id=batch.input_file_id,
+        output_file_id=batch_file_id(batch.id, errors=False) if settled and counts.completed else None,
+        error_file_id=batch_file_id(batch.id, errors=True) if settled and has_errors else None,
+        request_counts=counts, metadata=batch.metadata_,
+        errors=BatchErrors(data=[BatchLineError(**e) for e in batch.line_errors]) if batch.line_errors else None,
         completion_window=batch.completion_window, created_at=_unix(batch.created_at),
         expires_at=_unix(batch.expires_at), in_progress_at=_unix(batch.in_progress_at),
         finalizing_at=_unix(batch.finalizing_at), completed_at=_unix(batch.completed_at),
@@ -114,11 +157,81 @@ def _get_batch(session: Session, batch_id: uuid.UUID) -> Batch:
     return batch
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=BatchOut,
-             responses={**AUTH_ERRORS, 413: {"description": "The upload is larger than CONVOQ_MAX_UPLOAD_BYTES"},
+@dataclass
+class BatchInput:
+    """A new batch's lines and options, from either body of `POST /v1/batches`."""
+
+    data: bytes
+    name: str | None
+    input_file_id: str | None
+    priority: int | None
+    metadata: dict
+    completion_window: str
+
+
+def _validated(model: type[M], data: bytes | dict) -> M:
+    """`data` as `model`, or the 422 FastAPI gives for a body it validates itself."""
+    try:
+        return model.model_validate_json(data) if isinstance(data, bytes) else model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+
+
+async def _from_upload(request: Request, settings: Settings) -> BatchInput:
+    async with request.form(max_files=1) as form:
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise RequestValidationError([{"loc": ("body", "file"), "msg": "a JSONL file is required",
+                                           "type": "missing"}])
+        # an empty form field counts as left out, as FastAPI's own form parameters do
+        fields = _validated(BatchUpload, {k: v for k, v in form.items() if k != "file" and v != ""})
+        data = await upload.read(settings.max_upload_bytes + 1)
+    if len(data) > settings.max_upload_bytes:
+        raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+                            f"the upload exceeds {settings.max_upload_bytes} bytes; split it into several batches")
+    return BatchInput(data=data, name=upload.filename, input_file_id=None, priority=fields.priority,
+                      metadata=fields.metadata or {}, completion_window=fields.completion_window)
+
+
+def _from_file(session: Session, spec: BatchCreate, key: str) -> BatchInput:
+    if spec.endpoint not in ENDPOINTS:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST,
+                            f"endpoint {spec.endpoint!r} is not served here; a batch may call {', '.join(ENDPOINTS)}")
+    if parse_batch_file_id(spec.input_file_id) is not None:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"file {spec.input_file_id} is a batch's results (purpose "
+                                                         "batch_output); upload the requests with purpose=batch")
+    file = session.get(File, spec.input_file_id, options=[undefer(File.content)])
+    if file is None or file.owner != key:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no file {spec.input_file_id} uploaded with this API key")
+    if file.purpose != "batch":
+        raise HTTPException(status.HTTP_400_BAD_REQUEST,
+                            f"file {file.id} has purpose {file.purpose!r}; a batch's input needs purpose 'batch'")
+    return BatchInput(data=file.content, name=file.filename, input_file_id=file.id, priority=spec.priority,
+                      metadata=spec.metadata or {}, completion_window=spec.completion_window)
+
+
+def _request_bodies() -> dict:
+    """The two bodies `create_batch` reads itself, for the OpenAPI document."""
+    upload = BatchUpload.model_json_schema()
+    upload["properties"] = {"file": {"type": "string", "format": "binary",
+                                     "description": "JSONL: OpenAI Batch lines or convoq lines"},
+                            **upload["properties"]}
+    upload["required"] = ["file"]
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": BatchCreate.model_json_schema()},
+        "multipart/form-data": {"schema": upload, "encoding": {"metadata": {"contentType": "application/json"}}},
+    }}}
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=BatchOut, openapi_extra=_request_bodies(),
+             responses={**AUTH_ERRORS,
+                        400: {"description": "An endpoint other than /v1/chat/completions, or a file that is not "
+                                             "a batch input"},
+                        404: {"description": "No file input_file_id uploaded with this API key"},
+                        413: {"description": "The upload is larger than CONVOQ_MAX_UPLOAD_BYTES"},
+                        415: {"description": "Neither application/json nor multipart/form-data"},
                         429: {"description": "Rate limited, or its lines would pass the bound on unfinished jobs"}})
 async def create_batch(
-    file: Annotated[UploadFile, File(description="JSONL: OpenAI Batch lines or convoq lines")],
     request: Request,
     background: BackgroundTasks,
     session: SessionDep,
@@ -126,35 +239,52 @@ async def create_batch(
     celery: CeleryDep,
     settings: SettingsDep,
     key: SubmitKey,
-    priority: Annotated[int, Form(ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")] = DEFAULT_BATCH_PRIORITY,
-    metadata: Annotated[str | None, Form(description="a JSON object kept with the batch")] = None,
-    completion_window: Annotated[str, Form(
-        description="how long the batch may take, as OpenAI's '24h' (also '90m', '2d'); items unfinished by then "
-                    "end `expired`")] = DEFAULT_COMPLETION_WINDOW,
+    x_convoq_priority: Annotated[int | None, Header(
+        ge=0, le=9, description="0..9, 9 most urgent; before the body's `priority` (multipart) or "
+                                "`metadata.priority` (JSON); bulk work defaults low")] = None,
 ) -> BatchOut:
-    data = await file.read(settings.max_upload_bytes + 1)
-    if len(data) > settings.max_upload_bytes:
-        raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
-                            f"the upload exceeds {settings.max_upload_bytes} bytes; split it into several batches")
+    """Create a batch from OpenAI's JSON body (`input_file_id`: a file uploaded with purpose `batch`, as the
+    `openai` SDK sends it) or from a multipart/form-data upload of the JSONL itself (`file`, as our client and
+    CLI send it). The lines are checked and run after the answer; bad lines end up in `errors`."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media == "multipart/form-data":
+        given = await _from_upload(request, settings)
+    elif media == "application/json":
+        spec = _validated(BatchCreate, await request.body())
+        given = await run_in_threadpool(_from_file, session, spec, key)  # the content may be many megabytes
+    else:
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+                            "send application/json with input_file_id (OpenAI's way) or multipart/form-data with "
+                            "the JSONL as `file`")
     try:
-        meta = json.loads(metadata) if metadata else {}
-        if not isinstance(meta, dict):
-            raise ValueError
-    except ValueError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "metadata must be a JSON object") from exc
-    try:
-        window = timedelta(seconds=window_seconds(completion_window))
+        window = timedelta(seconds=window_seconds(given.completion_window))
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
-    request.app.state.admission.admit(session, key, sum(1 for line in data.splitlines() if line.strip()))
+    request.app.state.admission.admit(session, key, sum(1 for line in given.data.splitlines() if line.strip()))
     now = utcnow()
-    batch = Batch(priority=priority, input_name=file.filename, status=BatchStatus.validating.value,
-                  total=0, line_errors=[], metadata_=meta, completion_window=completion_window, created_at=now,
-                  expires_at=now + window)
+    # the header first, as on /v1/chat/completions: it lets a caller set priority without touching the body
+    priority = next(p for p in (x_convoq_priority, given.priority, DEFAULT_BATCH_PRIORITY) if p is not None)
+    batch = Batch(priority=priority, input_name=given.name, input_file_id=given.input_file_id,
+                  status=BatchStatus.validating.value, total=0, line_errors=[], metadata_=given.metadata,
+                  completion_window=given.completion_window, created_at=now, expires_at=now + window)
     session.add(batch)
     session.commit()
-    background.add_task(ingest, sessions, celery, settings, request.app.state.prompt_check, batch.id, data, key)
+    background.add_task(ingest, sessions, celery, settings, request.app.state.prompt_check, batch.id, given.data, key)
     return batch_out(session, batch)
+
+
+@router.get("", response_model=ListOf[BatchOut], responses={**AUTH_ERRORS, 400: {"description": "`after` names "
+                                                                                               "no batch"}})
+def list_batches(
+    session: SessionDep,
+    _: ReadKey,
+    after: Annotated[uuid.UUID | None, Query(description="the last id of the page before")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> ListOf[BatchOut]:
+    """Batches, newest first, in OpenAI's list object."""
+    batches, more = page(session, select(Batch), Batch, after, limit)
+    counts = _job_counts(session, [b.id for b in batches])
+    return list_of([batch_out(session, b, counts[b.id]) for b in batches], more)
 
 
 @router.get("/{batch_id}", response_model=BatchOut)
@@ -215,23 +345,14 @@ def retry_failed(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, se
     return batch_out(session, batch)
 
 
-def _completion(job: Job, result: Result) -> dict:
-    message = {"role": "assistant", "content": result.text}
-    if result.reasoning is not None:  # vLLM's reasoning parser's convention
-        message["reasoning_content"] = result.reasoning
-    return {
-        "id": f"chatcmpl-{job.id.hex}",
-        "object": "chat.completion",
-        "created": _unix(result.created_at),
-        "model": "convoq",
-        "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason}],
-        "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                  "total_tokens": result.prompt_tokens + result.completion_tokens},
-        "convoq": {"chunks": result.chunks, "levels": result.levels},
-    }
+def _completion(job: Job, result: Result, model: str) -> dict:
+    body = chat_completion(f"chatcmpl-{job.id.hex}", _unix(result.created_at), model,
+                           ResultOut.model_validate(result, from_attributes=True))
+    return {**body, "convoq": {"chunks": result.chunks, "levels": result.levels}}
 
 
-def _lines(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool) -> Iterator[bytes]:
+def batch_lines(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool, model: str) -> Iterator[bytes]:
+    """The batch's output lines (succeeded items) or error lines (bad lines; failed, cancelled, expired items)."""
     with sessions() as session:
         batch = _get_batch(session, batch_id)
         if errors:
@@ -251,7 +372,7 @@ def _lines(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool) -
                 code = job.status if job.status in (JobStatus.cancelled, JobStatus.expired) else "job_failed"
                 yield _line(f"batch_req_{job.id.hex}", job.custom_id, None, {"code": code, "message": job.error})
             else:
-                response = {"status_code": 200, "request_id": str(job.id), "body": _completion(job, result)}
+                response = {"status_code": 200, "request_id": str(job.id), "body": _completion(job, result, model)}
                 yield _line(f"batch_req_{job.id.hex}", job.custom_id, response, None)
 
 
@@ -259,17 +380,23 @@ def _line(line_id: str, custom_id: str | None, response: dict | None, error: dic
     return (json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error}) + "\n").encode()
 
 
-@router.get("/{batch_id}/output")
-def batch_output(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, _: ReadKey) -> StreamingResponse:
-    """Succeeded items as OpenAI Batch output lines (available while the batch still runs)."""
+def batch_file(session: Session, sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool,
+               model: str) -> StreamingResponse:
+    """The batch's output or error lines as a download (404 for an unknown batch)."""
     _get_batch(session, batch_id)
-    return StreamingResponse(_lines(sessions, batch_id, errors=False), media_type="application/jsonl")
+    return StreamingResponse(batch_lines(sessions, batch_id, errors, model), media_type="application/jsonl")
+
+
+@router.get("/{batch_id}/output")
+def batch_output(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, settings: SettingsDep,
+                 _: ReadKey) -> StreamingResponse:
+    """Succeeded items as OpenAI Batch output lines (available while the batch still runs)."""
+    return batch_file(session, sessions, batch_id, False, settings.model)
 
 
 @router.get("/{batch_id}/errors")
-def batch_errors(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, _: ReadKey) -> StreamingResponse:
+def batch_errors(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, settings: SettingsDep,
+                 _: ReadKey) -> StreamingResponse:
     """Bad lines, failed, cancelled and expired items, as OpenAI Batch error lines (`error.code`: `invalid_line`,
     `job_failed`, `cancelled`, `expired`)."""
-    _get_batch(session, batch_id)
-    return StreamingResponse(_lines(sessions, batch_id, errors=True), media_type="application/jsonl")
-
+    return batch_file(session, sessions, batch_id, True, settings.model)

@@ -20,6 +20,7 @@ from jobs.batches import settle_batch
 from jobs.broker import broadcast_cancel
 from jobs.publish import publish
 from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut
+from jobs.settings import Settings
 from jobs.tables import Job, Result, Timing, job_row, utcnow
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,14 @@ def submit_job(
     job_in: JobIn, request: Request, response: Response, session: SessionDep, celery: CeleryDep,
     settings: SettingsDep, key: SubmitKey,
 ) -> JobAccepted:
+    accepted = enqueue(request, session, celery, settings, key, job_in)
+    if not accepted.created:
+        response.status_code = status.HTTP_200_OK
+    return accepted
+
+
+def enqueue(request: Request, session: Session, celery, settings: Settings, key: str, job_in: JobIn) -> JobAccepted:
+    """Check, store and publish a job (or find the one its idempotency key names); raises 422 or 429."""
     if problem := request.app.state.prompt_check.problem(job_in):
         field, message = problem
         loc = ["body", "messages"] if field == "messages" else ["body", "sampling", field]
@@ -50,7 +59,6 @@ def submit_job(
         existing = session.scalar(select(Job).where(Job.idempotency_key == job_in.idempotency_key))
         if existing is None:
             raise
-        response.status_code = status.HTTP_200_OK
         return JobAccepted(id=existing.id, status=JobStatus(existing.status), created=False)
     job = Job(**row)
     publish(celery, session, [job], settings, stamp=request.app.state.stamps.submit)
@@ -115,6 +123,17 @@ def cancel_job(job_id: UUID, session: SessionDep, sessions: SessionsDep, celery:
     """Cancel a job. A queued one ends `cancelled` at once and never runs; a running one is stopped by its
     worker within an engine step and ends `cancelled` with the text it had (until then it shows
     `cancel_requested_at`). Cancelling again changes nothing."""
+    job = cancel(session, sessions, celery, job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+    if job.status in TERMINAL and job.status != JobStatus.cancelled:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job is {job.status.value}; only queued or running jobs "
+                                                      "can be cancelled")
+    return job
+
+
+def cancel(session: Session, sessions: sessionmaker[Session], celery, job_id: UUID) -> JobOut | None:
+    """Cancel the job if it is queued or running (see `cancel_job`); the job as it is then, None if unknown."""
     now = utcnow()
     queued = session.execute(
         update(Job).where(Job.id == job_id, Job.status == JobStatus.queued.value)
@@ -128,12 +147,7 @@ def cancel_job(job_id: UUID, session: SessionDep, sessions: SessionsDep, celery:
         settle_batch(session, queued.batch_id)
         session.commit()
     job = load_job(sessions, job_id)
-    if job is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
-    if job.status in TERMINAL and job.status != JobStatus.cancelled:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"job is {job.status.value}; only queued or running jobs "
-                                                      "can be cancelled")
-    if job.status == JobStatus.running:
+    if job is not None and job.status == JobStatus.running:
         try:
             broadcast_cancel(celery, [str(job_id)])
         except Exception:  # the worker also finds the request in the row at its next heartbeat

@@ -1,0 +1,36 @@
+"""OpenAI's list paging (`after` an id, `limit`) over rows ordered by (created_at, id).
+
+A keyset, not an offset: a page costs the same however deep it is, and rows added meanwhile shift nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import HTTPException, status
+from sqlalchemy import Select, and_, or_, select
+from sqlalchemy.orm import Session
+
+from jobs.schemas import ListOf
+
+
+def page(session: Session, rows: Select, table: Any, after: object | None, limit: int,
+         newest_first: bool = True) -> tuple[list, bool]:
+    """Up to `limit` rows of `rows` (a select of `table`, which has `created_at` and `id`) that come after the
+    row whose id is `after`, and whether more follow. An `after` that names no row is a 400."""
+    if after is not None:
+        cursor = session.execute(select(table.created_at, table.id).where(table.id == after)).one_or_none()
+        if cursor is None:
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"after={after} names nothing in this list")
+        at, last = cursor
+        beyond = (table.created_at < at) if newest_first else (table.created_at > at)
+        tie = (table.id < last) if newest_first else (table.id > last)
+        rows = rows.where(or_(beyond, and_(table.created_at == at, tie)))
+    order = (table.created_at.desc(), table.id.desc()) if newest_first else (table.created_at, table.id)
+    found = list(session.scalars(rows.order_by(*order).limit(limit + 1)))
+    return found[:limit], len(found) > limit
+
+
+def list_of(items: list, has_more: bool = False) -> ListOf:
+    return ListOf(data=items, first_id=str(items[0].id) if items else None,
+                  last_id=str(items[-1].id) if items else None, has_more=has_more)
