@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from cli.batch import KEY, URL
 from cli.batch import app as batch_app
 from jobs.settings import get_settings
 
@@ -156,15 +157,11 @@ def tiny_model(
     typer.echo(str(build_tiny_model(path, preset=preset, seed=seed, tokenizer=tokenizer)))
 
 
-API_URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="CONVOQ_API_URL", help="the convoq API")
-API_KEY = typer.Option("", "--api-key", envvar="CONVOQ_API_KEY", help="an API key")
-
-
 @app.command()
 def submit(
     text: Annotated[str, typer.Argument(help="the user message (or transcript with --kind summarize)")],
-    url: str = API_URL,
-    api_key: str = API_KEY,
+    url: str = URL,
+    api_key: str = KEY,
     kind: str = "chat",
     priority: Annotated[int | None, typer.Option(help="0..9, 9 most urgent [default: the API's]")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="[default: the API's]")] = None,
@@ -225,7 +222,7 @@ def _print_stream(client: Client, job_id: UUID) -> JobOut:
 
 
 @app.command()
-def cancel(job_id: str, url: str = API_URL, api_key: str = API_KEY) -> None:
+def cancel(job_id: str, url: str = URL, api_key: str = KEY) -> None:
     """Cancel a job: queued, it never runs; running, it stops within an engine step and keeps its text so far."""
     from api.client import Client, ConvoqError
 

@@ -224,6 +224,10 @@ def test_a_batch_window_expires_running_and_queued_items(service_env, database, 
     # the worker held some of them when the window closed: they were stopped, not left to run for ten minutes
     started = sql(database, "SELECT count(*) FROM jobs WHERE started_at IS NOT NULL")[0][0]
     assert started >= 1
+    # those were stopped in the engine (a result with the reason), not merely marked in the database
+    stopped = sql(database, "SELECT count(*) FROM jobs JOIN results ON results.job_id = jobs.id "
+                            "WHERE jobs.started_at IS NOT NULL AND results.finish_reason = 'expired'")[0][0]
+    assert stopped == started
 
 
 def test_submit_stream_prints_the_text_as_it_comes(paced):
