@@ -1,16 +1,23 @@
-"""Chaos: push jobs through the service while killing the worker (`kill -9`), and count what survived.
+"""Chaos: push jobs through the service while breaking it, and count from the records what survived.
 
-    python -m bench.chaos --jobs 500 --kills 3 --json
+    python -m bench.chaos --jobs 300 --faults kill,redis,freeze,kill,postgres,kill --json
 
-Two runs of the same jobs against the configured broker and database (CONVOQ_BROKER_URL,
-CONVOQ_DATABASE_URL): one undisturbed, one with `--kills` worker kills spread over the run (a new worker
-is started after each). Reports submitted, succeeded, failed, duplicates (result rows beyond one per
-job), lost (jobs never finished), and the extra wall time the faults cost.
+The service runs on a Redis (append-only file synced every second) and a PostgreSQL of its own, so that they
+can be broken. Two runs of the same jobs: one undisturbed, one with the `--faults` spread evenly over the run
+(each when that share of the jobs has succeeded):
+- `kill`: `kill -9` of the worker; a fresh worker is started, as a supervisor would;
+- `redis`: SIGKILL of Redis (up to a second of writes lost), restarted after 2 s;
+- `postgres`: PostgreSQL stopped in immediate mode for `--outage-s` (60 s: longer than the lease);
+- `freeze`: SIGSTOP of the worker past its lease while a fresh worker takes over; resumed afterwards, its
+  late writes must be refused.
+A worker that dies meanwhile is restarted too. The figures come from `bench.audit` (runs, refused writes,
+statuses); targets: lost, stuck, failed, duplicate_results and duplicate_executions all 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -18,80 +25,132 @@ import time
 import uuid
 from pathlib import Path
 
+import redis
 import sqlalchemy as sa
 from tqdm import tqdm
 
 from api.client import Client
+from bench.audit import audit
 from bench.common import report, tiny_model
+from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
 from jobs.schemas import TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
-from jobs.tables import Job, Result
 from migrations.apply import upgrade
 
-KEY = "bench-key"
+KEY = "bench-key-0123456789abcdef"
+FAULTS = ("kill", "redis", "postgres", "freeze")
+LEASE_S = 5
 
 
-def finished(db: sa.Engine, ids: list[uuid.UUID]) -> dict[str, int]:
-    with db.connect() as conn:
-        rows = conn.execute(sa.select(Job.status, sa.func.count()).where(Job.id.in_(ids)).group_by(Job.status)).all()
-    return dict(rows)
+def statuses(db: sa.Engine, ids: list[uuid.UUID]) -> dict[str, int]:
+    try:
+        with db.connect() as conn:
+            return dict(conn.execute(sa.text("SELECT status, count(*) FROM jobs WHERE id = ANY(:ids) GROUP BY status"),
+                                     {"ids": ids}).all())
+    except sa.exc.OperationalError:  # the database may be the thing that is down
+        return {}
 
 
-def run(n_jobs: int, kills: int, settings: Settings, model: Path, timeout: float) -> dict:
-    env = {"CONVOQ_DATABASE_URL": settings.database_url, "CONVOQ_BROKER_URL": settings.broker_url,
-           "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_HEARTBEAT_S": "1", "CONVOQ_DEAD_AFTER_S": "5",
-           "CONVOQ_UNPUBLISHED_GRACE_S": "2", "CONVOQ_WORKER_CONCURRENCY": "32", "CONVOQ_MAX_BATCH_SIZE": "16"}
-    db = sa.create_engine(settings.database_url)
-    with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-chaos-"))) as stack:
-        stack.start_api()
-        with Client(stack.api_url, KEY) as client:
-            ids = [client.submit(JobIn(messages=[{"role": "user", "content": f"Refund for order {i}?"}],
-                                       priority=i % 10, sampling={"max_new_tokens": 16})).id for i in range(n_jobs)]
-        start = time.monotonic()
-        stack.start_worker()
-        marks = [round(n_jobs * (k + 1) / (kills + 1)) for k in range(kills)]
-        with tqdm(total=n_jobs, desc=f"{kills} kills", file=sys.stderr) as bar:
-            while True:
-                counts = finished(db, ids)
-                done = sum(counts.get(s.value, 0) for s in TERMINAL)
-                bar.update(done - bar.n)
-                if marks and counts.get(JobStatus.succeeded.value, 0) >= marks[0]:
-                    marks.pop(0)
-                    stack.kill_worker(sig=signal.SIGKILL)
-                    stack.start_worker()
-                if done >= n_jobs or time.monotonic() - start > timeout:
-                    break
-                time.sleep(0.2)
-        elapsed = time.monotonic() - start
-    with db.connect() as conn:
-        results = conn.execute(sa.select(sa.func.count()).select_from(Result).where(Result.job_id.in_(ids))).scalar_one()
-        with_result = conn.execute(sa.select(sa.func.count(sa.distinct(Result.job_id))).where(Result.job_id.in_(ids))).scalar_one()
-    db.dispose()
-    return {"elapsed": elapsed, "succeeded": counts.get(JobStatus.succeeded.value, 0),
-            "failed": counts.get(JobStatus.failed.value, 0), "duplicates": results - with_result,
-            "lost": n_jobs - sum(counts.get(s.value, 0) for s in TERMINAL)}
+class Chaos:
+    def __init__(self, stack: Stack, pg: PostgresServer, broker: RedisServer, outage_s: float) -> None:
+        self.stack, self.pg, self.broker, self.outage_s = stack, pg, broker, outage_s
+        self.frozen: list[tuple[int, float]] = []  # (pid, when)
+
+    def keep_a_worker(self) -> None:
+        if self.stack.workers[-1].poll() is not None:
+            self.stack.start_worker()
+
+    def inject(self, fault: str) -> None:
+        if fault == "kill":
+            self.stack.kill_worker(sig=signal.SIGKILL)
+            self.stack.start_worker()
+        elif fault == "redis":
+            self.broker.kill()
+            time.sleep(2)
+            self.broker.start()
+        elif fault == "postgres":
+            self.pg.stop(remove=False, immediate=True)
+            time.sleep(self.outage_s)
+            self.pg.start()
+        elif fault == "freeze":
+            frozen = self.stack.workers[-1]
+            os.killpg(frozen.pid, signal.SIGSTOP)
+            self.frozen.append((frozen.pid, time.monotonic()))
+            self.stack.start_worker()  # the frozen one stays in `workers`: keep_a_worker watches the newest
+
+    def thaw(self, frozen_for_s: float = 0.0) -> None:
+        """Resume the workers frozen at least `frozen_for_s` ago."""
+        now = time.monotonic()
+        for pid, at in [f for f in self.frozen if now - f[1] >= frozen_for_s]:
+            os.killpg(pid, signal.SIGCONT)
+            self.frozen.remove((pid, at))
+
+
+def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: float) -> dict:
+    pg, broker = PostgresServer().start(), RedisServer().start()
+    try:
+        upgrade(pg.url)
+        env = {"CONVOQ_DATABASE_URL": pg.url, "CONVOQ_BROKER_URL": broker.url, "CONVOQ_MODEL": str(model),
+               "CONVOQ_API_KEYS": KEY, "CONVOQ_HEARTBEAT_S": "1", "CONVOQ_DEAD_AFTER_S": str(LEASE_S),
+               "CONVOQ_SWEEP_EVERY_S": "2", "CONVOQ_UNPUBLISHED_GRACE_S": "2", "CONVOQ_WORKER_CONCURRENCY": "32",
+               "CONVOQ_MAX_BATCH_SIZE": "16", "CONVOQ_WORKER_METRICS_PORT": "0"}
+        db = sa.create_engine(pg.url)
+        with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-chaos-"))) as stack:
+            stack.start_api()
+            with Client(stack.api_url, KEY) as client:
+                ids = [client.submit(JobIn(messages=[{"role": "user", "content": f"Refund for order {i}?"}],
+                                           priority=i % 10, sampling={"max_new_tokens": 16})).id
+                       for i in range(n_jobs)]
+            chaos = Chaos(stack, pg, broker, outage_s)
+            start = time.monotonic()
+            stack.start_worker()
+            marks = [round(n_jobs * (k + 1) / (len(faults) + 1)) for k in range(len(faults))]
+            pending = list(faults)
+            with tqdm(total=n_jobs, desc=f"{len(faults)} faults", file=sys.stderr) as bar:
+                while time.monotonic() - start < timeout:
+                    counts = statuses(db, ids)
+                    done = sum(counts.get(s.value, 0) for s in TERMINAL)
+                    bar.update(done - bar.n)
+                    if done >= n_jobs:
+                        break
+                    chaos.keep_a_worker()
+                    if pending and counts.get(JobStatus.succeeded.value, 0) >= marks[len(faults) - len(pending)]:
+                        chaos.inject(pending.pop(0))
+                    chaos.thaw(frozen_for_s=2 * LEASE_S)  # well past the lease: its jobs have moved on
+                    time.sleep(0.2)
+            elapsed = time.monotonic() - start
+            chaos.thaw()
+            time.sleep(LEASE_S)  # a thawed worker's late writes land (refused) before the count
+            client = redis.Redis.from_url(broker.url)
+            figures = audit(db, ids, client, Settings(broker_url=broker.url, database_url=pg.url))
+            client.close()
+        db.dispose()
+    finally:
+        pg.stop()
+        broker.stop()
+    return {**figures, "elapsed": elapsed}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", type=int, default=500)
-    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=300)
+    parser.add_argument("--faults", default="kill,redis,freeze,kill,postgres,kill",
+                        help=f"comma-separated, in order, from {', '.join(FAULTS)}")
+    parser.add_argument("--outage-s", type=float, default=60.0, help="how long PostgreSQL stays down")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for each run")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
-    settings = Settings()
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    if unknown := set(faults) - set(FAULTS):
+        parser.error(f"unknown faults: {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
     model = tiny_model()
-    upgrade(settings.database_url)
-    calm = run(args.jobs, 0, settings, model, args.timeout)
-    chaos = run(args.jobs, args.kills, settings, model, args.timeout)
+    calm = run(args.jobs, [], model, args.outage_s, args.timeout)
+    chaos = run(args.jobs, faults, model, args.outage_s, args.timeout)
     result = {
-        "submitted": args.jobs,
-        "succeeded": chaos["succeeded"],
-        "failed": chaos["failed"],
-        "duplicates": chaos["duplicates"],
-        "lost": chaos["lost"],
-        "extra_latency_s": round(chaos["elapsed"] - calm["elapsed"], 1),
+        "faults": ",".join(faults),
+        **{k: chaos[k] for k in ("submitted", "succeeded", "failed", "lost", "stuck", "duplicate_results",
+                                 "duplicate_executions", "stale_writes_refused", "executions")},
         "calm_s": round(calm["elapsed"], 1),
         "chaos_s": round(chaos["elapsed"], 1),
     }

@@ -84,13 +84,15 @@ def migrate(revision: str = "head", down: bool = False) -> None:
 
 @app.command()
 def reconcile() -> None:
-    """One sweep of the reconciler: hand back dead workers' jobs, publish stranded queued ones."""
+    """One sweep of the reconciler now (unless a worker is sweeping): hand back jobs whose lease expired, end
+    those past their deadline, send again queued jobs with no message."""
     from jobs.broker import create_celery
     from jobs.db import make_db_engine, make_sessions
-    from worker.reconciler import reconcile as sweep
+    from worker.reconciler import Sweeper
 
     settings = get_settings()
-    typer.echo(json.dumps(sweep(make_sessions(make_db_engine(settings.database_url)), create_celery(settings), settings)))
+    sweeper = Sweeper(make_sessions(make_db_engine(settings.database_url)), create_celery(settings), settings)
+    typer.echo(json.dumps(sweeper.sweep(force=True) or {"skipped": "another process holds the sweep's lock"}))
 
 
 @app.command()

@@ -80,6 +80,12 @@ class RedisServer:
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """SIGKILL: what the append-only file had not synced yet (up to a second of writes) is lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
 
 def _pg_bindir() -> Path:
     pg_config = shutil.which("pg_config")
@@ -148,7 +154,11 @@ class PostgresServer:
                     raise
                 time.sleep(0.1)
 
-    def stop(self, remove: bool = True) -> None:
+    def stop(self, remove: bool = True, immediate: bool = False) -> None:
+        """`immediate`: abort at once, clients cut off mid-transaction, as a crash would (recovery on restart)."""
+        if immediate and self.proc is not None and self.proc.poll() is None:
+            subprocess.run([*self._as, str(self.bindir / "pg_ctl"), "-D", str(self.dir / "data"), "stop",
+                            "-m", "immediate"], check=True, capture_output=True)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # smart shutdown; fast enough with no clients left
             try:

@@ -56,7 +56,8 @@ def publish(
 
 def mark_published(session: Session, job_ids: list[uuid.UUID]) -> None:
     jobs_table = Job.__table__  # Core: nothing reads `published_at` back from the callers' objects
-    session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids)).values(published_at=utcnow()))
+    session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids))
+                    .values(published_at=utcnow(), message_missing_at=None))
     session.commit()
 
 

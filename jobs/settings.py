@@ -95,14 +95,25 @@ class Settings(BaseSettings):
     # worker holds is in the engine, where priorities and batching happen
     worker_concurrency: int = Field(256, ge=1, le=1024)
 
-    # Failure handling: a job is tried at most `max_attempts` times, waiting retry_backoff_s * 2**(n-1)
-    # between tries; a worker silent for dead_after_s is dead and its running jobs are handed back.
+    # Failure handling: a job whose run raises is tried at most `max_attempts` times, waiting
+    # retry_backoff_s * 2**(n-1) between tries.
     max_attempts: int = Field(3, ge=1, le=20)
     retry_backoff_s: float = Field(2.0, ge=0)
+    # A claim leases its job for dead_after_s, renewed at every heartbeat (each heartbeat_s); a lease not renewed
+    # in time (the worker died, froze or lost the database) expires on the database's clock, the job is handed
+    # back, and anything its old run still writes is refused.
     heartbeat_s: float = Field(5.0, gt=0)
     dead_after_s: float = Field(30.0, gt=0)
-    # queued jobs whose message never went out are published after this grace; published ones that are still
-    # queued this long later are published again (a lost message; duplicates are dropped at claim)
+    # A worker's death is not charged as an attempt to the jobs it held: each becomes a suspect (`crashes`);
+    # one in suspect_after_crashes crashes runs alone in its worker, where a crash condemns it and nobody else;
+    # past max_crashes it fails whatever ran beside it.
+    suspect_after_crashes: int = Field(2, ge=1)
+    max_crashes: int = Field(5, ge=1)
+    # One worker at a time sweeps, once per sweep_every_s across the fleet: expired leases, deadlines, lost
+    # messages. Queued jobs whose message never went out are sent after unpublished_grace_s; a sent one whose
+    # message two sweeps in a row cannot find is sent again. republish_after_s: with a broker that cannot be
+    # inspected (not Redis), a job still queued this long after it was sent is sent again.
+    sweep_every_s: float = Field(15.0, gt=0)
     unpublished_grace_s: float = Field(10.0, ge=0)
     republish_after_s: float = Field(3600.0, gt=0)
 

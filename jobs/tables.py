@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -21,6 +22,7 @@ from sqlalchemy import (
     UniqueConstraint,
     Uuid,
 )
+from sqlalchemy import text as sa_text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 if TYPE_CHECKING:
@@ -113,12 +115,26 @@ class Job(Base):
     deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # a cancel asked for while it ran: the worker running it stops it and ends it `cancelled`
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The lease of the run that holds it (a fencing token, new at every claim): every write of that run is
+    # conditional on it, so a worker that lost the job (frozen, cut off) can no longer change it. Cleared when the
+    # job goes back to `queued`; kept on a job its run ended, as the mark of which run ended it.
+    lease_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # database clock
+    # runs of it that ended with their worker (a crash, or a lease that expired): not charged as attempts
+    crashes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # queued, sent, and yet its message was nowhere in the broker at this sweep: sent again if the next agrees
+    message_missing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # when its run started alone in its worker (a suspect after crashes): a crash from then on is its own doing
+    alone_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index("ix_jobs_status_created", "status", "created_at"),
         Index("ix_jobs_owner_status", "owner", "status"),
         Index("ix_jobs_status_deadline", "status", "deadline_at"),  # the reconciler's expiry sweep
         Index("ix_jobs_batch_status", "batch_id", "status"),
+        Index("ix_jobs_worker_status", "worker", "status"),  # lease renewals, hand-back at shutdown
+        # the reconciler's sweep for expired leases reads only running jobs
+        Index("ix_jobs_lease_expiry", "lease_expires_at", postgresql_where=sa_text("status = 'running'")),
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
     )
 
@@ -181,3 +197,32 @@ class Worker(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Run(Base):
+    """One run of a job: the lease a claim took, the worker that held it and how it ended. It counts how often
+    the engine ran each job (a second run is explained only by an earlier one that ended with its worker)."""
+
+    __tablename__ = "runs"
+
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    lease_id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True)
+    worker: Mapped[str] = mapped_column(String(255))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # succeeded | failed | cancelled | expired | retry | crashed | condemned | returned; None while it runs
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    alone: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_text("false"))
+    # writes this run tried after it had lost its lease: refused, never applied
+    stale_writes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class Sweep(Base):
+    """When the reconciler last swept (one row): a worker's heartbeat reads it to learn whether a sweep is due,
+    so that idle workers do not even try for the sweep's lock."""
+
+    __tablename__ = "sweeps"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    swept_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+

@@ -6,6 +6,9 @@ would plug in a backend of its own.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
 
 from engine.hf_backend import HFEngine
@@ -36,3 +39,17 @@ class OutOfMemoryEngine(HFEngine):
 
 def create_oom(model: str, device: str, dtype: str) -> OutOfMemoryEngine:
     return OutOfMemoryEngine(model, device=device, dtype=dtype, max_batch_size=8)
+
+
+class CrashingEngine(HFEngine):
+    """Kills its own process, as a segfault or a fatal device error would, on any batch holding a CRASH prompt."""
+
+    def _take_batch(self) -> list[Request]:
+        batch = super()._take_batch()
+        if any("CRASH" in self.tokenizer.decode(r.prompt_ids) for r in batch):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+
+def create_crash(model: str, device: str, dtype: str) -> CrashingEngine:
+    return CrashingEngine(model, device=device, dtype=dtype, max_batch_size=8)

@@ -81,31 +81,6 @@ def test_attempts_are_bounded(database):
     assert status == "failed" and "gave up after 2 attempts" in error and "boom 2" in error
 
 
-def test_reconciler_hands_back_a_dead_workers_jobs_and_publishes_stranded_ones(database, broker):
-    import redis
-
-    from jobs.broker import create_celery
-    from jobs.settings import Settings
-    from worker.reconciler import beat, reconcile
-
-    settings = Settings(database_url=database, broker_url=broker, dead_after_s=60, unpublished_grace_s=0)
-    celery = create_celery(settings)
-    engine = make_db_engine(database)
-    sessions = make_sessions(engine)
-    alive, dead = new_job(sessions), new_job(sessions)
-    beat(sessions, "alive-worker")
-    beat(sessions, "dead-worker")
-    results.claim(sessions, alive, "alive-worker", 3)
-    results.claim(sessions, dead, "dead-worker", 3)
-    with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE workers SET heartbeat_at = heartbeat_at - interval '5 minutes' WHERE name = 'dead-worker'"))
-    swept = reconcile(sessions, celery, settings)
-    assert swept["orphans"] == 1 and swept["published"] == 1
-    assert counts(engine, alive)[0] == "running" and counts(engine, dead)[0] == "queued"
-    assert redis.Redis.from_url(broker).llen("convoq.bulk:4") == 1  # priority 5 (bulk) -> broker 4
-    assert reconcile(sessions, celery, settings)["published"] == 0  # published now: nothing left to do
-
-
 def test_many_jobs_are_claimed_and_stored_in_one_transaction_each(database):
     from jobs.tables import Batch
 

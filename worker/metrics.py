@@ -88,6 +88,9 @@ class WorkerMetrics:
                                    registry=self.registry)
         self.retries = Counter("convoq_job_retries", "Failed attempts sent back to the queue for another try",
                                registry=self.registry)
+        self.stale_writes = Counter("convoq_stale_writes_refused",
+                                    "Writes of runs that had lost their job's lease (refused, never applied)",
+                                    registry=self.registry)
 
     @classmethod
     def start(cls, port: int, engine_stats: Callable[[], dict[str, float]]) -> WorkerMetrics:
@@ -125,3 +128,7 @@ class WorkerMetrics:
 
     def retried(self) -> None:
         self.retries.inc()
+
+    def refused(self) -> None:
+        """A write of this worker was refused: the job's lease had moved on (see `worker.results`)."""
+        self.stale_writes.inc()

@@ -9,6 +9,8 @@ from jobs.chat import split_reasoning
 
 # finish reasons of a job stopped before it ended by itself: its text so far is kept as its result
 STOPPED = ("cancelled", "expired")
+# a run stopped because its worker lost the job's lease: it writes nothing of what it did (`results.give_back`)
+LEASE_LOST = "lease_lost"
 
 
 @dataclass

@@ -1,176 +1,414 @@
-"""Nothing lost: heartbeats, and the sweep that puts stranded jobs back on the queue.
+"""Nothing lost, nothing run twice: lease renewal, and the one sweep that hands back and re-sends jobs.
 
-Every worker process beats into the `workers` table and, on the same thread, runs `reconcile()`:
-- `running` jobs of a worker whose heartbeat stopped (killed, host lost) go back to `queued`;
-- `queued` jobs with no message out (the publish failed, or a worker handed them back) are published;
-- `queued` jobs whose message a consumer took and holds unacknowledged for longer than a live worker ever
-  would before claiming (a worker killed between fetching and claiming) are published again, and after a
-  worker death so are queued jobs whose message is nowhere in the broker (lost as it was being fetched);
-- `queued` jobs published long ago and still queued (a message lost with the broker) are published again;
-- `queued` jobs past their deadline end `expired` (and their batches settle) without waiting for a claim.
-It also finds the jobs this worker runs whose cancel was asked for (the broadcast that normally stops them
-at once may have been missed) and stops them.
-Duplicate messages are harmless: a job is claimed only while `queued`, so the extra one is dropped.
-Every step is a conditional UPDATE, so any number of workers may sweep at once.
+Every worker process, on its reconciler thread, beats once per `heartbeat_s`: one transaction that stamps its
+`workers` row, renews the leases of the jobs it holds (and learns which of them had a cancel asked for, or were
+lost: handed to another worker while this one was away) and reads whether a sweep is due. Its cost per worker
+is constant; nothing in it reads other workers' state.
+
+The sweep runs on one worker at a time, at most once per `sweep_every_s` across the whole fleet: the worker
+whose beat finds it due takes a PostgreSQL advisory lock (the rest skip) and claims the turn in the `sweeps`
+row. It
+- hands back `running` jobs whose lease expired unrenewed (a worker killed, frozen or cut off), attributing the
+  crash (`attribute`): a job that was running alone condemns itself and spares the rest of its worker's jobs;
+  otherwise each job held is a suspect (`crashes` + 1, not an attempt), run alone once it is a suspect twice,
+  and failed only past `max_crashes`;
+- ends `queued` jobs past their deadline (`expired`);
+- re-sends queued jobs only on evidence that no message for them exists: not waiting in a queue list, not held
+  unacknowledged by a consumer that could still claim it (`BrokerView`). A job never published, or handed back,
+  is sent once its message is confirmed absent; one whose message went missing (Redis lost it) once it is seen
+  absent by two sweeps in a row (`jobs.message_missing_at`), so that a message in flight between a list and
+  a consumer is not taken for lost. So a lost message is re-sent within about two sweeps, and the sweep never puts a second message out.
+Its cost grows with the backlog and the jobs in flight, never with the number of workers.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from datetime import timedelta
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import redis
 from celery import Celery
-from sqlalchemy import or_, select, update
+from sqlalchemy import Row, bindparam, case, or_, select, text, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.broker import UNACKED_INDEX_KEY, UNACKED_KEY, queue_lists
+from jobs.clock import db_now
 from jobs.db import insert_ignore
-from jobs.publish import publish
+from jobs.publish import mark_published, publish
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
-from jobs.tables import Job, Worker, utcnow
-from worker.results import end_unrun, retrying, settle
+from jobs.tables import Job, Run, Sweep, Worker, utcnow
+from worker.leases import Leases
+from worker.outcome import LEASE_LOST
+from worker.results import end_runs, end_unrun, retrying, settle
 
 log = logging.getLogger(__name__)
+QUEUED, RUNNING, FAILED = JobStatus.queued.value, JobStatus.running.value, JobStatus.failed.value
+SWEEP = "reconcile"
+SWEEP_LOCK = 0x636F6E766F71  # any constant shared by every worker: "convoq"
+CHUNK = 1000  # rows per statement: bounded transactions, and no IN list near the driver's parameter limit
 
 
-def beat(sessions: sessionmaker[Session], name: str) -> None:
-    now = utcnow()
+@dataclass
+class Beat:
+    """What one heartbeat learned: whether a sweep is due, and, among the jobs this worker holds, those lost
+    (their lease moved on) and those whose cancel was asked for."""
+
+    sweep_due: bool
+    lost: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+
+def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uuid.UUID], lease_s: float,
+         sweep_every_s: float) -> Beat:
+    """Stamp this worker alive and renew the leases it holds (job id -> lease id), in one transaction."""
+    workers, jobs, sweeps = Worker.__table__, Job.__table__, Sweep.__table__
+    swept_at = select(sweeps.c.swept_at).where(sweeps.c.name == SWEEP).scalar_subquery()
+    due = case((swept_at.is_(None), True), (swept_at < db_now(-sweep_every_s), True), else_=False)
     with sessions.begin() as session:
-        insert_ignore(session, Worker, dict(name=name, hostname=socket.gethostname(), pid=os.getpid(),
-                                             started_at=now, heartbeat_at=now))
-        # a worker cut off longer than dead_after_s was declared dead; beating again makes it alive again
-        session.execute(update(Worker).where(Worker.name == name).values(heartbeat_at=now, stopped_at=None))
+        row = session.execute(update(workers).where(workers.c.name == name)
+                              .values(heartbeat_at=db_now(), stopped_at=None).returning(due)).first()
+        if row is None:  # first beat (or the row was pruned while this worker was cut off)
+            now = utcnow()
+            insert_ignore(session, Worker, dict(name=name, hostname=socket.gethostname(), pid=os.getpid(),
+                                                 started_at=now, heartbeat_at=now))
+        renewed: list[Row] = []
+        if leases:
+            renewed = session.execute(
+                # an expired lease is not renewed, even before a sweep hands its job back
+                update(jobs).where(jobs.c.worker == name, jobs.c.status == RUNNING,
+                                   jobs.c.lease_id.in_(set(leases.values())), jobs.c.lease_expires_at >= db_now())
+                .values(lease_expires_at=db_now(lease_s))
+                .returning(jobs.c.id, jobs.c.cancel_requested_at)
+            ).all()
+    held = {job_id for job_id, _ in renewed}
+    return Beat(sweep_due=row is None or bool(row[0]),
+                lost=[str(i) for i in leases if i not in held],
+                cancelled=[str(i) for i, asked in renewed if asked is not None])
 
 
 def hand_back(sessions: sessionmaker[Session], name: str) -> int:
-    """A worker stopping cleanly returns the jobs it still holds; they are published again by a sweep."""
+    """A worker stopping cleanly returns the jobs it still holds, uncharged; a sweep sends them again."""
+    jobs = Job.__table__
     with sessions.begin() as session:
-        n = session.execute(
-            update(Job).where(Job.worker == name, Job.status == JobStatus.running.value)
-            .values(status=JobStatus.queued.value, worker=None, published_at=None)
-        ).rowcount
-        session.execute(update(Worker).where(Worker.name == name).values(stopped_at=utcnow()))
-    return n
+        returned = session.execute(
+            update(jobs).where(jobs.c.worker == name, jobs.c.status == RUNNING)
+            .values(status=QUEUED, worker=None, published_at=None, lease_id=None, lease_expires_at=None,
+                    attempts=jobs.c.attempts - 1)
+            .returning(jobs.c.id, jobs.c.lease_id)
+        ).all()
+        end_runs(session, [(job_id, lease, "returned") for job_id, lease in returned])
+        session.execute(update(Worker.__table__).where(Worker.name == name).values(stopped_at=db_now()))
+    return len(returned)
 
 
-def _job_id(raw: bytes, unacked: bool) -> uuid.UUID | None:
+# --- crash attribution --------------------------------------------------------------------------------------
+
+
+def attribute(expired: list[Row], blamed_workers: set[str], max_crashes: int) -> dict[uuid.UUID, str]:
+    """What each job whose lease expired (its worker died, froze or was cut off) becomes:
+    - `condemned`: it ran alone in its worker, so the worker's end was its doing; it fails;
+    - `spared`: its worker's end is blamed on a job that ran alone there; it goes back uncharged;
+    - `crashed`: nothing tells which job did it; it goes back a suspect (`crashes` + 1), or
+    - `exhausted`: it has now been in `max_crashes` crashes; it fails.
+    `blamed_workers`: workers whose end an earlier sweep already blamed on a job that ran alone."""
+    blamed = blamed_workers | {row.worker for row in expired if row.alone_at is not None}
+    verdicts = {}
+    for row in expired:
+        if row.alone_at is not None:
+            verdicts[row.id] = "condemned"
+        elif row.worker in blamed:
+            verdicts[row.id] = "spared"
+        else:
+            verdicts[row.id] = "exhausted" if row.crashes + 1 >= max_crashes else "crashed"
+    return verdicts
+
+
+def crash_error(verdict: str, crashes: int) -> str:
+    if verdict == "condemned":
+        return (f"its worker died while it ran alone (after {crashes} earlier crashes with it running): "
+                "it is taken to be the cause")
+    return f"workers died {crashes} times while it ran (CONVOQ_MAX_CRASHES)"
+
+
+def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int) -> Counter:
+    """Hand back every running job whose lease expired, in chunks; returns how many got each verdict."""
+    jobs, runs = Job.__table__, Run.__table__
+    counts: Counter = Counter()
+    fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
+    back = update(jobs).where(fenced).values(
+        status=QUEUED, worker=None, published_at=None, lease_id=None, lease_expires_at=None, alone_at=None,
+        attempts=jobs.c.attempts - 1, crashes=jobs.c.crashes + bindparam("charge"))
+    failed = update(jobs).where(fenced).values(
+        status=FAILED, error=bindparam("e"), finished_at=db_now(), lease_id=None, lease_expires_at=None,
+        crashes=jobs.c.crashes + 1)
+    while True:
+        with sessions.begin() as session:
+            expired = session.execute(
+                select(jobs.c.id, jobs.c.worker, jobs.c.lease_id, jobs.c.alone_at, jobs.c.crashes, jobs.c.batch_id)
+                .where(jobs.c.status == RUNNING, jobs.c.lease_expires_at < db_now())
+                .order_by(jobs.c.worker).limit(CHUNK).with_for_update(skip_locked=True)
+            ).all()
+            if not expired:
+                break
+            blamed = set(session.scalars(select(runs.c.worker).where(
+                runs.c.outcome == "condemned", runs.c.worker.in_({row.worker for row in expired}))))
+            verdicts = attribute(expired, blamed, max_crashes)
+            rows = {row.id: row for row in expired}
+            back_rows = [dict(j=i, l=rows[i].lease_id, charge=int(v == "crashed"))
+                         for i, v in verdicts.items() if v in ("crashed", "spared")]
+            fail_rows = [dict(j=i, l=rows[i].lease_id, e=crash_error(v, rows[i].crashes + 1))
+                         for i, v in verdicts.items() if v in ("condemned", "exhausted")]
+            if back_rows:
+                session.connection().execute(back, back_rows)
+            if fail_rows:
+                session.connection().execute(failed, fail_rows)
+            outcome = {"condemned": "condemned", "spared": "returned", "crashed": "crashed", "exhausted": "crashed"}
+            end_runs(session, [(i, rows[i].lease_id, outcome[v]) for i, v in verdicts.items()])
+        counts.update(verdicts.values())
+        for batch_id in {rows[f["j"]].batch_id for f in fail_rows} - {None}:
+            retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
+        if len(expired) < CHUNK:
+            break
+    if counts:
+        log.warning("reconciler: leases expired: %s", dict(counts))
+    return counts
+
+
+# --- messages -----------------------------------------------------------------------------------------------
+
+# Kombu's JSON puts the task id (our job id) in the headers as `"id": "<uuid>"`, and an ETA (a retry's countdown)
+# as `"eta": "<iso time>"`; a regular expression finds them without parsing whole messages.
+_ID = re.compile(rb'"id": "([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"')
+_ETA = re.compile(rb'"eta": "([^"]+)"')
+PAGE = 1000
+
+
+def job_id_of(raw: bytes) -> uuid.UUID | None:
+    found = _ID.search(raw)
+    return uuid.UUID(found.group(1).decode()) if found else None
+
+
+def _eta(raw: bytes) -> float | None:
+    found = _ETA.search(raw)
+    if not found:
+        return None
     try:
-        message = json.loads(raw)
-        return uuid.UUID((message[0] if unacked else message)["headers"]["id"])
-    except (TypeError, ValueError, KeyError, IndexError):
-        return None  # not one of our task messages
+        moment = datetime.fromisoformat(found.group(1).decode())
+    except ValueError:
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
 class BrokerView:
-    """What Kombu's Redis transport holds for our jobs (task id = job id).
+    """Which jobs have a message in Kombu's Redis transport (task id = job id).
 
-    Each delivered, unacknowledged message sits in the `unacked` hash, indexed by delivery time in
-    `unacked_index`; waiting messages sit in the queues' priority lists. Once a job is published again, its
-    stale `unacked` entry is dropped so that neither a later sweep nor kombu's own restore sends it again.
+    A waiting message sits in one of the queues' priority lists; a delivered, unacknowledged one in the
+    `unacked` hash, indexed by delivery time in `unacked_index`. A delivered message counts as held by a consumer
+    that can still claim it for `held_for_s` after delivery (a live worker claims the moment it receives;
+    a retry's message waits for its ETA first); after that its consumer is gone. Once a job is sent again, the
+    stale `unacked` entries for it are dropped, so that Kombu never restores a second copy.
     """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         redis_url = settings.broker_url.startswith(("redis://", "rediss://"))
         self.client = redis.Redis.from_url(settings.broker_url) if redis_url else None
-        self.tags: dict[uuid.UUID, bytes] = {}
+        self.stale: dict[uuid.UUID, list[bytes]] = {}
+        self.calls = 0  # Redis round trips, for the scale benchmark
 
-    def held_unclaimed(self, older_than_s: float) -> list[uuid.UUID]:
-        """Jobs whose message a consumer fetched over `older_than_s` ago and has not acknowledged."""
-        if self.client is None:
-            return []
-        tags = self.client.zrangebyscore(UNACKED_INDEX_KEY, 0, time.time() - older_than_s)
-        for tag, raw in zip(tags, self.client.hmget(UNACKED_KEY, tags) if tags else [], strict=True):
-            if raw and (job_id := _job_id(raw, unacked=True)):
-                self.tags[job_id] = tag
-        return list(self.tags)
-
-    def present(self) -> set[uuid.UUID] | None:
-        """Every job with a message anywhere in the broker; None if the broker cannot be read this way."""
+    def live(self, held_for_s: float) -> set[uuid.UUID] | None:
+        """Every job with a live message; None if the broker cannot be read this way."""
         if self.client is None:
             return None
-        lists = [name for names in queue_lists(self.settings).values() for name in names]
-        raws = [raw for name in lists for raw in self.client.lrange(name, 0, -1)]
-        ids = {_job_id(raw, unacked=False) for raw in raws}
-        ids |= {_job_id(raw, unacked=True) for raw in self.client.hvals(UNACKED_KEY)}
-        return ids - {None}
+        present: set[uuid.UUID] = set()
+        for name in (n for names in queue_lists(self.settings).values() for n in names):
+            # Producers push at the head and consumers pop at the tail: paging from the head can see a message
+            # twice, never miss one that stays
+            start = 0
+            while page := self.client.lrange(name, start, start + PAGE - 1):
+                self.calls += 1
+                present.update(i for i in map(job_id_of, page) if i is not None)
+                start += PAGE
+            self.calls += 1
+        now, cursor = time.time(), 0
+        while True:
+            cursor, entries = self.client.hscan(UNACKED_KEY, cursor, count=PAGE)
+            self.calls += 1
+            delivered = dict(zip(entries, self.client.zmscore(UNACKED_INDEX_KEY, list(entries)), strict=True)) \
+                if entries else {}
+            self.calls += bool(entries)
+            for tag, raw in entries.items():
+                job_id = job_id_of(raw)
+                if job_id is None:
+                    continue
+                at = delivered[tag] or 0.0
+                if now - at < held_for_s or (_eta(raw) or 0.0) > now - held_for_s:
+                    present.add(job_id)
+                else:
+                    self.stale.setdefault(job_id, []).append(tag)
+            if cursor == 0:
+                return present
 
     def forget(self, job_ids: list[uuid.UUID]) -> None:
-        tags = [self.tags[i] for i in job_ids if i in self.tags]
+        tags = [tag for i in job_ids for tag in self.stale.get(i, [])]
         if self.client is not None and tags:
             self.client.pipeline().zrem(UNACKED_INDEX_KEY, *tags).hdel(UNACKED_KEY, *tags).execute()
+            self.calls += 1
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
 
 
-def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Settings) -> dict[str, int]:
-    now = utcnow()
-    broker = BrokerView(settings)
-    with sessions.begin() as session:
-        dead = list(session.scalars(select(Worker.name).where(
-            Worker.heartbeat_at < now - timedelta(seconds=settings.dead_after_s), Worker.stopped_at.is_(None)
-        )))
-        orphans = session.execute(
-            update(Job).where(Job.status == JobStatus.running.value, Job.worker.in_(dead))
-            .values(status=JobStatus.queued.value, worker=None, published_at=None)
-        ).rowcount
-        session.execute(update(Worker).where(Worker.name.in_(dead)).values(stopped_at=now))
-    with sessions.begin() as session:
-        expired = end_unrun(session, now, Job.deadline_at <= now)
-    for batch_id in {b for _, b in expired if b is not None}:
-        retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
-    grace = now - timedelta(seconds=settings.unpublished_grace_s)
-    lost = [
-        Job.published_at.is_(None) & (Job.created_at < grace),
-        Job.published_at < now - timedelta(seconds=settings.republish_after_s),
-        Job.id.in_(broker.held_unclaimed(settings.dead_after_s)),
-    ]
+def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
+           broker: BrokerView) -> tuple[list[uuid.UUID], int]:
+    """Send again the queued jobs with no live message (see the module's doc); returns the ids sent and how many
+    published jobs were seen without a message for the first time (`message_missing_at`: the next sweep, by
+    whichever worker, sends those still missing)."""
+    jobs = Job.__table__
+    live = broker.live(settings.dead_after_s)  # read before the rows: a message consumed since is a running job
+    grace = db_now(-settings.unpublished_grace_s)
+    never = jobs.c.published_at.is_(None) & (jobs.c.created_at < grace)
+    if live is None:  # no view into the broker: only the age of the last publish says a message was lost
+        sent_long_ago = jobs.c.published_at < db_now(-settings.republish_after_s)
+        with sessions() as session:
+            due = list(session.scalars(select(jobs.c.id).where(jobs.c.status == QUEUED, or_(never, sent_long_ago))))
+        return _send(sessions, celery, settings, broker, due), 0
+    found, reappeared, missing, due = [], [], [], []
     with sessions() as session:
-        if dead and (present := broker.present()) is not None:
-            # a killed consumer can lose a message it had popped but not yet recorded as unacknowledged:
-            # after a death, every queued job with no message anywhere is published again
-            queued = session.scalars(select(Job.id).where(Job.status == JobStatus.queued.value, Job.published_at < grace))
-            lost.append(Job.id.in_([i for i in queued if i not in present]))
-        stranded = list(session.scalars(select(Job).where(Job.status == JobStatus.queued.value, or_(*lost)).limit(5000)))
-        published = publish(celery, session, stranded, settings) if stranded else []
-    broker.forget(published)
-    broker.close()
-    if orphans or stranded:
-        log.warning("reconciler: %d jobs of dead workers handed back, %d of %d stranded jobs published",
-                    orphans, len(published), len(stranded))
-    return {"orphans": orphans, "stranded": len(stranded), "published": len(published), "expired": len(expired)}
+        rows = session.execute(
+            select(jobs.c.id, jobs.c.published_at, jobs.c.message_missing_at)
+            .where(jobs.c.status == QUEUED, or_(never, jobs.c.published_at < grace))
+            .execution_options(yield_per=CHUNK))
+        for job_id, published_at, missing_at in rows:
+            if job_id in live:
+                if published_at is None:
+                    found.append(job_id)  # handed back while its message was restored to the queue
+                elif missing_at is not None:
+                    reappeared.append(job_id)
+            elif published_at is None or missing_at is not None:
+                due.append(job_id)  # never sent, or missing at an earlier sweep too
+            else:
+                missing.append(job_id)
+    for chunk in _chunks(found):  # stamping clears `message_missing_at` too
+        with sessions() as session:
+            mark_published(session, chunk)
+    for ids, value in ((reappeared, None), (missing, db_now())):
+        for chunk in _chunks(ids):
+            with sessions.begin() as session:
+                session.execute(update(jobs).where(jobs.c.id.in_(chunk), jobs.c.status == QUEUED)
+                                .values(message_missing_at=value))
+    return _send(sessions, celery, settings, broker, due), len(missing)
 
 
-def cancels_requested(sessions: sessionmaker[Session], name: str) -> list[str]:
-    """Jobs the worker `name` runs whose cancel was asked for."""
-    with sessions() as session:
-        return [str(i) for i in session.scalars(select(Job.id).where(
-            Job.status == JobStatus.running.value, Job.worker == name, Job.cancel_requested_at.is_not(None)))]
+def _chunks(ids: list[uuid.UUID]) -> Iterator[list[uuid.UUID]]:
+    for start in range(0, len(ids), CHUNK):
+        yield ids[start:start + CHUNK]
+
+
+def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, broker: BrokerView,
+          job_ids: list[uuid.UUID]) -> list[uuid.UUID]:
+    sent: list[uuid.UUID] = []
+    for chunk in _chunks(job_ids):
+        with sessions() as session:
+            stranded = list(session.scalars(select(Job).where(Job.id.in_(chunk), Job.status == QUEUED)))
+            sent += publish(celery, session, stranded, settings) if stranded else []
+    broker.forget(sent)
+    if job_ids:
+        log.warning("reconciler: %d of %d queued jobs with no message sent again", len(sent), len(job_ids))
+    return sent
+
+
+# --- the sweep ----------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def sweep_lock(sessions: sessionmaker[Session]) -> Iterator[bool]:
+    """Whether this process may sweep now: PostgreSQL's advisory lock, held by one transaction for the sweep.
+    A holder that stops (killed, frozen) loses it when its connection ends or sits idle past a minute."""
+    engine = sessions.kw["bind"]
+    if engine.dialect.name != "postgresql":  # an embedded database serves one host: nothing to share
+        yield True
+        return
+    with engine.connect() as conn:
+        conn.execute(text("SET idle_in_transaction_session_timeout = '60s'"))
+        got = bool(conn.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK}))
+        try:
+            yield got
+        finally:
+            with suppress(OperationalError):  # the server ended the idle transaction: the lock went with it
+                conn.rollback()
+
+
+def take_turn(sessions: sessionmaker[Session], sweep_every_s: float) -> bool:
+    """Claim this sweep in the `sweeps` row, unless another worker swept less than half a period ago."""
+    sweeps = Sweep.__table__
+    with sessions.begin() as session:
+        insert_ignore(session, Sweep, dict(name=SWEEP, swept_at=datetime(1970, 1, 1, tzinfo=UTC)))
+        return session.execute(update(sweeps).where(sweeps.c.name == SWEEP,
+                                                    sweeps.c.swept_at < db_now(-sweep_every_s / 2))
+                               .values(swept_at=db_now())).rowcount == 1
+
+
+@dataclass
+class Sweeper:
+    sessions: sessionmaker[Session]
+    celery: Celery
+    settings: Settings
+
+    def sweep(self, force: bool = False) -> dict[str, int] | None:
+        """One sweep if this process gets the lock and the turn (`force`: whenever it gets the lock); None if
+        another worker has it."""
+        with sweep_lock(self.sessions) as mine:
+            if not mine or not (take_turn(self.sessions, self.settings.sweep_every_s) or force):
+                return None
+            return self._sweep()
+
+    def _sweep(self) -> dict[str, int]:
+        s, sessions = self.settings, self.sessions
+        verdicts = hand_back_expired(sessions, s.max_crashes)
+        with sessions.begin() as session:
+            expired = end_unrun(session, Job.deadline_at <= db_now())
+            session.execute(update(Worker.__table__).where(
+                Worker.stopped_at.is_(None), Worker.heartbeat_at < db_now(-s.dead_after_s)).values(stopped_at=db_now()))
+        for batch_id in {b for _, b in expired if b is not None}:
+            retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
+        broker = BrokerView(s)
+        try:
+            sent, missing = resend(sessions, self.celery, s, broker)
+        finally:
+            broker.close()
+        return {"handed_back": verdicts["crashed"] + verdicts["spared"], "condemned": verdicts["condemned"],
+                "exhausted": verdicts["exhausted"], "expired": len(expired), "published": len(sent),
+                "awaiting_confirmation": missing}
 
 
 class Reconciler:
-    """The heartbeat-and-sweep thread of one worker process; `stop_jobs` stops runs of this worker's jobs."""
+    """The heartbeat thread of one worker process: beats, renews its leases, stops the runs it lost or whose
+    cancel was asked for (`stop_jobs(ids, reason)`), and sweeps when its turn comes."""
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
-                 stop_jobs: Callable[[list[str]], object]) -> None:
-        self.sessions, self.celery, self.settings, self.name = sessions, celery, settings, name
+                 leases: Leases, stop_jobs: Callable[[list[str], str], list[str]]) -> None:
+        self.sessions, self.settings, self.name, self.leases = sessions, settings, name, leases
         self.stop_jobs = stop_jobs
+        self.sweeper = Sweeper(sessions, celery, settings)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
 
     def start(self) -> Reconciler:
-        beat(self.sessions, self.name)
+        self.beat()
         self._thread.start()
         return self
 
@@ -178,12 +416,21 @@ class Reconciler:
         self._stop.set()
         self._thread.join(10)
 
+    def beat(self) -> Beat:
+        s = self.settings
+        result = beat(self.sessions, self.name, self.leases.held(), s.dead_after_s, s.sweep_every_s)
+        # a job that finished since the leases were read is not running any more: only runs still going are lost
+        if lost := self.stop_jobs(result.lost, LEASE_LOST):
+            log.warning("lost the lease of %d running jobs (handed to another worker meanwhile): stopped", len(lost))
+        if result.cancelled:
+            self.stop_jobs(result.cancelled, "cancelled")
+        return result
+
     def _run(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
-                beat(self.sessions, self.name)
-                if cancelled := cancels_requested(self.sessions, self.name):
-                    self.stop_jobs(cancelled)
-                reconcile(self.sessions, self.celery, self.settings)
+                if self.beat().sweep_due:
+                    self.sweeper.sweep()
             except Exception:  # the database or broker is away: try again next beat
-                log.exception("reconciler sweep failed")
+                log.exception("reconciler beat or sweep failed")
+

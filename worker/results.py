@@ -1,9 +1,13 @@
-"""The worker's writes: claiming a job, then storing its result and timings exactly once.
+"""The worker's writes: claiming a job under a lease, then storing what its run did, exactly once.
 
-Delivery is at-least-once, so every write here is safe to repeat: the claim only moves non-terminal jobs,
-result and timings rows are keyed by the job id and inserted with ON CONFLICT DO NOTHING, and the final
-status update only touches a job that is not yet terminal. Writes retry with backoff while the database
-is unreachable; the Celery message is acknowledged only after `store` returns.
+Delivery is at-least-once and a worker can lose a job without knowing it (frozen past its lease, cut off from
+the database while the reconciler handed the job to another worker). So a claim takes a lease: a fencing token
+(`jobs.lease_id`, new at every claim) with an expiry on the database's clock, renewed by the worker while it
+runs the job. Every later write of the run (result, timings, retry, failure, running alone) is conditional on
+the job still being `running` under that lease; a write that is not is refused, counted on the run's row
+(`runs.stale_writes`) and logged, never applied. A write retried after its commit's reply was lost recognises
+its own lease and reports what it did. Writes retry with backoff while the database is unreachable; the
+Celery message is acknowledged only after the write returns.
 """
 
 from __future__ import annotations
@@ -17,20 +21,21 @@ from datetime import datetime
 from typing import TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, bindparam, case, or_, update
+from sqlalchemy import ColumnElement, bindparam, case, or_, select, tuple_, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.interface import Completion
 from jobs.batches import settle_batch
+from jobs.clock import db_now
 from jobs.db import insert_ignore
 from jobs.schemas import JobIn, JobStatus
-from jobs.tables import Job, Result, Timing, as_utc, utcnow
+from jobs.tables import Job, Result, Run, Timing, as_utc, utcnow
 from worker.outcome import STOPPED, Outcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-NOT_TERMINAL = (JobStatus.queued.value, JobStatus.running.value)
+QUEUED, RUNNING, FAILED = JobStatus.queued.value, JobStatus.running.value, JobStatus.failed.value
 
 
 @dataclass
@@ -41,6 +46,8 @@ class Claimed:
     batch_id: uuid.UUID | None
     attempt: int
     deadline_at: datetime | None = None
+    lease: uuid.UUID | None = None  # the fencing token of this run: every write of the run names it
+    crashes: int = 0  # earlier runs that ended with their worker
 
 
 def ms_between(a: datetime, b: datetime) -> float:
@@ -70,23 +77,100 @@ def storable(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
-def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> None:
-    """A job whose run raised: it ends `failed` with the error instead of staying `running` forever."""
-    _fail(sessions, claimed.job_id, claimed.batch_id, error)
+def holds(claimed: Claimed) -> ColumnElement[bool]:
+    """The job is still `running` under this run's lease: the condition of every write of the run."""
+    jobs = Job.__table__
+    return (jobs.c.id == claimed.job_id) & (jobs.c.lease_id == claimed.lease) & (jobs.c.status == RUNNING)
 
 
-def _fail(sessions: sessionmaker[Session], job_id: uuid.UUID, batch_id: uuid.UUID | None, error: str) -> None:
-    def action() -> None:
+def end_runs(session: Session, ended: list[tuple[uuid.UUID, uuid.UUID, str]]) -> None:
+    """Record how runs ended: (job id, lease id, outcome) each."""
+    if not ended:
+        return
+    runs = Run.__table__
+    session.connection().execute(
+        update(runs).where(runs.c.job_id == bindparam("j"), runs.c.lease_id == bindparam("l"))
+        .values(outcome=bindparam("o"), ended_at=db_now()),
+        [dict(j=job_id, l=lease, o=outcome) for job_id, lease, outcome in ended],
+    )
+
+
+def _refuse(session: Session, refused: list[Claimed], what: str) -> None:
+    """Writes of runs that lost their lease: counted on the run's row and logged, not applied."""
+    if not refused:
+        return
+    runs = Run.__table__
+    session.connection().execute(
+        update(runs).where(runs.c.job_id == bindparam("j"), runs.c.lease_id == bindparam("l"))
+        .values(stale_writes=runs.c.stale_writes + 1),
+        [dict(j=c.job_id, l=c.lease) for c in refused],
+    )
+    log.warning("refused %s of %d jobs whose lease this worker no longer holds: %s", what, len(refused),
+                ", ".join(str(c.job_id) for c in refused[:10]))
+
+
+def _fenced(sessions: sessionmaker[Session], claimed: Claimed, values: dict, done: str | None, what: str,
+            outcome: str | None) -> bool:
+    """Apply `values` to the job while this run holds it; True if applied, now or by an earlier try of this
+    write whose reply was lost (the job is in status `done` under this lease). A refused write is recorded."""
+    jobs = Job.__table__
+
+    def action() -> bool:
         with sessions.begin() as session:
-            session.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.status.in_(NOT_TERMINAL))
-                .values(status=JobStatus.failed.value, error=storable(error)[:4000], finished_at=utcnow())
-            )
+            applied = session.execute(update(jobs).where(holds(claimed)).values(**values)).rowcount == 1
+            if not applied and done is not None:
+                row = session.execute(select(jobs.c.status, jobs.c.lease_id).where(jobs.c.id == claimed.job_id)).first()
+                applied = row is not None and row.lease_id == claimed.lease and row.status == done
+            if applied and outcome is not None:
+                end_runs(session, [(claimed.job_id, claimed.lease, outcome)])
+            if not applied:
+                _refuse(session, [claimed], what)
+            return applied
 
-    retrying(action, f"fail {job_id}")
-    if batch_id is not None:
-        retrying(lambda: settle(sessions, batch_id), f"settle batch {batch_id}")
+    return retrying(action, f"{what} {claimed.job_id}")
+
+
+def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
+    """A job whose run raised: it ends `failed` with the error instead of staying `running` forever. False if
+    the run no longer holds the job (the write was refused)."""
+    values = dict(status=FAILED, error=storable(error)[:4000], finished_at=utcnow(), lease_expires_at=None)
+    applied = _fenced(sessions, claimed, values, FAILED, "failure", "failed")
+    if applied and claimed.batch_id is not None:
+        retrying(lambda: settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
+    return applied
+
+
+def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
+    """Put a job that failed this attempt back to `queued` (for a delayed retry); False if this run no longer
+    holds it. The lease stays on the row only so that a retry of this write recognises it; a claim replaces it."""
+    values = dict(status=QUEUED, worker=None, published_at=None, error=storable(error)[:4000], lease_expires_at=None)
+    return _fenced(sessions, claimed, values, QUEUED, "retry", "retry")
+
+
+def give_back(sessions: sessionmaker[Session], claimed: Claimed) -> bool:
+    """A run whose lease expired before its worker could renew it (the worker was frozen or cut off): the job
+    goes back to `queued` as a sweep would have sent it (a crash, not an attempt), unless the sweep already did
+    and the job moved on, in which case the write is refused."""
+    jobs = Job.__table__
+    values = dict(status=QUEUED, worker=None, published_at=None, lease_expires_at=None, alone_at=None,
+                  attempts=jobs.c.attempts - 1, crashes=jobs.c.crashes + 1)
+    return _fenced(sessions, claimed, values, QUEUED, "hand-back", "crashed")
+
+
+def mark_alone(sessions: sessionmaker[Session], claimed: Claimed) -> bool:
+    """Record that this run now has its worker to itself: if the worker dies from here on, the job did it."""
+    runs = Run.__table__
+
+    def action() -> bool:
+        with sessions.begin() as session:
+            if session.execute(update(Job.__table__).where(holds(claimed)).values(alone_at=db_now())).rowcount != 1:
+                _refuse(session, [claimed], "running alone")
+                return False
+            session.execute(update(runs).where(runs.c.job_id == claimed.job_id, runs.c.lease_id == claimed.lease)
+                            .values(alone=True))
+            return True
+
+    return retrying(action, f"run alone {claimed.job_id}")
 
 
 NOT_RUN_ERRORS = {JobStatus.cancelled.value: "cancelled before it ran",
@@ -95,50 +179,60 @@ STOPPED_ERRORS = {"cancelled": "cancelled while it ran; the text it had is kept 
                   "expired": "its deadline passed while it ran; the text it had is kept in its result"}
 
 
-def end_unrun(session: Session, now: datetime, *where: ColumnElement[bool]) -> list[tuple[uuid.UUID, uuid.UUID | None]]:
+def end_unrun(session: Session, *where: ColumnElement[bool]) -> list[tuple[uuid.UUID, uuid.UUID | None]]:
     """End the queued jobs (among `where`) that must not run: a cancel was asked for (`cancelled`), or their
-    deadline has passed (`expired`). Returns (job id, batch id) of each."""
+    deadline has passed on the database's clock (`expired`). Returns (job id, batch id) of each."""
     jobs = Job.__table__
     cancelled = jobs.c.cancel_requested_at.is_not(None)
     status = case((cancelled, JobStatus.cancelled.value), else_=JobStatus.expired.value)
     error = case((cancelled, NOT_RUN_ERRORS[JobStatus.cancelled.value]), else_=NOT_RUN_ERRORS[JobStatus.expired.value])
     return [tuple(row) for row in session.execute(
         update(jobs)
-        .where(*where, jobs.c.status == JobStatus.queued.value, or_(cancelled, jobs.c.deadline_at <= now))
-        .values(status=status, error=error, finished_at=now)
+        .where(*where, jobs.c.status == QUEUED, or_(cancelled, jobs.c.deadline_at <= db_now()))
+        .values(status=status, error=error, finished_at=utcnow(), lease_id=None)
         .returning(jobs.c.id, jobs.c.batch_id)
     )]
 
 
-def claim(sessions: sessionmaker[Session], job_id: str, worker: str, max_attempts: int) -> Claimed | None:
-    """Mark a queued job running; None if it is not queued (a duplicate message, or already taken)."""
-    return claim_many(sessions, [job_id], worker, max_attempts)[0]
+def claim(sessions: sessionmaker[Session], job_id: str, worker: str, max_attempts: int,
+          lease_s: float = 30.0) -> Claimed | None:
+    """Take a queued job under a new lease; None if it is not queued (a duplicate message, or already taken)."""
+    return claim_many(sessions, [job_id], worker, max_attempts, lease_s)[0]
 
 
-def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
-               max_attempts: int) -> list[Claimed | None]:
+def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str, max_attempts: int,
+               lease_s: float = 30.0) -> list[Claimed | None]:
     """`claim` for many jobs in one statement; an id listed twice is claimed once, by its first entry.
 
-    A job that has used up its attempts (it crashed or failed that often), or whose payload is not a valid job,
-    is failed here instead of run; one cancelled or past its deadline ends without running (`end_unrun`).
+    Each claimed job gets this call's lease, expiring `lease_s` from now on the database's clock unless renewed,
+    and a `runs` row. Retried after a lost reply, the statement also matches the jobs it took the first time (they
+    run under its lease), so a commit that succeeded is never mistaken for someone else's claim.
+    A job that has used up its attempts, or whose payload is not a valid job, is failed here instead of run;
+    one cancelled or past its deadline ends without running (`end_unrun`).
     """
     jobs = Job.__table__
     ids = {uuid.UUID(i) for i in job_ids}
+    lease = uuid.uuid4()
 
     def action() -> tuple[dict[uuid.UUID, tuple], set[uuid.UUID]]:
-        now = utcnow()
         with sessions.begin() as session:
+            fresh = ((jobs.c.status == QUEUED) & jobs.c.cancel_requested_at.is_(None)
+                     & or_(jobs.c.deadline_at.is_(None), jobs.c.deadline_at > db_now()))
+            ours = (jobs.c.status == RUNNING) & (jobs.c.lease_id == lease)
             rows = session.execute(
-                update(jobs)
-                .where(jobs.c.id.in_(ids), jobs.c.status == JobStatus.queued.value,
-                       jobs.c.cancel_requested_at.is_(None), or_(jobs.c.deadline_at.is_(None), jobs.c.deadline_at > now))
-                .values(status=JobStatus.running.value, attempts=jobs.c.attempts + 1, worker=worker, started_at=now)
+                update(jobs).where(jobs.c.id.in_(ids), fresh | ours)
+                .values(status=RUNNING, worker=worker, started_at=utcnow(), lease_id=lease,
+                        lease_expires_at=db_now(lease_s), alone_at=None,
+                        attempts=case((jobs.c.status == QUEUED, jobs.c.attempts + 1), else_=jobs.c.attempts))
                 .returning(jobs.c.id, jobs.c.payload, jobs.c.created_at, jobs.c.batch_id, jobs.c.attempts,
-                           jobs.c.error, jobs.c.deadline_at)
+                           jobs.c.error, jobs.c.deadline_at, jobs.c.crashes)
             ).all()
+            if rows:
+                insert_ignore(session, Run, [dict(job_id=row.id, lease_id=lease, worker=worker, started_at=utcnow())
+                                             for row in rows])
             # the rest are duplicates, or must not run; only then is a second statement needed
             rest = ids - {row.id for row in rows}
-            ended = end_unrun(session, now, jobs.c.id.in_(rest)) if rest else []
+            ended = end_unrun(session, jobs.c.id.in_(rest)) if rest else []
         return {row.id: row for row in rows}, {batch_id for _, batch_id in ended if batch_id is not None}
 
     rows, batches = retrying(action, f"claim {len(job_ids)} jobs")
@@ -150,40 +244,30 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
         if row is None:
             out.append(None)
             continue
+        claimed = Claimed(row.id, None, row.created_at, row.batch_id, row.attempts, row.deadline_at, lease,
+                          row.crashes)
         if row.attempts > max_attempts:
-            _fail(sessions, row.id, row.batch_id,
-                  f"gave up after {max_attempts} attempts; last error: {row.error or 'the worker died'}")
+            fail(sessions, claimed, f"gave up after {max_attempts} attempts; last error: {row.error}")
             out.append(None)
             continue
         try:
-            job = JobIn.model_validate(row.payload)
+            claimed.job = JobIn.model_validate(row.payload)
         except ValidationError as exc:
-            _fail(sessions, row.id, row.batch_id, f"the job's payload is not a valid job: {exc}")
+            fail(sessions, claimed, f"the job's payload is not a valid job: {exc}")
             out.append(None)
             continue
-        out.append(Claimed(row.id, job, row.created_at, row.batch_id, row.attempts, row.deadline_at))
+        out.append(claimed)
     return out
-
-
-def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
-    """Put a job that failed this attempt back to `queued` (for a delayed retry); False if it moved on."""
-
-    def action() -> bool:
-        with sessions.begin() as session:
-            return session.execute(
-                update(Job).where(Job.id == claimed.job_id, Job.status == JobStatus.running.value)
-                .values(status=JobStatus.queued.value, worker=None, published_at=None, error=storable(error)[:4000])
-            ).rowcount == 1
-
-    return retrying(action, f"requeue {claimed.job_id}")
 
 
 @dataclass
 class Stored:
-    """What `store` wrote: the job's final status and, for a successful job, its timings row."""
+    """What `store` wrote: the job's final status and, for a successful job, its timings row. `applied` is
+    False when the run had lost the job: nothing was written."""
 
     status: JobStatus
     timing: dict | None
+    applied: bool = True
 
 
 def finished_status(completion: Completion) -> JobStatus:
@@ -218,47 +302,71 @@ def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, b
     return store_many(sessions, [(claimed, outcome)], batch_prefix)[0]
 
 
+def _result_row(claimed: Claimed, outcome: Outcome, now: datetime) -> dict:
+    c = outcome.completion
+    return dict(job_id=claimed.job_id, text=storable(c.text),
+                reasoning=None if outcome.reasoning is None else storable(outcome.reasoning),
+                prompt_tokens=c.prompt_tokens, completion_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+                created_at=now, chunks=outcome.chunks, levels=outcome.levels)
+
+
 def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcome]], batch_prefix: str) -> list[Stored]:
-    """Results, timings and final statuses of finished jobs in one transaction; then their batches settle."""
+    """Results, timings and final statuses of finished jobs in one transaction; then their batches settle.
+
+    Only jobs their run still holds are written: their rows are locked first, so the lease cannot change
+    between the check and the writes. A job this write already finished (a retry after a lost reply) counts as
+    written; the rest are refused and nothing of theirs is stored.
+    """
     jobs = Job.__table__
     finish = (
         update(jobs)
-        # spelled out, not IN: an IN list cannot be part of a statement run for many rows
-        .where(jobs.c.id == bindparam("job"), or_(*(jobs.c.status == s for s in NOT_TERMINAL)))
-        .values(status=bindparam("new_status"), error=bindparam("new_error"), finished_at=bindparam("now"))
+        .where(jobs.c.id == bindparam("job"), jobs.c.lease_id == bindparam("lease"), jobs.c.status == RUNNING)
+        .values(status=bindparam("new_status"), error=bindparam("new_error"), finished_at=bindparam("now"),
+                lease_expires_at=None)
     )
 
     def action() -> list[Stored]:
         now = utcnow()
-        stored, result_rows, timing_rows, finished = [], [], [], []
-        for claimed, outcome in done:
-            c = outcome.completion
-            timing = timing_row(claimed, outcome, batch_prefix, now) if c.ok else None
-            if timing is not None:
-                timing_rows.append(timing)
-            if c.ok or c.finish_reason in STOPPED:  # a stopped job keeps the text it had
-                result_rows.append(dict(
-                    job_id=claimed.job_id, text=storable(c.text),
-                    reasoning=None if outcome.reasoning is None else storable(outcome.reasoning),
-                    prompt_tokens=c.prompt_tokens,
-                    completion_tokens=len(c.token_ids), finish_reason=c.finish_reason, created_at=now,
-                    chunks=outcome.chunks, levels=outcome.levels,
-                ))
-            status = finished_status(c)
-            error = c.error or STOPPED_ERRORS.get(c.finish_reason)
-            finished.append(dict(job=claimed.job_id, new_status=status.value,
-                                 new_error=error and storable(error), now=now))
-            stored.append(Stored(status, timing))
         with sessions.begin() as session:
+            held = session.execute(
+                select(jobs.c.id, jobs.c.status)
+                .where(tuple_(jobs.c.id, jobs.c.lease_id).in_([(c.job_id, c.lease) for c, _ in done]))
+                .with_for_update()
+            ).all()
+            live = {job_id for job_id, status in held if status == RUNNING}
+            before = {job_id for job_id, status in held if status != RUNNING}  # this write, tried before
+            stored, result_rows, timing_rows, finished, refused = [], [], [], [], []
+            for claimed, outcome in done:
+                c = outcome.completion
+                status = finished_status(c)
+                timing = timing_row(claimed, outcome, batch_prefix, now) if c.ok else None
+                if claimed.job_id not in live:
+                    applied = claimed.job_id in before
+                    if not applied:
+                        refused.append(claimed)
+                    stored.append(Stored(status, timing if applied else None, applied))
+                    continue
+                if timing is not None:
+                    timing_rows.append(timing)
+                if c.ok or c.finish_reason in STOPPED:  # a stopped job keeps the text it had
+                    result_rows.append(_result_row(claimed, outcome, now))
+                error = c.error or STOPPED_ERRORS.get(c.finish_reason)
+                finished.append(dict(job=claimed.job_id, lease=claimed.lease, new_status=status.value,
+                                     new_error=error and storable(error), now=now))
+                stored.append(Stored(status, timing))
             if result_rows:
                 insert_ignore(session, Result, result_rows)
             if timing_rows:
                 insert_ignore(session, Timing, timing_rows)
-            session.connection().execute(finish, finished)
+            if finished:
+                session.connection().execute(finish, finished)
+                end_runs(session, [(f["job"], f["lease"], f["new_status"]) for f in finished])
+            _refuse(session, refused, "result")
         return stored
 
     stored = retrying(action, f"store {len(done)} jobs")
-    for batch_id in dict.fromkeys(claimed.batch_id for claimed, _ in done if claimed.batch_id is not None):
+    for batch_id in dict.fromkeys(c.batch_id for (c, _), s in zip(done, stored, strict=True)
+                                  if c.batch_id is not None and s.applied):
         retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
     return stored
 

@@ -1,4 +1,5 @@
-"""The task every job message runs: claim the row, run the job by its kind through the engine, store the outcome.
+"""The task every job message runs: claim the row under a lease, run the job by its kind through the engine,
+store the outcome (only while the lease is still this run's).
 
 `worker_app(settings)` is the Celery app of a worker process: the shared app (`jobs.broker`) with this task
 registered, and the process's context (database, engine, reconciler, metrics) created when the worker starts.
@@ -32,10 +33,12 @@ from worker import results
 from worker.backend import load_backend
 from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
+from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.outcome import Outcome
+from worker.outcome import LEASE_LOST, Outcome
 from worker.progress import ProgressPublisher
 from worker.reconciler import Reconciler, hand_back
+from worker.solo import Solo
 from worker.summarize import summarize
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ class WorkerContext:
     name: str
     metrics: WorkerMetrics
     progress: ProgressPublisher
+    leases: Leases  # the jobs this process holds, renewed at each heartbeat
+    solo: Solo  # suspects run with the engine to themselves
     claim: GroupCommit[str, results.Claimed | None]  # job id -> the claimed job, or None: not queued
     store: GroupCommit[tuple[results.Claimed, Outcome], results.Stored]
 
@@ -77,12 +82,15 @@ class WorkerContext:
         sessions = make_sessions(db)
         bridge = Bridge.for_settings(load_backend(settings), settings)
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
-        reconciler = Reconciler(sessions, celery, settings, name, bridge.stop).start()
+        leases = Leases()
+        reconciler = Reconciler(sessions, celery, settings, name, leases, bridge.stop).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
         progress = ProgressPublisher(settings.broker_url, bridge.engine.tokenizer)
-        claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts), "claims")
+        claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
+                                                           settings.dead_after_s), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, batch_prefix=name), "stores")
-        return cls(settings, celery, sessions, bridge, reconciler, name, metrics, progress, claim, store)
+        return cls(settings, celery, sessions, bridge, reconciler, name, metrics, progress, leases, Solo(), claim,
+                   store)
 
     def close(self) -> None:
         self.reconciler.stop()
@@ -122,24 +130,11 @@ class Worker:
         if claimed is None:
             log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
             return
-        ctx.progress.status(job_id, JobStatus.running)
+        ctx.leases.add(claimed)
         try:
-            with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
-                                on_tokens=lambda ids: ctx.progress.tokens(job_id, ids)) as run:
-                outcome = RUN_BY_KIND[claimed.job.kind](run)
-            if outcome.completion.retryable:
-                raise RuntimeError(outcome.completion.error)
-            stored = ctx.store((claimed, outcome))
-            ctx.progress.status(job_id, stored.status)
-            ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
-        except EngineDead:
-            # the model's state is unknown: exit so the supervisor restarts the worker; the reconciler hands this
-            # worker's jobs back once its heartbeat has stopped
-            log.critical("engine thread is dead; exiting")
-            os._exit(3)
-        except Exception as exc:
-            log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
-            retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
+            run_claimed(ctx, claimed)
+        finally:
+            ctx.leases.drop(claimed.job_id)
 
 
 def worker_app(settings: Settings) -> Celery:
@@ -166,17 +161,57 @@ def worker_app(settings: Settings) -> Celery:
     return celery
 
 
+def run_claimed(ctx: WorkerContext, claimed: results.Claimed) -> None:
+    """Run a job this worker holds the lease of, and store its outcome. A suspect (in `suspect_after_crashes`
+    crashes) runs with the engine to itself, and says so in its row first."""
+    job_id = str(claimed.job_id)
+    suspect = claimed.crashes >= ctx.settings.suspect_after_crashes
+    ctx.progress.status(job_id, JobStatus.running)
+    try:
+        with ctx.solo.alone() if suspect else ctx.solo.shared():
+            if suspect and not results.mark_alone(ctx.sessions, claimed):
+                ctx.metrics.refused()
+                return
+            with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
+                                on_tokens=lambda ids: ctx.progress.tokens(job_id, ids)) as run:
+                outcome = RUN_BY_KIND[claimed.job.kind](run)
+        if outcome.completion.finish_reason == LEASE_LOST:  # what it did is not this run's to write
+            if not results.give_back(ctx.sessions, claimed):
+                ctx.metrics.refused()
+            return
+        if outcome.completion.retryable:
+            raise RuntimeError(outcome.completion.error)
+        stored = ctx.store((claimed, outcome))
+        if not stored.applied:
+            ctx.metrics.refused()
+            return
+        ctx.progress.status(job_id, stored.status)
+        ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
+    except EngineDead:
+        # the model's state is unknown: exit so the supervisor restarts the worker; this worker's leases then
+        # expire and the reconciler hands its jobs back
+        log.critical("engine thread is dead; exiting")
+        os._exit(3)
+    except Exception as exc:
+        log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
+        retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
+
+
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:
     """Try again later with exponential backoff while attempts remain; then the job fails with its error."""
     s = ctx.settings
     if claimed.attempt >= s.max_attempts:
-        results.fail(ctx.sessions, claimed, f"failed after {claimed.attempt} attempts: {error}")
+        if not results.fail(ctx.sessions, claimed, f"failed after {claimed.attempt} attempts: {error}"):
+            ctx.metrics.refused()
+            return
         ctx.progress.status(str(claimed.job_id), JobStatus.failed)
         ctx.metrics.gave_up()
         return
-    if results.requeue(ctx.sessions, claimed, error):
-        ctx.progress.status(str(claimed.job_id), JobStatus.queued)
-        ctx.metrics.retried()
-        with ctx.sessions() as session:
-            job = session.get(Job, claimed.job_id)
-            publish(ctx.celery, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1))
+    if not results.requeue(ctx.sessions, claimed, error):
+        ctx.metrics.refused()
+        return
+    ctx.progress.status(str(claimed.job_id), JobStatus.queued)
+    ctx.metrics.retried()
+    with ctx.sessions() as session:
+        job = session.get(Job, claimed.job_id)
+        publish(ctx.celery, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1))

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from fastapi import APIRouter, Request, Response, status
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from api.deps import CeleryDep, SessionDep, SettingsDep
-from jobs.tables import Worker, utcnow
+from jobs.clock import db_now
+from jobs.tables import Worker
 
 router = APIRouter(tags=["health"])
 
@@ -51,7 +50,7 @@ def readyz(request: Request, session: SessionDep, celery: CeleryDep, settings: S
         checks["unfinished_jobs"] = unfinished
         checks["max_queued"] = settings.max_queued or None
         accepting = accepting and (unfinished is None or unfinished < settings.max_queued)
-        alive = utcnow() - timedelta(seconds=settings.dead_after_s)
+        alive = db_now(-settings.dead_after_s)  # heartbeats are stamped on the database's clock
         checks["workers_alive"] = session.scalar(
             select(func.count()).select_from(Worker).where(Worker.heartbeat_at >= alive, Worker.stopped_at.is_(None)))
     checks["accepting"] = accepting

@@ -1,0 +1,293 @@
+"""Leases with fencing, crash attribution and the one sweeper, on a real PostgreSQL and Redis.
+
+Workers are played by calls of the worker's own functions under different names; expiry is made to happen
+by moving a lease's expiry into the past on the database's clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy import event, insert
+from sqlalchemy.exc import OperationalError
+
+from bench.audit import audit, messages_by_job
+from engine.interface import Completion, Timings
+from jobs.broker import create_celery
+from jobs.db import make_db_engine, make_sessions
+from jobs.publish import publish
+from jobs.schemas import JobIn
+from jobs.settings import Settings
+from jobs.tables import Job, job_row, utcnow
+from worker import results
+from worker.outcome import Outcome
+from worker.reconciler import SWEEP_LOCK, Sweeper, attribute, beat, hand_back_expired
+from worker.solo import Solo
+
+
+@pytest.fixture
+def db(database):
+    engine = make_db_engine(database)
+    yield engine, make_sessions(engine)
+    engine.dispose()
+
+
+def new_job(sessions, text: str = "hi", **columns) -> str:
+    job = JobIn(messages=[{"role": "user", "content": text}], priority=2)
+    with sessions.begin() as session:
+        session.execute(insert(Job.__table__), row := job_row(job, utcnow(), **columns))
+    return str(row["id"])
+
+
+def done(job_id: str, text: str = "fine") -> Outcome:
+    return Outcome(Completion(job_id, [1, 2, 3], text, 7, "length", None, Timings(batch_id=1, batch_size=1)), 5.0)
+
+
+def expire_leases(engine, *job_ids: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = ANY(:ids)"),
+                     {"ids": [uuid.UUID(i) for i in job_ids]})
+
+
+def row(engine, job_id: str) -> sa.Row:
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT status, attempts, crashes, error, worker, lease_id FROM jobs WHERE id = :i"),
+                            {"i": uuid.UUID(job_id)}).one()
+
+
+def runs(engine, job_id: str) -> list[tuple[str, str | None, int]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.text(
+            "SELECT worker, outcome, stale_writes FROM runs WHERE job_id = :i ORDER BY started_at"),
+            {"i": uuid.UUID(job_id)})]
+
+
+def test_a_run_that_lost_its_lease_writes_nothing(db):
+    engine, sessions = db
+    job_id = new_job(sessions)
+    old = results.claim(sessions, job_id, "w1", 3)
+    expire_leases(engine, job_id)  # w1 froze past its lease
+    assert hand_back_expired(sessions, max_crashes=5)["crashed"] == 1
+    status, attempts, crashes, *_ = row(engine, job_id)
+    assert (status, attempts, crashes) == ("queued", 0, 1)  # a crash is not charged as an attempt
+    new = results.claim(sessions, job_id, "w2", 3)
+    assert new.lease != old.lease and new.attempt == 1 and new.crashes == 1
+
+    # w1 wakes up: every write it tries is refused and counted, none applied
+    assert results.store(sessions, old, done(job_id, "stale"), "w1").applied is False
+    assert results.requeue(sessions, old, "late error") is False
+    assert results.fail(sessions, old, "late failure") is False
+    assert results.mark_alone(sessions, old) is False
+    assert row(engine, job_id)[0] == "running"
+    assert results.store(sessions, new, done(job_id, "fresh"), "w2").applied
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT text FROM results")).scalars().all() == ["fresh"]
+    assert runs(engine, job_id) == [("w1", "crashed", 4), ("w2", "succeeded", 0)]
+    report = audit(engine, [uuid.UUID(job_id)])
+    assert (report["duplicate_executions"], report["duplicate_results"], report["stale_writes_refused"]) == (0, 0, 4)
+
+
+def test_a_run_whose_lease_expired_unswept_gives_its_job_back(db):
+    engine, sessions = db
+    late, swept = new_job(sessions), new_job(sessions)
+    claims = results.claim_many(sessions, [late, swept], "w1", 3)
+    expire_leases(engine, late, swept)  # w1 was cut off past its leases
+    assert sorted(beat(sessions, "w1", {c.job_id: c.lease for c in claims}, 30, 15).lost) == sorted([late, swept])
+    with engine.begin() as conn:  # a sweep reached `swept` first and another worker took it
+        conn.execute(sa.text("UPDATE jobs SET lease_id = NULL, status = 'queued' WHERE id = :i"), {"i": uuid.UUID(swept)})
+    results.claim(sessions, swept, "w2", 3)
+    assert results.give_back(sessions, claims[0]) and not results.give_back(sessions, claims[1])
+    assert row(engine, late)[:3] == ("queued", 0, 1)  # as a sweep would have: a crash, not an attempt
+    assert row(engine, swept)[0] == "running" and row(engine, swept)[4] == "w2"
+    assert runs(engine, late) == [("w1", "crashed", 0)]
+
+
+class LostReply:
+    """Makes the next `n` commits of these sessions raise after the database committed, as a connection cut
+    between COMMIT and its reply would."""
+
+    def __init__(self, sessions, n: int = 1) -> None:
+        self.left = n
+        event.listen(sessions, "after_commit", self)
+
+    def __call__(self, session) -> None:
+        if self.left:
+            self.left -= 1
+            raise OperationalError("COMMIT", {}, ConnectionResetError("reply lost"))
+
+
+def test_writes_retried_after_a_lost_reply_recognise_their_own_lease(db):
+    engine, sessions = db
+    job_id = new_job(sessions)
+    lost = LostReply(sessions)
+    claimed = results.claim(sessions, job_id, "w1", 3)
+    assert lost.left == 0  # the first commit's reply was lost
+    assert claimed is not None and claimed.attempt == 1  # the retry found the job running under its own lease
+    lost = LostReply(sessions)
+    assert results.store(sessions, claimed, done(job_id), "w1").applied  # and this retry found it stored
+    assert lost.left == 0
+    assert row(engine, job_id)[:2] == ("succeeded", 1)
+    assert runs(engine, job_id) == [("w1", "succeeded", 0)]
+
+    retried = new_job(sessions)
+    claimed = results.claim(sessions, retried, "w1", 3)
+    LostReply(sessions)
+    assert results.requeue(sessions, claimed, "boom")  # applied, though its first reply was lost
+
+
+def test_heartbeats_renew_held_leases_only_and_report_lost_and_cancelled_jobs(db):
+    engine, sessions = db
+    held, orphan, cancelled = (new_job(sessions) for _ in range(3))
+    claims = {i: results.claim(sessions, i, "w1", 3) for i in (held, orphan, cancelled)}
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET cancel_requested_at = now() WHERE id = :i"), {"i": uuid.UUID(cancelled)})
+    leases = {claims[i].job_id: claims[i].lease for i in (held, cancelled)}  # w1 never learnt it holds `orphan`
+    expire_leases(engine, held, orphan, cancelled)
+    first = beat(sessions, "w1", leases, lease_s=30, sweep_every_s=15)
+    # renewal refuses expired leases: all three are gone for w1 even before any sweep
+    assert sorted(first.lost) == sorted([held, cancelled]) and first.sweep_due
+
+    a, b = new_job(sessions), new_job(sessions)
+    mine, theirs = results.claim(sessions, a, "w1", 3), results.claim(sessions, b, "w1", 3)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET cancel_requested_at = now() WHERE id = :i"), {"i": uuid.UUID(a)})
+        conn.execute(sa.text("UPDATE jobs SET lease_expires_at = now() + interval '1 second'"))
+    result = beat(sessions, "w1", {mine.job_id: mine.lease, theirs.job_id: theirs.lease}, 30, 15)
+    assert result.lost == [] and result.cancelled == [a]
+    with engine.connect() as conn:
+        left = conn.execute(sa.text("SELECT min(lease_expires_at - now()) FROM jobs WHERE id IN (:a, :b)"),
+                            {"a": uuid.UUID(a), "b": uuid.UUID(b)}).scalar_one()
+    assert left.total_seconds() > 25  # renewed for lease_s on the database's clock
+
+
+def crash(engine, sessions, *job_ids: str) -> dict:
+    expire_leases(engine, *job_ids)
+    return dict(hand_back_expired(sessions, max_crashes=5))
+
+
+def test_a_crash_while_a_suspect_runs_alone_condemns_it_and_spares_the_rest(db):
+    engine, sessions = db
+    poison, bystander = new_job(sessions), new_job(sessions)
+    for n in (1, 2):  # two crashes with both in flight: both are suspects now
+        claimed = results.claim_many(sessions, [poison, bystander], f"w{n}", 3)
+        assert [c.crashes for c in claimed] == [n - 1, n - 1]
+        assert crash(engine, sessions, poison, bystander) == {"crashed": 2}
+    suspect, _ = results.claim_many(sessions, [poison, bystander], "w3", 3)
+    assert results.mark_alone(sessions, suspect)  # the bystander waits for its turn meanwhile
+    assert crash(engine, sessions, poison, bystander) == {"condemned": 1, "spared": 1}
+    status, _, crashes, error, *_ = row(engine, poison)
+    assert status == "failed" and crashes == 3 and "while it ran alone" in error
+    assert row(engine, bystander)[:3] == ("queued", 0, 2)  # not charged for w3's death
+
+    # a lease of w3 that expires later is still blamed on the condemned job, not charged
+    late = new_job(sessions)
+    results.claim(sessions, late, "w3", 3)
+    assert crash(engine, sessions, late) == {"spared": 1}
+
+
+def test_crashes_are_bounded_whatever_ran_beside_the_job(db):
+    engine, sessions = db
+    job_id = new_job(sessions)
+    for n in range(5):
+        results.claim(sessions, job_id, f"w{n}", 3)
+        verdicts = crash(engine, sessions, job_id)
+    assert verdicts == {"exhausted": 1}
+    status, _, crashes, error, *_ = row(engine, job_id)
+    assert status == "failed" and crashes == 5 and "CONVOQ_MAX_CRASHES" in error
+
+
+def test_attribution_rules():
+    rows = [SimpleNamespace(id=i, worker=w, alone_at=alone, crashes=c)
+            for i, w, alone, c in [(1, "a", None, 0), (2, "a", utcnow(), 1), (3, "b", None, 3), (4, "b", None, 4),
+                                   (5, "c", None, 0)]]
+    assert attribute(rows, blamed_workers={"c"}, max_crashes=5) == {
+        1: "spared", 2: "condemned", 3: "crashed", 4: "exhausted", 5: "spared"}
+
+
+def test_a_suspect_waits_for_runs_in_progress_and_holds_new_ones_back():
+    solo, order = Solo(), []
+    first_in, release = threading.Event(), threading.Event()
+
+    def shared(name: str, wait: threading.Event | None = None) -> None:
+        with solo.shared():
+            order.append(f"{name} in")
+            if wait is not None:
+                first_in.set()
+                wait.wait(5)
+            order.append(f"{name} out")
+
+    def alone() -> None:
+        with solo.alone():
+            order.append("suspect alone")
+
+    threads = [threading.Thread(target=shared, args=("first", release))]
+    threads[0].start()
+    first_in.wait(5)
+    threads.append(threading.Thread(target=alone))
+    threads[1].start()
+    while solo._waiting == 0:  # the suspect is queued behind the run in progress
+        threading.Event().wait(0.01)
+    threads.append(threading.Thread(target=shared, args=("later",)))
+    threads[2].start()
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert order == ["first in", "first out", "suspect alone", "later in", "later out"]
+
+
+@pytest.fixture
+def settings(database, broker) -> Settings:
+    return Settings(database_url=database, broker_url=broker, unpublished_grace_s=0, dead_after_s=30,
+                    sweep_every_s=0.01)
+
+
+def test_one_sweeper_at_a_time(db, settings):
+    engine, sessions = db
+    sweeper = Sweeper(sessions, create_celery(settings), settings)
+    with engine.connect() as other:  # another worker is sweeping
+        assert other.scalar(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": SWEEP_LOCK})
+        assert sweeper.sweep(force=True) is None
+        other.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": SWEEP_LOCK})
+    assert sweeper.sweep() is not None
+    slow = Sweeper(sessions, create_celery(settings), settings.model_copy(update={"sweep_every_s": 3600}))
+    assert slow.sweep() is None  # a sweep just happened: not this worker's turn
+
+
+def test_queued_jobs_are_sent_again_only_when_their_message_is_gone(db, settings):
+    engine, sessions = db
+    celery = create_celery(settings)
+    waiting, lost, never, restored, stale = (new_job(sessions) for _ in range(5))
+    with sessions() as session:
+        publish(celery, session, list(session.scalars(sa.select(Job).where(Job.id.in_(
+            [uuid.UUID(i) for i in (waiting, lost, restored, stale)])))), settings)
+    client = redis.Redis.from_url(settings.broker_url)
+    by_job = messages_by_job(client, settings)
+    assert {str(i) for i in by_job} == {waiting, lost, restored, stale}
+    # `lost`: Redis lost its message; `restored`: handed back, its message back in the queue; `stale`: fetched
+    # long ago by a consumer that died before claiming it
+    name, raw = by_job[uuid.UUID(lost)][0]
+    client.lrem(name, 1, raw)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET published_at = NULL WHERE id = :i"), {"i": uuid.UUID(restored)})
+    name, raw = by_job[uuid.UUID(stale)][0]
+    client.lrem(name, 1, raw)
+    client.hset("unacked", "tag-1", f"[{raw.decode()}, \"\", \"{name}\"]")
+    client.zadd("unacked_index", {"tag-1": 1.0})
+
+    sweeper = Sweeper(sessions, celery, settings)
+    first = sweeper.sweep(force=True)
+    assert first["published"] == 1 and first["awaiting_confirmation"] == 2  # `never` at once; two to confirm
+    second = sweeper.sweep(force=True)
+    assert second["published"] == 2 and second["awaiting_confirmation"] == 0
+    assert sweeper.sweep(force=True)["published"] == 0
+    counts = {str(i): len(m) for i, m in messages_by_job(client, settings).items()}
+    assert counts == {i: 1 for i in (waiting, lost, never, restored, stale)}  # one message each, no more
+    assert not client.hexists("unacked", "tag-1")  # the dead consumer's copy is gone: Kombu cannot restore it
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM jobs WHERE published_at IS NULL")).scalar_one() == 0
+    client.close()
