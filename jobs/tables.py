@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -17,9 +18,11 @@ from sqlalchemy import (
     LargeBinary,
     SmallInteger,
     String,
+    Table,
     Text,
     UniqueConstraint,
     Uuid,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -120,6 +123,13 @@ class Job(Base):
         Index("ix_jobs_status_deadline", "status", "deadline_at"),  # the reconciler's expiry sweep
         Index("ix_jobs_batch_status", "batch_id", "status"),
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
+        Index("ix_jobs_created", "created_at"),  # `convoq report` and `convoq tune` windows
+        # the reconciler's hunt for queued jobs with no message out, or whose message went out long ago
+        Index("ix_jobs_queued_published", "published_at", "created_at",
+              postgresql_where=text("status = 'queued'")),
+        # running jobs by worker: a dead worker's jobs, a stopping worker's hand-back, cancels to pass on
+        Index("ix_jobs_running_worker", "worker", postgresql_where=text("status = 'running'")),
+        Index("ix_jobs_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),  # retention
     )
 
 
@@ -181,3 +191,16 @@ class Worker(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    # workers gone silent (the reconciler), alive (`/readyz`), long dead (retention)
+    __table_args__ = (Index("ix_workers_heartbeat", "heartbeat_at"),)
+
+
+# Rows of `jobs` and `batches` by status, kept by triggers (`jobs.counts`) as deltas that a reader folds:
+# `/metrics` reads a handful of rows instead of counting the tables. No key: the triggers only ever append.
+status_counts = Table(
+    "status_counts", Base.metadata,
+    Column("table_name", String(16), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("n", BigInteger, nullable=False),
+)
