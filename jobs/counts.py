@@ -3,7 +3,7 @@
 Why triggers appending deltas: a scrape must not scan a table that holds every job ever kept, and a count
 maintained in application code is one any new write path can forget (the API, the worker, the reconciler,
 retention and raw SQL all change statuses). Triggers see every change, in the transaction that makes it.
-They *append* (+1/-1 rows, no key) instead of updating one row per status: a shared counter row would be
+They *append* +1/-1 rows instead of updating one row per status: a shared counter row would be
 locked by every submission, claim and store until its commit, serializing them all and deadlocking
 transactions that move jobs in opposite directions (queued -> running against running -> queued).
 Appends never wait on each other. `fold` turns the deltas back into one row per status; `/metrics` folds on

@@ -197,9 +197,11 @@ class Worker(Base):
 
 
 # Rows of `jobs` and `batches` by status, kept by triggers (`jobs.counts`) as deltas that a reader folds:
-# `/metrics` reads a handful of rows instead of counting the tables. No key: the triggers only ever append.
+# `/metrics` reads a handful of rows instead of counting the tables. The key only names a row (logical
+# replication needs one to delete); nothing looks rows up by it.
 status_counts = Table(
     "status_counts", Base.metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
     Column("table_name", String(16), nullable=False),
     Column("status", String(16), nullable=False),
     Column("n", BigInteger, nullable=False),

@@ -26,9 +26,11 @@ def upgrade() -> None:
     op.create_index('ix_jobs_finished', 'jobs', ['finished_at'], postgresql_where=sa.text("finished_at IS NOT NULL"))
     op.create_index('ix_workers_heartbeat', 'workers', ['heartbeat_at'])
     op.create_table('status_counts',
+    sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
     sa.Column('table_name', sa.String(length=16), nullable=False),
     sa.Column('status', sa.String(length=16), nullable=False),
     sa.Column('n', sa.BigInteger(), nullable=False),
+    sa.PrimaryKeyConstraint('id')
     )
     counts.install(op.get_bind())
 
