@@ -99,7 +99,7 @@ def reconcile() -> None:
 @app.command()
 def prune(
     older_than: Annotated[str | None, typer.Option(
-        help="a span: 90m, 12h, 30d, 2w [default: CONVOQ_RETENTION_DAYS]")] = None,
+        help="a span: 90m, 12h, 30d, 2w (default: CONVOQ_RETENTION_DAYS in days)")] = None,
     dry_run: Annotated[bool, typer.Option(help="count what would go, delete nothing")] = False,
     chunk: Annotated[int, typer.Option(min=1, help="rows deleted per transaction")] = 1000,
 ) -> None:
