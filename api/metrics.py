@@ -1,8 +1,8 @@
 """`GET /metrics`: queue depth per priority, unacknowledged messages, jobs and batches by status.
 
 Everything is read at scrape time (no background thread): the Redis lists the way Flower's broker page
-reads them, and one grouped COUNT per table. A source that does not answer is left out of that scrape,
-so the other still reports.
+reads them, and the per-status counts that triggers keep (`jobs.counts`: a few rows, however many jobs are
+kept). A source that does not answer is left out of that scrape, so the other still reports.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import SessionsDep, SettingsDep
 from jobs.broker import UNACKED_KEY, queue_lists
+from jobs.counts import counts
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.settings import Settings
-from jobs.tables import Batch, Job
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["metrics"])
@@ -70,14 +69,13 @@ class ServiceCollector(Collector):
     def _database(self) -> list[Metric]:
         try:
             with self.sessions() as session:
-                jobs = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-                batches = dict(session.execute(select(Batch.status, func.count()).group_by(Batch.status)).all())
+                by_table = counts(session)
         except SQLAlchemyError as exc:
             log.warning("metrics: database unreachable (%s); job counts left out", type(exc).__name__)
             return []
         return [
-            by_status("convoq_jobs", "Jobs by status", jobs, JobStatus),
-            by_status("convoq_batches", "Batches by status", batches, BatchStatus),
+            by_status("convoq_jobs", "Jobs by status", by_table["jobs"], JobStatus),
+            by_status("convoq_batches", "Batches by status", by_table["batches"], BatchStatus),
         ]
 
 

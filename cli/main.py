@@ -38,6 +38,9 @@ def worker(
     loglevel: str = "info",
 ) -> None:
     """Run a worker: one engine on this process's device, fed by many Celery threads."""
+    import os
+
+    from jobs.broker import worker_node_name
     from worker.tasks import worker_app
 
     settings = get_settings()
@@ -51,7 +54,7 @@ def worker(
         "--without-mingle",
         "--without-gossip",
         f"--loglevel={loglevel}",
-        "--hostname=convoq@%h",
+        f"--hostname={worker_node_name(os.getpid())}",
     ])
 
 
@@ -93,6 +96,29 @@ def reconcile() -> None:
     settings = get_settings()
     sweeper = Sweeper(make_sessions(make_db_engine(settings.database_url)), create_celery(settings), settings)
     typer.echo(json.dumps(sweeper.sweep(force=True) or {"skipped": "another process holds the sweep's lock"}))
+
+
+@app.command()
+def prune(
+    older_than: Annotated[str | None, typer.Option(
+        help="a span: 90m, 12h, 30d, 2w (default: CONVOQ_RETENTION_DAYS in days)")] = None,
+    dry_run: Annotated[bool, typer.Option(help="count what would go, delete nothing")] = False,
+    chunk: Annotated[int, typer.Option(min=1, help="rows deleted per transaction")] = 1000,
+) -> None:
+    """Delete finished jobs (with results and timings), settled batches and long-silent workers rows older than
+    the cut-off, a chunk per transaction; print what went (or would go) as a line and as JSON."""
+    from cli.prune import run_prune
+    from cli.spans import parse_span
+    from jobs.retention import retention_period
+
+    settings = get_settings()
+    span = retention_period(settings) if older_than is None else parse_span(older_than)
+    if span is None:
+        why = "give a span like 12h, 30d, 2w" if older_than is not None else "CONVOQ_RETENTION_DAYS is 0 (keep forever)"
+        raise typer.BadParameter(why, param_hint="--older-than")
+    report = run_prune(settings.database_url, span, dry_run, chunk)
+    typer.echo(report.summary())
+    typer.echo(json.dumps({**report.__dict__, "cutoff": report.cutoff.isoformat()}))
 
 
 @app.command()

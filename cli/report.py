@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
@@ -22,12 +21,11 @@ from matplotlib.figure import Figure
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from cli.spans import parse_span
 from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobStatus
 from jobs.tables import Job, Result, Timing, as_utc
 
-SPAN = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
-SPAN_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 BUCKET_WIDTHS = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)  # seconds
 MAX_BUCKETS = 60  # enough points for a trend, enough jobs per point for a p99
 PERCENTILES = (50, 95, 99)
@@ -36,8 +34,8 @@ PRIORITY_COLORS = colormaps["tab10"]
 
 def parse_since(text: str, now: datetime) -> datetime:
     """An ISO 8601 time (UTC unless it says otherwise) or a span back from `now`: 90s, 30m, 2h, 1d, 1w."""
-    if span := SPAN.fullmatch(text.strip()):
-        return now - timedelta(seconds=float(span[1]) * SPAN_SECONDS[span[2]])
+    if (span := parse_span(text)) is not None:
+        return now - span
     try:
         return as_utc(datetime.fromisoformat(text.strip())).astimezone(UTC)
     except ValueError:

@@ -59,6 +59,13 @@ def broadcast_cancel(celery: Celery, job_ids: list[str], reason: str = "cancelle
     celery.control.broadcast(CANCEL_COMMAND, arguments={"job_ids": job_ids, "reason": reason})
 
 
+def worker_node_name(pid: int) -> str:
+    """The Celery node name of the worker process `pid` (`%h`: Celery puts the host name in). Workers on one
+    host (one per GPU) must not share one: remote control replies (cancels, Flower's inspect) and worker
+    events are told apart by it, and Celery warns of a duplicate and mixes them up."""
+    return f"convoq-{pid}@%h"
+
+
 def create_celery(settings: Settings) -> Celery:
     app = Celery("convoq", broker=settings.broker_url)
     app.conf.update(

@@ -123,13 +123,19 @@ class Settings(BaseSettings):
     max_queued: int = Field(1_000_000, ge=0)
     busy_retry_after_s: int = Field(5, ge=1)  # what the 429 tells a producer to wait
 
+    # Finished jobs (with their results and timings), settled batches and workers rows silent this long are
+    # deleted (`convoq prune`; the reconciler too when set). 30 days keeps a month of results for producers to
+    # fetch and for `convoq report`, while payloads of up to 8 MiB per job stop piling up. 0: keep forever.
+    retention_days: float = Field(30.0, ge=0)
+
     max_upload_bytes: int = Field(100 * 2**20, ge=1)  # one batch upload
     max_wait_seconds: float = Field(60.0, ge=0)
 
     flower_port: int = 5555
     flower_user: str = "admin"
     flower_password: SecretStr = SecretStr("")  # `convoq flower` refuses to start without one
-    # each worker process serves Prometheus metrics on this port (one port per process on a host); 0: off
+    # each worker process serves Prometheus metrics on this port, or on the first free one of the 63 above it
+    # when other workers on the host hold it (each logs the one it took); 0: off
     worker_metrics_port: int = Field(9464, ge=0, le=65535)
 
     @field_validator("api_keys")

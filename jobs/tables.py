@@ -10,6 +10,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -18,11 +19,12 @@ from sqlalchemy import (
     LargeBinary,
     SmallInteger,
     String,
+    Table,
     Text,
     UniqueConstraint,
     Uuid,
+    text,
 )
-from sqlalchemy import text as sa_text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 if TYPE_CHECKING:
@@ -132,10 +134,16 @@ class Job(Base):
         Index("ix_jobs_owner_status", "owner", "status"),
         Index("ix_jobs_status_deadline", "status", "deadline_at"),  # the reconciler's expiry sweep
         Index("ix_jobs_batch_status", "batch_id", "status"),
-        Index("ix_jobs_worker_status", "worker", "status"),  # lease renewals, hand-back at shutdown
         # the reconciler's sweep for expired leases reads only running jobs
-        Index("ix_jobs_lease_expiry", "lease_expires_at", postgresql_where=sa_text("status = 'running'")),
+        Index("ix_jobs_lease_expiry", "lease_expires_at", postgresql_where=text("status = 'running'")),
         UniqueConstraint("batch_id", "custom_id", name="uq_jobs_batch_custom_id"),
+        Index("ix_jobs_created", "created_at"),  # `convoq report` and `convoq tune` windows
+        # the reconciler's hunt for queued jobs with no message out, or whose message went out long ago
+        Index("ix_jobs_queued_published", "published_at", "created_at",
+              postgresql_where=text("status = 'queued'")),
+        # running jobs by worker: a dead worker's jobs, a stopping worker's hand-back, cancels to pass on
+        Index("ix_jobs_running_worker", "worker", postgresql_where=text("status = 'running'")),
+        Index("ix_jobs_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),  # retention
     )
 
 
@@ -198,6 +206,10 @@ class Worker(Base):
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
+    # workers gone silent (the reconciler), alive (`/readyz`), long dead (retention)
+    __table_args__ = (Index("ix_workers_heartbeat", "heartbeat_at"),)
+
+
 
 class Run(Base):
     """One run of a job: the lease a claim took, the worker that held it and how it ended. It counts how often
@@ -212,7 +224,7 @@ class Run(Base):
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # succeeded | failed | cancelled | expired | retry | crashed | condemned | returned; None while it runs
     outcome: Mapped[str | None] = mapped_column(String(16))
-    alone: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_text("false"))
+    alone: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
     # writes this run tried after it had lost its lease: refused, never applied
     stale_writes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
@@ -226,3 +238,14 @@ class Sweep(Base):
     name: Mapped[str] = mapped_column(String(32), primary_key=True)
     swept_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
+
+# Rows of `jobs` and `batches` by status, kept by triggers (`jobs.counts`) as deltas that a reader folds:
+# `/metrics` reads a handful of rows instead of counting the tables. The key only names a row (logical
+# replication needs one to delete); nothing looks rows up by it.
+status_counts = Table(
+    "status_counts", Base.metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
+    Column("table_name", String(16), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("n", BigInteger, nullable=False),
+)

@@ -149,15 +149,30 @@ def test_engine_gauges_expose_the_stats_the_engine_reports():
     assert value("convoq_engine_prefix_cache_hit_ratio") is None
 
 
-def test_worker_serves_its_registry_and_survives_a_taken_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    WorkerMetrics.start(port, lambda: {"waiting": 4})
-    WorkerMetrics.start(port, lambda: {"waiting": 5})  # a second worker on the same port: logged, not raised
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    assert "convoq_engine_waiting_requests 4.0" in text
-    assert "convoq_job_end_to_end_seconds" in text
+def two_free_ports() -> int:
+    """A port that is free, and so is the next one."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def test_workers_on_one_host_serve_their_registries_on_ports_of_their_own(monkeypatch):
+    port = two_free_ports()
+    first = WorkerMetrics.start(port, lambda: {"waiting": 4})
+    second = WorkerMetrics.start(port, lambda: {"waiting": 5})  # a second worker with the same setting
+    assert (first.served_on, second.served_on) == (port, port + 1)
+    assert "convoq_engine_waiting_requests 4.0" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    text = httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text
+    assert "convoq_engine_waiting_requests 5.0" in text and "convoq_job_end_to_end_seconds" in text
+    monkeypatch.setattr("worker.metrics.PORT_TRIES", 1)
+    assert WorkerMetrics.start(port, lambda: {}).served_on is None  # every port taken: logged, not raised
 
 
 def test_every_engine_metric_is_a_stat_our_engine_reports(tiny_model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -12,6 +13,7 @@ from api.client import Client
 from cli.stack import Stack
 from jobs.schemas import JobIn
 from tests.conftest import API_KEY
+from tests.test_metrics import two_free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -83,11 +85,28 @@ def test_flower_sees_the_worker_and_its_tasks(service_env, tmp_path):
             if (workers and ids <= succeeded) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert any(name.startswith("convoq@") for name in workers), workers
+        assert any(name.startswith("convoq-") for name in workers), workers
         assert ids <= succeeded, tasks
         assert all(tasks[t]["name"] == "convoq.run_job" for t in ids)
         # on-call tells a chat from a bulk summary at a glance: the message carries the job's kind and priority
         assert all("'kind': 'chat'" in tasks[t]["kwargs"] and "'priority': " in tasks[t]["kwargs"] for t in ids)
+
+
+def test_two_workers_on_one_host_get_node_names_and_metrics_ports_of_their_own(service_env, tmp_path):
+    from jobs.broker import create_celery
+    from jobs.settings import Settings
+
+    port = two_free_ports()
+    env = {**service_env, "CONVOQ_WORKER_METRICS_PORT": str(port), "CONVOQ_WORKER_CONCURRENCY": "2"}
+    celery = create_celery(Settings(broker_url=service_env["CONVOQ_BROKER_URL"]))
+    with Stack(env, tmp_path / "logs") as stack:
+        workers = [stack.start_worker(), stack.start_worker()]
+        expected = {f"convoq-{w.pid}@{socket.gethostname()}" for w in workers}
+        deadline = time.monotonic() + 60
+        while (names := {n for reply in celery.control.ping(timeout=2) for n in reply}) != expected:
+            assert time.monotonic() < deadline, names
+        served = [httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=5).text for p in (port, port + 1)]
+        assert all("convoq_engine_running_requests" in text for text in served)
 
 
 def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, database, tmp_path):

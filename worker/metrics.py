@@ -2,7 +2,7 @@
 
 Job metrics carry the same numbers as the job's timings row, observed once that row is committed. Engine
 gauges are read from `EngineThread.stats()` at scrape time. Each process serves its own registry on
-`CONVOQ_WORKER_METRICS_PORT`.
+`CONVOQ_WORKER_METRICS_PORT` or, when another process on the host holds that, the next free port above it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # from an interactive reply (tens of ms) to bulk work that waited behind others for hours
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 14400)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# worker processes on one host (one per GPU) share CONVOQ_WORKER_METRICS_PORT: each takes the first free port
+# from there, so Prometheus scrapes a known range (base .. base + PORT_TRIES - 1) on every host
+PORT_TRIES = 64
 
 # stats() key -> (metric name, kind, help); keys an engine does not report are left out
 ENGINE_STATS = {
@@ -66,6 +69,7 @@ class EngineCollector(Collector):
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.served_on: int | None = None  # the port `start` serves the registry on
 
         def seconds(name: str, documentation: str) -> Histogram:
             return Histogram(name, documentation, ["priority"], buckets=SECONDS_BUCKETS, registry=self.registry)
@@ -94,15 +98,23 @@ class WorkerMetrics:
 
     @classmethod
     def start(cls, port: int, engine_stats: Callable[[], dict[str, float]]) -> WorkerMetrics:
-        """Metrics for this process, served on `port` (0: recorded, not served)."""
+        """Metrics for this process, served on `port` or, when another process on the host has it (one worker
+        per GPU share a host and its settings), the first free one of the next `PORT_TRIES - 1`; `port` 0:
+        recorded, not served. The port taken is logged and kept in `served_on`."""
         metrics = cls()
         metrics.registry.register(EngineCollector(engine_stats))
-        if port:
+        if not port:
+            return metrics
+        for candidate in range(port, min(port + PORT_TRIES, 65536)):
             try:
-                start_http_server(port, registry=metrics.registry)
-            except OSError as exc:  # a taken port must not keep the worker from running jobs
-                log.error("worker metrics not served: port %d: %s (give each worker process its own "
-                          "CONVOQ_WORKER_METRICS_PORT)", port, exc)
+                start_http_server(candidate, registry=metrics.registry)
+            except OSError:
+                continue
+            metrics.served_on = candidate
+            log.info("worker metrics served on port %d", candidate)
+            return metrics
+        # every port taken must not keep the worker from running jobs
+        log.error("worker metrics not served: ports %d-%d are all taken", port, port + PORT_TRIES - 1)
         return metrics
 
     def observe(self, priority: int, stored: Stored, generated_tokens: int) -> None:

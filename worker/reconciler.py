@@ -12,7 +12,8 @@ row. It
   crash (`attribute`): a job that was running alone condemns itself and spares the rest of its worker's jobs;
   otherwise each job held is a suspect (`crashes` + 1, not an attempt), run alone once it is a suspect twice,
   and failed only past `max_crashes`;
-- ends `queued` jobs past their deadline (`expired`);
+- ends `queued` jobs past their deadline (`expired`), folds the status counts (`jobs.counts`), and once an hour
+  deletes finished work past `CONVOQ_RETENTION_DAYS` (`jobs.retention`);
 - re-sends queued jobs only on evidence that no message for them exists: not waiting in a queue list, not held
   unacknowledged by a consumer that could still claim it (`BrokerView`). A job never published, or handed back,
   is sent once its message is confirmed absent; one whose message went missing (Redis lost it) once it is seen
@@ -44,8 +45,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.broker import UNACKED_INDEX_KEY, UNACKED_KEY, queue_lists
 from jobs.clock import db_now
+from jobs.counts import fold
 from jobs.db import insert_ignore
 from jobs.publish import mark_published, publish
+from jobs.retention import prune, retention_period
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Run, Sweep, Worker, utcnow
@@ -55,7 +58,8 @@ from worker.results import end_runs, end_unrun, retrying, settle
 
 log = logging.getLogger(__name__)
 QUEUED, RUNNING, FAILED = JobStatus.queued.value, JobStatus.running.value, JobStatus.failed.value
-SWEEP = "reconcile"
+SWEEP, PRUNE = "reconcile", "prune"  # periodic tasks, by their row in `sweeps`
+PRUNE_EVERY_S = 3600.0  # retention (CONVOQ_RETENTION_DAYS) runs once an hour, by the sweeper
 SWEEP_LOCK = 0x636F6E766F71  # any constant shared by every worker: "convoq"
 CHUNK = 1000  # rows per statement: bounded transactions, and no IN list near the driver's parameter limit
 
@@ -352,13 +356,13 @@ def sweep_lock(sessions: sessionmaker[Session]) -> Iterator[bool]:
                 conn.rollback()
 
 
-def take_turn(sessions: sessionmaker[Session], sweep_every_s: float) -> bool:
-    """Claim this sweep in the `sweeps` row, unless another worker swept less than half a period ago."""
+def take_turn(sessions: sessionmaker[Session], name: str, every_s: float) -> bool:
+    """Claim the turn of the periodic task `name` in the `sweeps` table, unless its last run (by any worker) was
+    less than half a period ago."""
     sweeps = Sweep.__table__
     with sessions.begin() as session:
-        insert_ignore(session, Sweep, dict(name=SWEEP, swept_at=datetime(1970, 1, 1, tzinfo=UTC)))
-        return session.execute(update(sweeps).where(sweeps.c.name == SWEEP,
-                                                    sweeps.c.swept_at < db_now(-sweep_every_s / 2))
+        insert_ignore(session, Sweep, dict(name=name, swept_at=datetime(1970, 1, 1, tzinfo=UTC)))
+        return session.execute(update(sweeps).where(sweeps.c.name == name, sweeps.c.swept_at < db_now(-every_s / 2))
                                .values(swept_at=db_now())).rowcount == 1
 
 
@@ -372,9 +376,12 @@ class Sweeper:
         """One sweep if this process gets the lock and the turn (`force`: whenever it gets the lock); None if
         another worker has it."""
         with sweep_lock(self.sessions) as mine:
-            if not mine or not (take_turn(self.sessions, self.settings.sweep_every_s) or force):
+            if not mine or not (take_turn(self.sessions, SWEEP, self.settings.sweep_every_s) or force):
                 return None
-            return self._sweep()
+            swept = self._sweep()
+            if (period := retention_period(self.settings)) and take_turn(self.sessions, PRUNE, PRUNE_EVERY_S):
+                swept["pruned_jobs"] = prune(self.sessions, period).jobs
+            return swept
 
     def _sweep(self) -> dict[str, int]:
         s, sessions = self.settings, self.sessions
@@ -383,6 +390,7 @@ class Sweeper:
             expired = end_unrun(session, Job.deadline_at <= db_now())
             session.execute(update(Worker.__table__).where(
                 Worker.stopped_at.is_(None), Worker.heartbeat_at < db_now(-s.dead_after_s)).values(stopped_at=db_now()))
+            fold(session)  # the status counts' deltas since the last sweep, into one row per status
         for batch_id in {b for _, b in expired if b is not None}:
             retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
         broker = BrokerView(s)

@@ -22,7 +22,6 @@ def upgrade() -> None:
     op.add_column('jobs', sa.Column('crashes', sa.Integer(), nullable=False, server_default='0'))
     op.add_column('jobs', sa.Column('alone_at', sa.DateTime(timezone=True), nullable=True))
     op.add_column('jobs', sa.Column('message_missing_at', sa.DateTime(timezone=True), nullable=True))
-    op.create_index('ix_jobs_worker_status', 'jobs', ['worker', 'status'])
     op.create_index('ix_jobs_lease_expiry', 'jobs', ['lease_expires_at'],
                     postgresql_where=sa.text("status = 'running'"))
     op.create_table(
@@ -50,7 +49,6 @@ def downgrade() -> None:
     op.drop_table('sweeps')
     op.drop_table('runs')
     op.drop_index('ix_jobs_lease_expiry', table_name='jobs')
-    op.drop_index('ix_jobs_worker_status', table_name='jobs')
     with op.batch_alter_table('jobs') as batch:
         for column in ('message_missing_at', 'alone_at', 'crashes', 'lease_expires_at', 'lease_id'):
             batch.drop_column(column)
