@@ -10,7 +10,8 @@ can be broken. Two runs of the same jobs: one undisturbed, one with the `--fault
 - `postgres`: PostgreSQL stopped in immediate mode for `--outage-s` (60 s: longer than the lease);
 - `freeze`: SIGSTOP of the worker past its lease while a fresh worker takes over; resumed afterwards, its
   late writes must be refused.
-A worker that dies meanwhile is restarted too. The figures come from `bench.audit` (runs, refused writes,
+With `--lost-reply-every N` (20), one database commit in N of the workers loses its reply (`bench.faults`)
+throughout the faulty run. A worker that dies meanwhile is restarted too. The figures come from `bench.audit` (runs, refused writes,
 statuses); targets: lost, stuck, failed, duplicate_results and duplicate_executions all 0.
 """
 
@@ -87,7 +88,7 @@ class Chaos:
             self.frozen.remove((pid, at))
 
 
-def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: float) -> dict:
+def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: float, lost_reply_every: int) -> dict:
     pg, broker = PostgresServer().start(), RedisServer().start()
     try:
         upgrade(pg.url)
@@ -95,6 +96,8 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
                "CONVOQ_API_KEYS": KEY, "CONVOQ_HEARTBEAT_S": "1", "CONVOQ_DEAD_AFTER_S": str(LEASE_S),
                "CONVOQ_SWEEP_EVERY_S": "2", "CONVOQ_UNPUBLISHED_GRACE_S": "2", "CONVOQ_WORKER_CONCURRENCY": "32",
                "CONVOQ_MAX_BATCH_SIZE": "16", "CONVOQ_WORKER_METRICS_PORT": "0"}
+        if lost_reply_every:
+            env |= {"CONVOQ_BACKEND": "bench.faults:lost_replies", "CONVOQ_LOST_REPLY_EVERY": str(lost_reply_every)}
         db = sa.create_engine(pg.url)
         with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-chaos-"))) as stack:
             stack.start_api()
@@ -137,6 +140,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=300)
     parser.add_argument("--faults", default="kill,redis,freeze,kill,postgres,kill",
                         help=f"comma-separated, in order, from {', '.join(FAULTS)}")
+    parser.add_argument("--lost-reply-every", type=int, default=20, help="0: no commit loses its reply")
     parser.add_argument("--outage-s", type=float, default=60.0, help="how long PostgreSQL stays down")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for each run")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
@@ -145,10 +149,11 @@ def main() -> None:
     if unknown := set(faults) - set(FAULTS):
         parser.error(f"unknown faults: {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
     model = tiny_model()
-    calm = run(args.jobs, [], model, args.outage_s, args.timeout)
-    chaos = run(args.jobs, faults, model, args.outage_s, args.timeout)
+    calm = run(args.jobs, [], model, args.outage_s, args.timeout, 0)
+    chaos = run(args.jobs, faults, model, args.outage_s, args.timeout, args.lost_reply_every)
     result = {
         "faults": ",".join(faults),
+        "lost_reply_every": args.lost_reply_every,
         **{k: chaos[k] for k in ("submitted", "succeeded", "failed", "lost", "stuck", "duplicate_results",
                                  "duplicate_executions", "stale_writes_refused", "executions")},
         "calm_s": round(calm["elapsed"], 1),
