@@ -41,6 +41,7 @@ from migrations.apply import upgrade
 
 KEY = "bench-key-0123456789abcdef"
 FAULTS = ("kill", "redis", "postgres", "freeze")
+WORKER_FAULTS = ("kill", "freeze")
 LEASE_S = 5
 
 
@@ -51,6 +52,16 @@ def statuses(db: sa.Engine, ids: list[uuid.UUID]) -> dict[str, int]:
                                      {"ids": ids}).all())
     except sa.exc.OperationalError:  # the database may be the thing that is down
         return {}
+
+
+def held_by(db: sa.Engine, pid: int) -> int:
+    """Jobs the worker process `pid` runs now (worker names are host:pid:start)."""
+    try:
+        with db.connect() as conn:
+            return conn.execute(sa.text("SELECT count(*) FROM jobs WHERE status = 'running' AND worker LIKE :w"),
+                                {"w": f"%:{pid}:%"}).scalar_one()
+    except sa.exc.OperationalError:
+        return 0
 
 
 class Chaos:
@@ -118,7 +129,10 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
                     if done >= n_jobs:
                         break
                     chaos.keep_a_worker()
-                    if pending and counts.get(JobStatus.succeeded.value, 0) >= marks[len(faults) - len(pending)]:
+                    due = pending and counts.get(JobStatus.succeeded.value, 0) >= marks[len(faults) - len(pending)]
+                    # a worker stores a batch's results together, then claims the next: kill or freeze one that
+                    # holds jobs, or the fault tests nothing
+                    if due and (pending[0] not in WORKER_FAULTS or held_by(db, stack.workers[-1].pid) > 0):
                         chaos.inject(pending.pop(0))
                     chaos.thaw(frozen_for_s=2 * LEASE_S)  # well past the lease: its jobs have moved on
                     time.sleep(0.2)

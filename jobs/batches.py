@@ -7,6 +7,7 @@ import uuid
 from sqlalchemy import exists, true, update
 from sqlalchemy.orm import Session
 
+from jobs.clock import db_now
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.tables import Batch, Job, utcnow
 
@@ -23,7 +24,7 @@ def settle_batch(session: Session, batch_id: uuid.UUID) -> None:
     pending = exists().where(Job.batch_id == batch_id, Job.status.in_(PENDING))
     now = utcnow()
     # its window closed on unfinished items: the batch itself ends `expired`, as OpenAI's do
-    window_closed = (Batch.expires_at <= now) & exists().where(Job.batch_id == batch_id,
+    window_closed = (Batch.expires_at <= db_now()) & exists().where(Job.batch_id == batch_id,
                                                                Job.status == JobStatus.expired.value)
     moves = [
         (BatchStatus.in_progress, window_closed, dict(status=BatchStatus.expired.value, expired_at=now)),

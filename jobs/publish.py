@@ -10,10 +10,11 @@ from celery import Celery
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.clock import db_now
 from jobs.group_commit import GroupCommit
 from jobs.queues import TASK_RUN_JOB, broker_priority, queue_for
 from jobs.settings import Settings
-from jobs.tables import Job, utcnow
+from jobs.tables import Job
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def publish(
 def mark_published(session: Session, job_ids: list[uuid.UUID]) -> None:
     jobs_table = Job.__table__  # Core: nothing reads `published_at` back from the callers' objects
     session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids))
-                    .values(published_at=utcnow(), message_missing_at=None))
+                    .values(published_at=db_now(), message_missing_at=None))  # compared on the database's clock
     session.commit()
 
 
