@@ -29,7 +29,7 @@ from jobs.settings import Settings
 from jobs.tables import Job, Result
 from migrations.apply import upgrade
 
-KEY = "bench-key"
+KEY = "bench-key-not-a-secret"
 
 
 def finished(db: sa.Engine, ids: list[uuid.UUID]) -> dict[str, int]:
@@ -39,10 +39,10 @@ def finished(db: sa.Engine, ids: list[uuid.UUID]) -> dict[str, int]:
 
 
 def run(n_jobs: int, kills: int, settings: Settings, model: Path, timeout: float) -> dict:
-    env = {"CONVOQ_DATABASE_URL": settings.database_url, "CONVOQ_BROKER_URL": settings.broker_url,
+    env = {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(), "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
            "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_HEARTBEAT_S": "1", "CONVOQ_DEAD_AFTER_S": "5",
            "CONVOQ_UNPUBLISHED_GRACE_S": "2", "CONVOQ_WORKER_CONCURRENCY": "32", "CONVOQ_MAX_BATCH_SIZE": "16"}
-    db = sa.create_engine(settings.database_url)
+    db = sa.create_engine(settings.database_url.get_secret_value())
     with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-chaos-"))) as stack:
         stack.start_api()
         with Client(stack.api_url, KEY) as client:
@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings()
     model = tiny_model()
-    upgrade(settings.database_url)
+    upgrade(settings.database_url.get_secret_value())
     calm = run(args.jobs, 0, settings, model, args.timeout)
     chaos = run(args.jobs, args.kills, settings, model, args.timeout)
     result = {

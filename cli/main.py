@@ -77,7 +77,7 @@ def migrate(revision: str = "head", down: bool = False) -> None:
     """Bring the database schema to `revision` (alembic upgrade head), or down to it with --down."""
     from migrations.apply import downgrade, upgrade
 
-    url = get_settings().database_url
+    url = get_settings().database_url.get_secret_value()
     (downgrade if down else upgrade)(url, "base" if down and revision == "head" else revision)
     typer.echo(f"database at {revision if not down else 'downgraded'}")
 
@@ -90,7 +90,7 @@ def reconcile() -> None:
     from worker.reconciler import reconcile as sweep
 
     settings = get_settings()
-    typer.echo(json.dumps(sweep(make_sessions(make_db_engine(settings.database_url)), create_celery(settings), settings)))
+    typer.echo(json.dumps(sweep(make_sessions(make_db_engine(settings.database_url.get_secret_value())), create_celery(settings), settings)))
 
 
 @app.command()
@@ -109,7 +109,7 @@ def report(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--since") from exc
     settings = get_settings()
-    typer.echo(str(write_report(settings.database_url, start, out, settings.interactive_priority)))
+    typer.echo(str(write_report(settings.database_url.get_secret_value(), start, out, settings.interactive_priority)))
 
 
 @app.command()
@@ -124,7 +124,7 @@ def tune(
     from cli.tune import recommend, sample_from_database, sample_from_file, sweep
 
     settings = get_settings()
-    sampled = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url, sample)
+    sampled = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url.get_secret_value(), sample)
     if not sampled:
         typer.echo("no jobs to replay: pass --jobs FILE or run some jobs first", err=True)
         raise typer.Exit(2)

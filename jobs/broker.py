@@ -60,7 +60,7 @@ def broadcast_cancel(celery: Celery, job_ids: list[str], reason: str = "cancelle
 
 
 def create_celery(settings: Settings) -> Celery:
-    app = Celery("convoq", broker=settings.broker_url)
+    app = Celery("convoq", broker=settings.broker_url.get_secret_value())
     app.conf.update(
         # JSON only: a pickled message is code execution for whoever can write to the broker.
         task_serializer="json",

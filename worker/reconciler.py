@@ -80,8 +80,8 @@ class BrokerView:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        redis_url = settings.broker_url.startswith(("redis://", "rediss://"))
-        self.client = redis.Redis.from_url(settings.broker_url) if redis_url else None
+        redis_url = settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
+        self.client = redis.Redis.from_url(settings.broker_url.get_secret_value()) if redis_url else None
         self.tags: dict[uuid.UUID, bytes] = {}
 
     def held_unclaimed(self, older_than_s: float) -> list[uuid.UUID]:
