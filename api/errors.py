@@ -33,9 +33,22 @@ def error_body(path: str, status: int, detail: object, param: str | None = None)
     return body
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method the API documents at this path (Starlette's own 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(request.scope["path"]):
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods - {"HEAD"}))
+
+
 async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:
+        headers["Allow"] = allowed_methods(request)
     return JSONResponse(error_body(request.url.path, exc.status_code, exc.detail), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+                        headers=headers or None)
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

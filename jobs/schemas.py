@@ -46,7 +46,9 @@ DEFAULT_COMPLETION_WINDOW = "24h"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a value of another JSON type is refused, not coerced (`false` is no seed, `0` no boolean), as the
+    # OpenAPI document's types say
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Message(Strict):

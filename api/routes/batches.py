@@ -246,8 +246,7 @@ async def _from_upload(request: Request, settings: Settings) -> BatchInput:
         if not isinstance(upload, UploadFile):
             raise RequestValidationError([{"loc": ("body", "file"), "msg": "a JSONL file is required",
                                            "type": "missing"}])
-        # an empty form field counts as left out, as FastAPI's own form parameters do
-        fields = _validated(BatchUpload, {k: v for k, v in form.items() if k != "file" and v != ""})
+        fields = _validated(BatchUpload, {k: v for k, v in form.items() if k != "file"})
         source, lines = await run_in_threadpool(_spool, upload.file, settings)
     return BatchInput(source=source, lines=lines, name=upload.filename, input_file_id=None, priority=fields.priority,
                       metadata=fields.metadata or {}, completion_window=fields.completion_window)
@@ -302,7 +301,8 @@ async def create_batch(
     celery: CeleryDep,
     settings: SettingsDep,
     caller: Caller,
-    x_convoq_priority: Annotated[int | None, Header(
+    # typed `int` so the document says integer (a header is never JSON null); absent, it is None
+    x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
         ge=0, le=9, description="0..9, 9 most urgent; before the body's `priority` (multipart) or "
                                 "`metadata.priority` (JSON); bulk work defaults low")] = None,
 ) -> BatchOut:
@@ -340,7 +340,7 @@ async def create_batch(
     return batch_out(session, batch)
 
 
-@router.get("", response_model=ListOf[BatchOut], responses=errors(e400="`after` names no batch of this tenant"))
+@router.get("", response_model=ListOf[BatchOut], responses=errors(e404="`after` names no batch of this tenant"))
 def list_batches(
     session: SessionDep,
     caller: Caller,

@@ -93,7 +93,8 @@ async def chat_completions(
     celery: CeleryDep,
     settings: SettingsDep,
     caller: Caller,
-    x_convoq_priority: Annotated[int | None, Header(
+    # typed `int` so the document says integer (a header is never JSON null); absent, it is None
+    x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
         ge=0, le=9, description="0..9, 9 most urgent; before `metadata.priority`; interactive by default")] = None,
 ):
     """OpenAI's chat completions (`n` = 1). Sampling fields as in a batch line; unset ones take the model's

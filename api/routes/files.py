@@ -82,7 +82,7 @@ def upload_file(
     return file_out(row)
 
 
-@router.get("", response_model=ListOf[FileOut], responses=errors(e400="`after` names no file of this tenant"))
+@router.get("", response_model=ListOf[FileOut], responses=errors(e404="`after` names no file of this tenant"))
 def list_files(
     session: SessionDep,
     caller: Caller,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Path, status
 
 from api.deps import V1_ERRORS, Caller, SettingsDep, errors
 from jobs.schemas import ListOf, ModelOut
@@ -26,7 +27,8 @@ def list_models(settings: SettingsDep, _: Caller) -> ListOf[ModelOut]:
 
 # `:path`: hub ids have a slash (Qwen/Qwen3-8B), which the `openai` SDK sends as %2F
 @router.get("/{model_id:path}", response_model=ModelOut, responses=errors(e404="Not the served model"))
-def get_model(model_id: str, settings: SettingsDep, _: Caller) -> ModelOut:
+def get_model(model_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:/-]{1,256}$")], settings: SettingsDep,
+              _: Caller) -> ModelOut:
     if model_id != settings.model:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no model {model_id!r}; this service runs {settings.model!r}")
     return served(settings)
