@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -93,6 +94,15 @@ def window_seconds(window: str) -> int:
     if seconds > MAX_DEADLINE_S:
         raise ValueError(f"completion_window {window!r} is longer than {MAX_DEADLINE_S // 86400}d")
     return seconds
+
+
+def _valid_window(window: str) -> str:
+    window_seconds(window)
+    return window
+
+
+# a completion window: checked by `window_seconds` (its message names the problem), documented by the pattern
+Window = Annotated[str, AfterValidator(_valid_window), WithJsonSchema({"type": "string", "pattern": WINDOW_PATTERN})]
 
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
@@ -299,8 +309,8 @@ class BatchCreate(BaseModel):
     input_file_id: str = Field(max_length=64)
     # a 400 (OpenAI's answer) for any other endpoint; the enum tells clients so up front
     endpoint: str = Field(description=f"one of {', '.join(ENDPOINTS)}", json_schema_extra={"enum": list(ENDPOINTS)})
-    completion_window: str = Field(DEFAULT_COMPLETION_WINDOW, pattern=WINDOW_PATTERN,
-                                   description="as OpenAI's '24h' (also '90m', '2d'), at most 7 days")
+    completion_window: Window = Field(DEFAULT_COMPLETION_WINDOW,
+                                      description="as OpenAI's '24h' (also '90m', '2d'), at most 7 days")
     metadata: PriorityMetadata = Field(None, max_length=16)
 
     @property
@@ -313,7 +323,7 @@ class BatchUpload(BaseModel):
 
     priority: int | None = Field(None, ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")
     metadata: dict | None = Field(None, description="a JSON object kept with the batch")
-    completion_window: str = Field(DEFAULT_COMPLETION_WINDOW, pattern=WINDOW_PATTERN, description=(
+    completion_window: Window = Field(DEFAULT_COMPLETION_WINDOW, description=(
         "how long the batch may take, as OpenAI's '24h' (also '90m', '2d'), at most 7 days; items unfinished by "
         "then end `expired`"))
 
