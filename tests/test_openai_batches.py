@@ -79,7 +79,7 @@ def upload(client: openai.OpenAI, lines: list[dict], name: str = "calls.jsonl"):
     return client.files.create(file=(name, jsonl(lines)), purpose="batch")
 
 
-def test_upload_run_and_download_every_line_once(client):
+def test_upload_run_and_download_every_line_once(client, service):
     lines = [line(f"req-{i}") for i in range(6)]
     lines.insert(3, BAD_LINE)
     data = jsonl(lines)
