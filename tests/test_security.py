@@ -189,3 +189,24 @@ def test_secrets_never_appear_in_the_logs(database, tiny_model, caplog):
     assert "published 0 of 1 jobs" in caplog.text  # the failures were logged ...
     for secret in (password, SHOP_KEY, "wrong-key-0123456789", API_KEY):
         assert secret not in caplog.text  # ... without a secret in them
+
+
+def test_uploads_past_the_line_limit_are_refused_and_store_nothing(database, broker, tiny_model):
+    settings = Settings(database_url=database, broker_url=broker, api_keys=KEYS, model=str(tiny_model),
+                        max_batch_lines=3)
+    line = b'{"custom_id": "c%d", "messages": [{"role": "user", "content": "hi"}]}'
+    four = b"\n".join(line % i for i in range(4))
+    three = b"\n\n".join(line % i for i in range(3)) + b"\n\n"  # blank lines do not count
+    with TestClient(create_app(settings)) as c:
+        r = c.post("/v1/batches", files={"file": ("b.jsonl", four)}, headers=bearer(SHOP_KEY))
+        assert r.status_code == 413 and "at most 3 lines" in r.json()["detail"]
+        assert c.get("/v1/batches", headers=bearer(SHOP_KEY)).json()["data"] == []
+        file_id = c.post("/v1/files", files={"file": ("f.jsonl", four)}, data={"purpose": "batch"},
+                         headers=bearer(SHOP_KEY)).json()["id"]
+        r = c.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
+                   headers=bearer(SHOP_KEY))
+        assert r.status_code == 400 and "at most 3" in r.json()["detail"]
+        ok = c.post("/v1/batches", files={"file": ("b.jsonl", three)}, headers=bearer(SHOP_KEY))
+        assert ok.status_code == 202
+        batch = c.get(f"/v1/batches/{ok.json()['id']}", headers=bearer(SHOP_KEY)).json()
+        assert batch["request_counts"]["total"] == 3 and batch["request_counts"]["invalid"] == 0

@@ -227,7 +227,7 @@ def _spool(lines: Iterable[bytes], settings: Settings) -> tuple[IO[bytes], int]:
             size += len(line)
             count += bool(line.strip())
             if size > settings.max_upload_bytes or count > settings.max_batch_lines:
-                raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+                raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
                                     f"a batch takes at most {settings.max_batch_lines} lines and "
                                     f"{settings.max_upload_bytes} bytes; split it into several batches")
             out.write(line)

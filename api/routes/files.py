@@ -73,7 +73,7 @@ def upload_file(
                                                          "files for batches only (purpose=batch)")
     data = file.file.read(settings.max_upload_bytes + 1)
     if len(data) > settings.max_upload_bytes:
-        raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
                             f"the file exceeds {settings.max_upload_bytes} bytes; split it into several files")
     row = FileRow(id=f"file-{uuid.uuid4().hex}", purpose=purpose, filename=file.filename or "upload.jsonl",
                   size=len(data), owner=caller.digest, tenant=caller.tenant, created_at=utcnow(), content=data)
