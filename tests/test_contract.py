@@ -27,13 +27,14 @@ def long_context_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-long", max_position_embeddings=40960)
 
 
-def schemathesis(url: str, key: str, report: Path) -> subprocess.CompletedProcess:
+def schemathesis(url: str, key: str, workdir: Path) -> subprocess.CompletedProcess:
     command = [str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(CONFIG), "run",
                f"{url}/openapi.json", "--checks", "all",
                "-H", f"Authorization: Bearer {key}", "--max-examples", str(EXAMPLES_PER_OPERATION), "--seed", "17",
                "--phases", "examples,coverage,fuzzing", "--workers", "1", "--no-color",
-               "--report", "junit", "--report-junit-path", str(report)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+               "--report", "junit", "--report-junit-path", str(workdir / "junit.xml")]
+    # run in `workdir`: schemathesis keeps a cache of its own in the working directory
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=workdir)
 
 
 def test_schemathesis_finds_no_failure_for_either_tenant(service_env, long_context_model, tmp_path):
@@ -46,7 +47,9 @@ def test_schemathesis_finds_no_failure_for_either_tenant(service_env, long_conte
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         for tenant, key in TENANT_KEYS.items():
-            run = schemathesis(stack.api_url, key, tmp_path / f"{tenant}.xml")
+            workdir = tmp_path / tenant
+            workdir.mkdir()
+            run = schemathesis(stack.api_url, key, workdir)
             summary = run.stdout[-6000:]
             assert run.returncode == 0, summary
             # every generated case passed every check: no failure, no 5xx

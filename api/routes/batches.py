@@ -136,17 +136,19 @@ def ingest(sessions: sessionmaker[Session], celery, settings: Settings, check: P
                 session.commit()
                 return
             now = utcnow()
-            status_now = session.scalar(select(Batch.status).where(Batch.id == batch_id))
-            if status_now != BatchStatus.validating.value:  # cancelled while validating: run nothing
+            moved = (dict(status=BatchStatus.failed.value, failed_at=now) if total == invalid
+                     else dict(status=BatchStatus.in_progress.value, in_progress_at=now))
+            # only from `validating`, in the transaction that holds the jobs: a cancel either came first (and
+            # nothing runs) or waits for this commit and then finds the jobs to cancel
+            opened = session.execute(update(Batch).where(Batch.id == batch_id,
+                                                         Batch.status == BatchStatus.validating.value)
+                                     .values(total=total, invalid_lines=invalid, **moved))
+            if opened.rowcount == 0:  # cancelled while validating: run nothing
                 session.rollback()
                 session.execute(update(Batch).where(Batch.id == batch_id).values(
                     status=BatchStatus.cancelled.value, cancelled_at=now, total=total))
                 session.commit()
                 return
-            moved = (dict(status=BatchStatus.failed.value, failed_at=now) if total == invalid
-                     else dict(status=BatchStatus.in_progress.value, in_progress_at=now))
-            session.execute(update(Batch).where(Batch.id == batch_id).values(total=total, invalid_lines=invalid,
-                                                                              **moved))
             session.commit()
             # committed before any message exists; what a message needs is a few columns per job
             jobs = session.execute(select(Job.id, Job.kind, Job.priority).where(Job.batch_id == batch_id)).all()
