@@ -66,7 +66,7 @@ class Gate:
             return
         limit = self.max_upload_bytes if scope["path"] in UPLOAD_PATHS else self.max_bytes
         declared = _header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             await _refuse(send, scope["path"], 413, f"request body larger than {limit} bytes")
             return
         await self.app(scope, _counted(receive, limit), send)
