@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=V1_ERRORS)
 
 NOT_FOUND = errors(e404="No such batch (or another tenant's)")
-INSERT_ROWS = 1000  # job and line-error rows per INSERT while a batch is ingested, and jobs per publish
+INSERT_ROWS = 1000  # job and line-error rows per INSERT while a batch is ingested
 
 OPEN = (BatchStatus.validating.value, BatchStatus.in_progress.value)
 M = TypeVar("M", bound=BaseModel)
