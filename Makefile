@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 compose-check:
-	docker-compose -f docker-compose.yml config -q
+	docker-compose --env-file .env.example -f docker-compose.yml config -q
 
 clean:
 	rm -rf $(VENV) .convoq

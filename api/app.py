@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from api import metrics
 from api.admission import Admission
 from api.errors import http_error, validation_error
-from api.limits import BodyLimit
+from api.gate import Gate
 from api.prompt_check import PromptCheck
 from api.ratelimit import RateLimiter
 from api.routes import batches, chat, files, health, jobs, models
@@ -29,12 +29,12 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    if not settings.api_key_scopes:
+    if not settings.known_keys:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
     check = PromptCheck(settings.model, settings.default_thinking)
-    sessions = make_sessions(make_db_engine(settings.database_url))
+    sessions = make_sessions(make_db_engine(settings.database_url.get_secret_value()))
     stamps = stamp_writer(sessions)
-    redis = Redis.from_url(settings.broker_url)  # progress events (`/v1/jobs/{id}/events`)
+    redis = Redis.from_url(settings.broker_url.get_secret_value())  # progress events (`/v1/jobs/{id}/events`)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -55,9 +55,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.celery = create_celery(settings)
     app.state.redis = redis
     app.state.admission = Admission(settings)
-    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     app.state.prompt_check = check
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(Gate, settings=settings,
+                       per_key=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
+                       failures=RateLimiter(settings.auth_failures_per_s, settings.auth_failures_burst))
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     app.include_router(health.router)

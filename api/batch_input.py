@@ -10,7 +10,9 @@ A bad line becomes a `LineError` with its number and reason; it never sinks the 
 
 from __future__ import annotations
 
+import io
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +35,6 @@ class LineError:
     line: int
     custom_id: str | None
     message: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"line": self.line, "custom_id": self.custom_id, "message": self.message}
 
 
 class OpenAIBody(BaseModel):
@@ -121,16 +120,13 @@ def _job_from_ours(obj: dict, priority: int) -> JobIn:
                  max_thinking_tokens=obj.get("max_thinking_tokens"))
 
 
-def parse_batch(data: bytes, priority: int) -> tuple[list[ParsedLine], list[LineError], int]:
-    """Valid lines, bad lines, and the number of non-blank lines."""
-    parsed: list[ParsedLine] = []
-    errors: list[LineError] = []
+def parse_lines(source: Iterable[bytes], priority: int) -> Iterator[ParsedLine | LineError]:
+    """Each non-blank line of `source` (a binary file, read one line at a time) as a job or the reason it is
+    not one. Memory holds one line and the custom_ids seen so far."""
     seen: set[str] = set()
-    total = 0
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in enumerate(source, start=1):
         if not raw.strip():
             continue
-        total += 1
         custom_id = None
         try:
             obj = json.loads(raw.decode("utf-8"))
@@ -144,14 +140,22 @@ def parse_batch(data: bytes, priority: int) -> tuple[list[ParsedLine], list[Line
                 raise ValueError(f"duplicate custom_id {custom_id!r}")
             job = (_job_from_openai if "body" in obj else _job_from_ours)(obj, priority)
         except UnicodeDecodeError:
-            errors.append(LineError(number, None, "line is not valid UTF-8"))
+            yield LineError(number, None, "line is not valid UTF-8")
         except json.JSONDecodeError as exc:
-            errors.append(LineError(number, None, f"invalid JSON: {exc.msg} at column {exc.colno}"))
+            yield LineError(number, None, f"invalid JSON: {exc.msg} at column {exc.colno}")
         except ValidationError as exc:
-            errors.append(LineError(number, custom_id, _describe(exc)))
+            yield LineError(number, custom_id, _describe(exc))
         except ValueError as exc:
-            errors.append(LineError(number, custom_id, str(exc)))
+            yield LineError(number, custom_id, str(exc))
         else:
             seen.add(custom_id)
-            parsed.append(ParsedLine(number, custom_id, job))
-    return parsed, errors, total
+            yield ParsedLine(number, custom_id, job)
+
+
+def parse_batch(data: bytes, priority: int) -> tuple[list[ParsedLine], list[LineError], int]:
+    """A whole upload in memory: valid lines, bad lines, and the number of non-blank lines."""
+    parsed: list[ParsedLine] = []
+    errors: list[LineError] = []
+    for item in parse_lines(io.BytesIO(data), priority):
+        (parsed if isinstance(item, ParsedLine) else errors).append(item)
+    return parsed, errors, len(parsed) + len(errors)

@@ -9,7 +9,7 @@ from uuid import UUID
 
 import httpx
 
-from jobs.schemas import TERMINAL, BatchOut, JobAccepted, JobEvent, JobIn, JobOut
+from jobs.schemas import TERMINAL, BatchLineError, BatchOut, JobAccepted, JobEvent, JobIn, JobOut
 
 
 class ConvoqError(RuntimeError):
@@ -106,6 +106,19 @@ class Client:
 
     def retry_batch(self, batch_id: UUID | str) -> BatchOut:
         return BatchOut.model_validate(_check(self.http.post(f"/v1/batches/{batch_id}/retry")))
+
+    def line_errors(self, batch_id: UUID | str, limit: int | None = None) -> Iterator[BatchLineError]:
+        """The batch's lines that could not become jobs, in line order (at most `limit`), fetched a page at a time."""
+        after, left = 0, limit
+        while left is None or left > 0:
+            size = 1000 if left is None else min(left, 1000)
+            page = _check(self.http.get(f"/v1/batches/{batch_id}/line_errors", params={"after": after, "limit": size}))
+            for item in page["data"]:
+                yield BatchLineError.model_validate(item)
+            if not page["has_more"] or not page["data"]:
+                return
+            after = page["data"][-1]["line"]
+            left = None if left is None else left - len(page["data"])
 
     def batch_lines(self, batch_id: UUID | str, errors: bool = False) -> Iterator[dict]:
         """The batch's output lines (or error lines), streamed."""

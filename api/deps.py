@@ -1,18 +1,25 @@
-"""Request-scoped dependencies: settings, database sessions, the publisher, API-key auth."""
+"""Request-scoped dependencies: settings, database sessions, the publisher, the caller and what it may see.
+
+`api.gate.Gate` authenticates every `/v1/` request before its body is read; routes take the result as
+`Caller` (an `ApiKey`: its hash, scopes and tenant). Jobs, batches and files belong to a tenant: another
+tenant is told they do not exist (404, never 403), `admin` keys see every tenant's.
+"""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from celery import Celery
-from fastapi import Depends, HTTPException, Request, status
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, Request
+from fastapi.security import HTTPBearer
+from sqlalchemy import Delete, Select
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.settings import Settings, hash_key
+from jobs.schemas import ErrorOut
+from jobs.settings import ApiKey, Settings
 
+Statement = TypeVar("Statement", Select, Delete)
 bearer = HTTPBearer(auto_error=False, description="An API key from CONVOQ_API_KEYS")
 
 
@@ -33,53 +40,38 @@ def get_celery(request: Request) -> Celery:
     return request.app.state.celery
 
 
-def _authenticate(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> tuple[str, frozenset]:
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key (Authorization: Bearer <key>)",
-                            headers={"WWW-Authenticate": "Bearer"})
-    offered = hash_key(credentials.credentials)
-    # compare against every key, always, so timing says nothing about which key or prefix matched
-    scopes: frozenset[str] = frozenset()
-    for known, known_scopes in settings.api_key_scopes.items():
-        if hmac.compare_digest(offered, known):
-            scopes = known_scopes
-    if not scopes:
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-    return offered, scopes
+def get_caller(request: Request, _: Annotated[object, Depends(bearer)]) -> ApiKey:
+    """The key the gate admitted (`bearer` only documents the scheme in the OpenAPI document)."""
+    return request.state.caller
 
 
-def require(scope: str):
-    """A dependency: the caller's key must carry `scope` and be within its rate limit; yields the key's hash."""
-
-    def check(
-        request: Request,
-        settings: Annotated[Settings, Depends(get_settings)],
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    ) -> str:
-        key, scopes = _authenticate(settings, credentials)
-        if scope not in scopes and "admin" not in scopes:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, f"this API key lacks the {scope!r} scope")
-        wait = request.app.state.rate_limiter.take(key)
-        if wait > 0:
-            raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS,
-                                f"rate limit of {settings.rate_limit_per_s:g} requests/s exceeded; retry later",
-                                headers={"Retry-After": str(max(1, round(wait)))})
-        return key
-
-    return check
+def sees(caller: ApiKey, tenant: str | None) -> bool:
+    """Whether `caller` may see a row of `tenant`."""
+    return "admin" in caller.scopes or tenant == caller.tenant
 
 
-# what `require` can answer, for the OpenAPI document of every route that uses it
-AUTH_ERRORS: dict[int | str, dict] = {
-    401: {"description": "Missing or unknown API key"},
-    403: {"description": "The API key lacks the scope this route needs"},
-    429: {"description": "The API key's request rate is exceeded (see Retry-After)"},
-}
+def visible(rows: Statement, table: Any, caller: ApiKey) -> Statement:
+    """`rows` of `table` (which has `tenant`) narrowed to what `caller` may see."""
+    return rows if "admin" in caller.scopes else rows.where(table.tenant == caller.tenant)
+
+
+def errors(**described: str) -> dict[int | str, dict]:
+    """OpenAPI responses for error statuses, keyed `e404="..."`: every one has the one error body."""
+    return {int(code.removeprefix("e")): {"model": ErrorOut, "description": text} for code, text in described.items()}
+
+
+# What the gate and FastAPI's validation can answer on every /v1 route (routers add these to each route).
+V1_ERRORS = errors(
+    e400="The body could not be parsed (not UTF-8, or not the content type it declares)",
+    e401="Missing or unknown API key",
+    e403="The API key lacks the scope this method needs (GET reads, other methods submit)",
+    e413="The request body is larger than CONVOQ_MAX_REQUEST_BYTES (uploads: CONVOQ_MAX_UPLOAD_BYTES)",
+    e422="A parameter or the body does not validate (`detail` lists each problem with its `loc`)",
+    e429="The API key's request rate, or this address's failed authentications, are exceeded (see Retry-After)",
+)
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
-SubmitKey = Annotated[str, Depends(require("submit"))]
-ReadKey = Annotated[str, Depends(require("read"))]
-AdminKey = Annotated[str, Depends(require("admin"))]
+Caller = Annotated[ApiKey, Depends(get_caller)]

@@ -22,9 +22,10 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
-def _body(request: Request, status: int, detail: object, param: str | None = None) -> dict:
+def error_body(path: str, status: int, detail: object, param: str | None = None) -> dict:
+    """`{"detail": ...}`, plus OpenAI's `error` object on the routes the `openai` SDK calls."""
     body: dict = {"detail": detail}
-    if request.url.path.startswith(OPENAI_PATHS):
+    if path.startswith(OPENAI_PATHS):
         message = detail if isinstance(detail, str) else "; ".join(
             f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d.get('msg')}" if isinstance(d, dict) else str(d)
             for d in (detail if isinstance(detail, list) else [detail]))
@@ -32,9 +33,22 @@ def _body(request: Request, status: int, detail: object, param: str | None = Non
     return body
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method the API documents at this path (Starlette's own 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(request.scope["path"]):
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods - {"HEAD"}))
+
+
 async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse(_body(request, exc.status_code, exc.detail), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:
+        headers["Allow"] = allowed_methods(request)
+    return JSONResponse(error_body(request.url.path, exc.status_code, exc.detail), status_code=exc.status_code,
+                        headers=headers or None)
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -45,4 +59,4 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
         for e in exc.errors()
     ]
     first = detail[0]["loc"][-1] if detail and detail[0]["loc"] else None
-    return JSONResponse(_body(request, 422, detail, param=None if first is None else str(first)), status_code=422)
+    return JSONResponse(error_body(request.url.path, 422, detail, param=None if first is None else str(first)), status_code=422)

@@ -37,7 +37,7 @@ class ServiceCollector(Collector):
         yield from self._database()
 
     def _broker(self) -> list[Metric]:
-        if not self.settings.broker_url.startswith(("redis://", "rediss://")):
+        if not self.settings.broker_url.get_secret_value().startswith(("redis://", "rediss://")):
             return []  # another kombu transport: there are no Redis lists to count
         try:
             return self._read_broker()
@@ -47,7 +47,7 @@ class ServiceCollector(Collector):
 
     def _read_broker(self) -> list[Metric]:
         lists = queue_lists(self.settings)
-        client = redis.Redis.from_url(self.settings.broker_url, socket_timeout=2, socket_connect_timeout=2)
+        client = redis.Redis.from_url(self.settings.broker_url.get_secret_value(), socket_timeout=2, socket_connect_timeout=2)
         try:
             pipe = client.pipeline(transaction=False)
             for names in lists.values():

@@ -17,11 +17,11 @@ from jobs.schemas import ListOf
 def page(session: Session, rows: Select, table: Any, after: object | None, limit: int,
          newest_first: bool = True) -> tuple[list, bool]:
     """Up to `limit` rows of `rows` (a select of `table`, which has `created_at` and `id`) that come after the
-    row whose id is `after`, and whether more follow. An `after` that names no row is a 400."""
+    row whose id is `after`, and whether more follow. An `after` that names no row (of this list) is a 404."""
     if after is not None:
         cursor = session.execute(select(table.created_at, table.id).where(table.id == after)).one_or_none()
         if cursor is None:
-            raise HTTPException(status.HTTP_400_BAD_REQUEST, f"after={after} names nothing in this list")
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"after={after} names nothing in this list")
         at, last = cursor
         beyond = (table.created_at < at) if newest_first else (table.created_at > at)
         tie = (table.id < last) if newest_first else (table.id > last)

@@ -38,7 +38,7 @@ from worker.bridge import Bridge
 from worker.outcome import Outcome
 from worker.summarize import summarize
 
-KEY = "bench-key"
+KEY = "bench-key-not-a-secret"
 
 
 def workload(n: int, max_new_tokens: int) -> list[dict]:
@@ -50,7 +50,7 @@ def workload(n: int, max_new_tokens: int) -> list[dict]:
 
 
 def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple[float, int]:
-    env = {"CONVOQ_DATABASE_URL": settings.database_url, "CONVOQ_BROKER_URL": settings.broker_url,
+    env = {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(), "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
            "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY}
     with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-bulk-"))) as stack:
         stack.start_api()
@@ -61,7 +61,7 @@ def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple
             batch = follow(client, str(batch.id), poll=0.5)
     if batch.request_counts.completed != len(lines):
         raise RuntimeError(f"the service finished only {batch.request_counts.completed}/{len(lines)}: {batch}")
-    engine = sa.create_engine(settings.database_url)
+    engine = sa.create_engine(settings.database_url.get_secret_value())
     with engine.connect() as conn:
         tokens = conn.execute(sa.select(sa.func.sum(Result.completion_tokens)).join(Job, Job.id == Result.job_id)
                               .where(Job.batch_id == batch.id)).scalar_one()
@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings()
     model = tiny_model()
-    upgrade(settings.database_url)
+    upgrade(settings.database_url.get_secret_value())
     lines = workload(args.transcripts, args.max_new_tokens)
     engine_s, engine_tokens = through_engine(lines, settings, model, threads=settings.worker_concurrency)
     service_s, service_tokens = through_service(lines, settings, model)

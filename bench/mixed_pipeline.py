@@ -41,7 +41,7 @@ from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, Timing, as_utc
 from migrations.apply import upgrade
 
-KEY = "bench-key"
+KEY = "bench-key-not-a-secret"
 NAMES = ["Ana", "Bilal", "Chen", "Dara", "Emeka", "Freya", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena"]
 ASKS = ["Where is my parcel?", "I was charged twice this month.", "The reset email never arrives.",
         "Can I change the delivery address?", "The app crashes on the billing page."]
@@ -156,9 +156,9 @@ def _scalar(db: sa.Engine, query: sa.Select) -> object:
 def run_pipeline(chats: int, chat_rate: float, transcripts: int, max_new_tokens: int, seed: int) -> dict:
     settings = Settings()
     model = tiny_model()
-    upgrade(settings.database_url)
-    db = make_db_engine(settings.database_url, pool_size=2)
-    env = {"CONVOQ_DATABASE_URL": settings.database_url, "CONVOQ_BROKER_URL": settings.broker_url,
+    upgrade(settings.database_url.get_secret_value())
+    db = make_db_engine(settings.database_url.get_secret_value(), pool_size=2)
+    env = {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(), "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
            "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY}
     rng = random.Random(seed)
     never = threading.Event()

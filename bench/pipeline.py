@@ -32,7 +32,7 @@ from jobs.settings import Settings
 from jobs.tables import Job, Timing, as_utc
 from migrations.apply import upgrade
 
-KEY = "bench-key"
+KEY = "bench-key-not-a-secret"
 
 
 async def submit_all(url: str, jobs: list[JobIn], concurrency: int, rate: float = 0.0) -> list[str]:
@@ -74,11 +74,11 @@ def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> datetime:
 def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float) -> dict:
     settings = Settings()
     model = tiny_model()
-    upgrade(settings.database_url)
-    db = sa.create_engine(settings.database_url)
+    upgrade(settings.database_url.get_secret_value())
+    db = sa.create_engine(settings.database_url.get_secret_value())
     env = {
-        "CONVOQ_DATABASE_URL": settings.database_url,
-        "CONVOQ_BROKER_URL": settings.broker_url,
+        "CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
+        "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
         "CONVOQ_MODEL": str(model),
         "CONVOQ_API_KEYS": KEY,
     }

@@ -55,7 +55,7 @@ class Statements:
 
 def message_template(settings: Settings, sessions) -> tuple[bytes, str, str]:
     """One real message of ours as Kombu stored it, to copy for the simulated jobs; (raw, list name, job id)."""
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis.Redis.from_url(settings.broker_url.get_secret_value())
     job = JobIn(messages=[{"role": "user", "content": "template"}], priority=2)
     with sessions.begin() as session:
         session.execute(insert(Job.__table__), row := job_row(job, utcnow()))
@@ -73,7 +73,7 @@ def message_template(settings: Settings, sessions) -> tuple[bytes, str, str]:
 def populate(sessions, settings: Settings, workers: int, per_worker: int, backlog: int, lost: int,
              dead: int) -> list[str]:
     """The fleet's rows and messages (the first `dead` workers' leases expired); returns the worker names."""
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis.Redis.from_url(settings.broker_url.get_secret_value())
     raw, queue, template_id = message_template(settings, sessions)
     names = [f"host{w // 8}:{1000 + w}:1" for w in range(workers)]
     now = utcnow()

@@ -24,15 +24,15 @@ def _client(url: str, api_key: str) -> Client:
     return Client(url, api_key, timeout=300)
 
 
-def _show(batch: BatchOut) -> None:
+def _show(client: Client, batch: BatchOut) -> None:
     c = batch.request_counts
     typer.echo(f"batch {batch.id}: {batch.status}  total {c.total}  completed {c.completed}  failed {c.failed}  "
                f"cancelled {c.cancelled}  expired {c.expired}  pending {c.pending}  (priority {batch.priority})")
-    bad_lines = batch.errors.data if batch.errors else []
-    for e in bad_lines[:10]:
-        typer.echo(f"  line {e.line} ({e.custom_id}): {e.message}", err=True)
-    if len(bad_lines) > 10:
-        typer.echo(f"  ... and {len(bad_lines) - 10} more bad lines (see `convoq batch download --errors`)", err=True)
+    if c.invalid:
+        for e in client.line_errors(batch.id, limit=10):
+            typer.echo(f"  line {e.line} ({e.custom_id}): {e.message}", err=True)
+    if c.invalid > 10:
+        typer.echo(f"  ... and {c.invalid - 10} more bad lines (see `convoq batch download --errors`)", err=True)
 
 
 def follow(client: Client, batch_id: str, poll: float = 0.5) -> BatchOut:
@@ -89,7 +89,7 @@ def submit(
             if not wait:
                 return
             batch = follow(client, str(batch.id))
-            _show(batch)
+            _show(client, batch)
             if out is not None:
                 typer.echo(f"{_write(client, str(batch.id), out, errors=False)} results written to {out}")
         except ConvoqError as exc:
@@ -103,7 +103,7 @@ def status(batch_id: str, url: str = URL, api_key: str = KEY) -> None:
     """Show a batch's status and counts."""
     with _client(url, api_key) as client:
         batch = client.get_batch(batch_id)
-    _show(batch)
+        _show(client, batch)
     raise typer.Exit(0 if batch.request_counts.failed == 0 else 1)
 
 
@@ -111,7 +111,7 @@ def status(batch_id: str, url: str = URL, api_key: str = KEY) -> None:
 def cancel(batch_id: str, url: str = URL, api_key: str = KEY) -> None:
     """Cancel the batch's queued items; finished results stay downloadable."""
     with _client(url, api_key) as client:
-        _show(client.cancel_batch(batch_id))
+        _show(client, client.cancel_batch(batch_id))
 
 
 @app.command()
@@ -121,7 +121,7 @@ def retry(batch_id: str, wait: bool = False, url: str = URL, api_key: str = KEY)
         batch = client.retry_batch(batch_id)
         if wait:
             batch = follow(client, batch_id)
-    _show(batch)
+        _show(client, batch)
     raise typer.Exit(_exit_code(batch) if wait else 0)
 
 

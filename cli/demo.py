@@ -26,11 +26,11 @@ from cli.stack import Stack
 from cli.tiny_model import build_tiny_model
 from jobs.db import make_db_engine
 from jobs.schemas import JobIn
-from jobs.settings import DATA_DIR, Settings
+from jobs.settings import DATA_DIR, Settings, redact
 from jobs.tables import Job, Result, Timing, as_utc
 from migrations.apply import upgrade
 
-DEMO_KEY = "demo-key"
+DEMO_KEY = "demo-key-not-a-secret"
 SAMPLES = Path(__file__).parent / "samples" / "transcripts.jsonl"
 
 QUESTIONS = [
@@ -44,15 +44,17 @@ QUESTIONS = [
 
 def pick_broker(settings: Settings) -> tuple[str, str, RedisServer | None]:
     """The broker URL to use, a sentence saying why, and a server to stop afterwards (if we started one)."""
-    url = urlparse(settings.broker_url)
+    configured = settings.broker_url.get_secret_value()
+    shown = redact(configured)  # a broker password never reaches the terminal
+    url = urlparse(configured)
     if url.scheme.startswith("redis") and port_open(url.hostname or "127.0.0.1", url.port or 6379):
-        return settings.broker_url, f"Redis at {settings.broker_url}", None
+        return configured, f"Redis at {shown}", None
     try:
         server = RedisServer().start()
-        return server.url, f"no Redis at {settings.broker_url}: started a throwaway redis-server", server
+        return server.url, f"no Redis at {shown}: started a throwaway redis-server", server
     except ServerUnavailable:
         fallback = f"sqla+sqlite:///{DATA_DIR}/broker.db"
-        return fallback, (f"no Redis at {settings.broker_url} and no redis-server installed: using kombu's "
+        return fallback, (f"no Redis at {shown} and no redis-server installed: using kombu's "
                           "SQLAlchemy transport on SQLite (embedded, no priorities)"), None
 
 
@@ -68,17 +70,18 @@ def ensure_model(settings: Settings) -> str:
 def run_demo(max_new_tokens: int = 48) -> int:
     settings = Settings()
     model = ensure_model(settings)
-    upgrade(settings.database_url)
+    database_url = settings.database_url.get_secret_value()
+    upgrade(database_url)
     broker_url, broker_note, server = pick_broker(settings)
-    print(f"database: {settings.database_url}\nbroker:   {broker_note}\nmodel:    {model} "
+    print(f"database: {redact(database_url)}\nbroker:   {broker_note}\nmodel:    {model} "
           f"(backend: {settings.backend})")
     env = {
-        "CONVOQ_DATABASE_URL": settings.database_url,
+        "CONVOQ_DATABASE_URL": database_url,
         "CONVOQ_BROKER_URL": broker_url,
         "CONVOQ_MODEL": model,
         "CONVOQ_API_KEYS": os.environ.get("CONVOQ_API_KEYS") or DEMO_KEY,
     }
-    key = env["CONVOQ_API_KEYS"].split(",")[0].strip()
+    key = env["CONVOQ_API_KEYS"].split(",")[0].strip().split("@")[0].split(":")[0]  # KEY[:scopes][@tenant]
     lines = [json.loads(line) | {"max_new_tokens": max_new_tokens} for line in SAMPLES.read_text().splitlines()]
     try:
         with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-demo-"))) as stack:
@@ -102,7 +105,7 @@ def run_demo(max_new_tokens: int = 48) -> int:
                 batch = follow(client, str(batch.id), poll=0.2)
                 chats_done = [client.wait(i, timeout=300) for i in chats]
                 elapsed = time.monotonic() - start
-                jobs = batch_jobs(settings.database_url, batch.id)
+                jobs = batch_jobs(database_url, batch.id)
             print_results(jobs)
             print_overtaking(chats_done, jobs)
             print(f"\nchats end to end: idle service {latency_line(idle)}; during the batch "

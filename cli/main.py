@@ -80,7 +80,7 @@ def migrate(revision: str = "head", down: bool = False) -> None:
     """Bring the database schema to `revision` (alembic upgrade head), or down to it with --down."""
     from migrations.apply import downgrade, upgrade
 
-    url = get_settings().database_url
+    url = get_settings().database_url.get_secret_value()
     (downgrade if down else upgrade)(url, "base" if down and revision == "head" else revision)
     typer.echo(f"database at {revision if not down else 'downgraded'}")
 
@@ -94,7 +94,7 @@ def reconcile() -> None:
     from worker.reconciler import Sweeper
 
     settings = get_settings()
-    sweeper = Sweeper(make_sessions(make_db_engine(settings.database_url)), create_celery(settings), settings)
+    sweeper = Sweeper(make_sessions(make_db_engine(settings.database_url.get_secret_value())), create_celery(settings), settings)
     typer.echo(json.dumps(sweeper.sweep(force=True) or {"skipped": "another process holds the sweep's lock"}))
 
 
@@ -116,7 +116,7 @@ def prune(
     if span is None:
         why = "give a span like 12h, 30d, 2w" if older_than is not None else "CONVOQ_RETENTION_DAYS is 0 (keep forever)"
         raise typer.BadParameter(why, param_hint="--older-than")
-    report = run_prune(settings.database_url, span, dry_run, chunk)
+    report = run_prune(settings.database_url.get_secret_value(), span, dry_run, chunk)
     typer.echo(report.summary())
     typer.echo(json.dumps({**report.__dict__, "cutoff": report.cutoff.isoformat()}))
 
@@ -137,7 +137,7 @@ def report(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--since") from exc
     settings = get_settings()
-    typer.echo(str(write_report(settings.database_url, start, out, settings.interactive_priority)))
+    typer.echo(str(write_report(settings.database_url.get_secret_value(), start, out, settings.interactive_priority)))
 
 
 @app.command()
@@ -152,7 +152,7 @@ def tune(
     from cli.tune import recommend, sample_from_database, sample_from_file, sweep
 
     settings = get_settings()
-    sampled = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url, sample)
+    sampled = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url.get_secret_value(), sample)
     if not sampled:
         typer.echo("no jobs to replay: pass --jobs FILE or run some jobs first", err=True)
         raise typer.Exit(2)

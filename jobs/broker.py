@@ -67,7 +67,7 @@ def worker_node_name(pid: int) -> str:
 
 
 def create_celery(settings: Settings) -> Celery:
-    app = Celery("convoq", broker=settings.broker_url)
+    app = Celery("convoq", broker=settings.broker_url.get_secret_value())
     app.conf.update(
         # JSON only: a pickled message is code execution for whoever can write to the broker.
         task_serializer="json",

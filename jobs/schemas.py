@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -46,7 +47,9 @@ DEFAULT_COMPLETION_WINDOW = "24h"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a value of another JSON type is refused, not coerced (`false` is no seed, `0` no boolean), as the
+    # OpenAPI document's types say
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Message(Strict):
@@ -78,6 +81,8 @@ class Sampling(Strict):
 
 
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# the windows of at most 7 days, as a pattern the OpenAPI document carries (window_seconds checks the same)
+WINDOW_PATTERN = r"^([1-9][0-9]{0,4}s|[1-5][0-9]{5}s|60[0-3][0-9]{3}s|604[0-7][0-9]{2}s|604800s|[1-9][0-9]{0,3}m|100[0-7][0-9]m|10080m|[1-9][0-9]?h|1[0-5][0-9]h|16[0-8]h|[1-7]d)$"
 
 
 def window_seconds(window: str) -> int:
@@ -89,6 +94,15 @@ def window_seconds(window: str) -> int:
     if seconds > MAX_DEADLINE_S:
         raise ValueError(f"completion_window {window!r} is longer than {MAX_DEADLINE_S // 86400}d")
     return seconds
+
+
+def _valid_window(window: str) -> str:
+    window_seconds(window)
+    return window
+
+
+# a completion window: checked by `window_seconds` (its message names the problem), documented by the pattern
+Window = Annotated[str, AfterValidator(_valid_window), WithJsonSchema({"type": "string", "pattern": WINDOW_PATTERN})]
 
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
@@ -119,6 +133,30 @@ class JobIn(Strict):
         if self.kind == "chat" and self.messages[-1].role != "user":
             raise ValueError("a chat job's last message must have role 'user'")
         return self
+
+
+class ValidationIssue(BaseModel):
+    """One problem of a request that does not validate (FastAPI's shape; `input` is a short repr of the value)."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+    input: str | None = None
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorOut(BaseModel):
+    """Every error body: `detail` is a sentence, or for a 422 the list of problems; routes the `openai` SDK calls
+    also carry OpenAI's `error` object."""
+
+    detail: str | list[ValidationIssue]
+    error: OpenAIError | None = None
 
 
 class JobAccepted(BaseModel):
@@ -197,6 +235,7 @@ class RequestCounts(BaseModel):
     total: int  # lines in the upload
     completed: int
     failed: int  # bad lines + jobs that failed
+    invalid: int = Field(0, description="lines that could not become jobs (listed at GET /v1/batches/{id}/line_errors)")
     cancelled: int
     expired: int  # not finished within the completion window
     pending: int  # queued or running
@@ -210,11 +249,6 @@ class BatchLineError(BaseModel):
     param: str | None = None
     line: int | None = Field(description="1-based line number in the input")
     custom_id: str | None = None
-
-
-class BatchErrors(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[BatchLineError]
 
 
 class BatchOut(BaseModel):
@@ -234,7 +268,6 @@ class BatchOut(BaseModel):
     error_file_id: str | None = Field(None, description="once the batch settled with bad lines or failed, "
                                                         "cancelled or expired items: their error lines")
     request_counts: RequestCounts
-    errors: BatchErrors | None = Field(description="the lines that could not become jobs; null when none")
     metadata: dict
     completion_window: str
     created_at: int
@@ -274,8 +307,10 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     input_file_id: str = Field(max_length=64)
-    endpoint: str = Field(description=f"one of {', '.join(ENDPOINTS)}")
-    completion_window: str = Field(DEFAULT_COMPLETION_WINDOW, description="as OpenAI's '24h' (also '90m', '2d')")
+    # a 400 (OpenAI's answer) for any other endpoint; the enum tells clients so up front
+    endpoint: str = Field(description=f"one of {', '.join(ENDPOINTS)}", json_schema_extra={"enum": list(ENDPOINTS)})
+    completion_window: Window = Field(DEFAULT_COMPLETION_WINDOW,
+                                      description="as OpenAI's '24h' (also '90m', '2d'), at most 7 days")
     metadata: PriorityMetadata = Field(None, max_length=16)
 
     @property
@@ -288,8 +323,9 @@ class BatchUpload(BaseModel):
 
     priority: int | None = Field(None, ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")
     metadata: dict | None = Field(None, description="a JSON object kept with the batch")
-    completion_window: str = Field(DEFAULT_COMPLETION_WINDOW, description=(
-        "how long the batch may take, as OpenAI's '24h' (also '90m', '2d'); items unfinished by then end `expired`"))
+    completion_window: Window = Field(DEFAULT_COMPLETION_WINDOW, description=(
+        "how long the batch may take, as OpenAI's '24h' (also '90m', '2d'), at most 7 days; items unfinished by "
+        "then end `expired`"))
 
     @field_validator("metadata", mode="before")
     @classmethod

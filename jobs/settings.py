@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import re
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -15,36 +18,66 @@ DATA_DIR = Path(".convoq")
 
 SCOPES = frozenset({"submit", "read", "admin"})
 DEFAULT_SCOPES = frozenset({"submit", "read"})
+MIN_KEY_CHARS = 16  # shorter keys fall to guessing long before the failed-auth limit matters
+TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def parse_key(entry: str) -> tuple[str, frozenset[str]]:
-    """`KEY`, `KEY:scope+scope` or `sha256=HEX:scope+scope` -> (hash of the key, scopes).
+@dataclass(frozen=True)
+class ApiKey:
+    """What one `CONVOQ_API_KEYS` entry grants: scopes, and the tenant whose jobs, batches and files it sees."""
 
-    The hashed form keeps plaintext keys out of the environment; a bare key gets submit+read.
+    digest: str  # sha256 of the key
+    scopes: frozenset[str]
+    tenant: str
+
+
+def parse_key(entry: str) -> ApiKey:
+    """`KEY[:scope+scope][@tenant]`, or the same with `sha256=HEX` in place of KEY.
+
+    The hashed form keeps plaintext keys out of the environment; scopes default to submit+read; a key that
+    names no tenant is a tenant of its own (its hash). Keys may not contain `:`, `@` or `,`.
     """
-    secret, _, scopes_text = entry.partition(":")
+    head, at, tenant = entry.rpartition("@")
+    if not at:
+        head, tenant = entry, ""
+    secret, _, scopes_text = head.partition(":")
     scopes = frozenset(s for s in scopes_text.split("+") if s) or DEFAULT_SCOPES
     if unknown := scopes - SCOPES:
         raise ValueError(f"unknown API key scope(s) {sorted(unknown)}; use {sorted(SCOPES)}")
+    if at and not TENANT.fullmatch(tenant):
+        raise ValueError("a tenant is 1-64 letters, digits, '_', '.' or '-'")
     if secret.startswith("sha256="):
         digest = secret.removeprefix("sha256=").lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ValueError("a sha256= key needs 64 hex digits")
-        return digest, scopes
-    if len(secret) < 8:
-        raise ValueError("API keys must be at least 8 characters")
-    return hash_key(secret), scopes
+    elif len(secret) < MIN_KEY_CHARS:
+        raise ValueError(f"API keys must be at least {MIN_KEY_CHARS} characters")
+    else:
+        digest = hash_key(secret)
+    return ApiKey(digest, scopes, tenant or digest)
+
+
+def redact(url: str) -> str:
+    """`url` with its password (if any) as `***`: what may be printed or logged."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}:" if parts.username else ":"
+    return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVOQ_", env_file=".env", extra="ignore")
 
-    database_url: str = f"sqlite:///{DATA_DIR}/convoq.db"
-    broker_url: str = "redis://127.0.0.1:6379/0"
+    # Connection URLs may hold passwords: SecretStr, so they never show in a repr, a log or a traceback;
+    # `.get_secret_value()` where a connection is made, `redact()` where one is printed.
+    database_url: SecretStr = SecretStr(f"sqlite:///{DATA_DIR}/convoq.db")
+    broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     # An HF model folder or hub id; the default is the tiny random checkpoint `convoq tiny-model` writes.
     model: str = str(DATA_DIR / "models" / "tiny")
     # `engine` (ours), `hf` (transformers' generate, the reference), or `package.module:factory` for a
@@ -68,11 +101,16 @@ class Settings(BaseSettings):
     default_thinking: bool = False
     host_cache_memory: int = Field(2**30, ge=0)  # bytes of host memory for KV blocks evicted from the device
 
-    # Comma-separated `KEY[:scopes]` or `sha256=HEX[:scopes]` entries, scopes `+`-joined from submit, read,
-    # admin (default submit+read). Only hashes are kept once read; the raw value is a SecretStr.
+    # Comma-separated `KEY[:scopes][@tenant]` or `sha256=HEX[:scopes][@tenant]` entries, keys of at least 16
+    # characters, scopes `+`-joined from submit, read, admin (default submit+read; admin sees every tenant). A
+    # key without a tenant is a tenant of its own. Only hashes are kept once read; the raw value is a SecretStr.
     api_keys: Annotated[SecretStr, NoDecode] = SecretStr("")
     rate_limit_per_s: float = Field(200.0, gt=0)  # requests per second per key, per API process
     rate_limit_burst: int = Field(400, ge=1)
+    # Failed authentications (an unknown key) per client address, per API process: a token bucket of this
+    # burst refilled at this rate; an address past it gets 429 for every keyed request, its keys unchecked.
+    auth_failures_per_s: float = Field(0.2, gt=0)
+    auth_failures_burst: int = Field(10, ge=1)
     max_request_bytes: int = Field(8 * 2**20, ge=1024)  # one JSON request body
 
     # Jobs of at least this priority are interactive: a person waits on them. They go to the interactive queue
@@ -128,7 +166,9 @@ class Settings(BaseSettings):
     # fetch and for `convoq report`, while payloads of up to 8 MiB per job stop piling up. 0: keep forever.
     retention_days: float = Field(30.0, ge=0)
 
-    max_upload_bytes: int = Field(100 * 2**20, ge=1)  # one batch upload
+    # One batch upload (multipart or `POST /v1/files`): OpenAI's Batch API limits, 200 MB and 50,000 lines.
+    max_upload_bytes: int = Field(200 * 10**6, ge=1)
+    max_batch_lines: int = Field(50_000, ge=1)
     max_wait_seconds: float = Field(60.0, ge=0)
 
     flower_port: int = 5555
@@ -147,10 +187,10 @@ class Settings(BaseSettings):
         return value
 
     @cached_property
-    def api_key_scopes(self) -> dict[str, frozenset[str]]:
-        """Hash of each key -> its scopes."""
+    def known_keys(self) -> dict[str, ApiKey]:
+        """Hash of each key -> what it grants."""
         entries = [e.strip() for e in self.api_keys.get_secret_value().split(",") if e.strip()]
-        return dict(parse_key(e) for e in entries)
+        return {key.digest: key for key in map(parse_key, entries)}
 
 
 def get_settings() -> Settings:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
@@ -53,8 +55,10 @@ class Batch(Base):
     status: Mapped[str] = mapped_column(String(16), default="validating")
     priority: Mapped[int] = mapped_column(SmallInteger)
     input_name: Mapped[str | None] = mapped_column(String(255))
+    tenant: Mapped[str | None] = mapped_column(String(64))  # who may see it (None: admin keys only)
     total: Mapped[int] = mapped_column(Integer, default=0)  # lines in the upload
-    line_errors: Mapped[list] = mapped_column(JSON, default=list)  # [{"line", "custom_id", "message"}]
+    # lines that could not become jobs (each a `BatchLineError` row)
+    invalid_lines: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     metadata_: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
     # the `File` it was made from (OpenAI's JSON create); None for a multipart upload. No foreign key: deleting
     # the file later leaves the batch as it is, as OpenAI's do
@@ -71,7 +75,22 @@ class Batch(Base):
     failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
-    __table_args__ = (Index("ix_batches_created", "created_at", "id"),)  # `GET /v1/batches`, newest first
+    __table_args__ = (
+        Index("ix_batches_created", "created_at", "id"),  # `GET /v1/batches`, newest first
+        Index("ix_batches_tenant_created", "tenant", "created_at", "id"),
+    )
+
+
+class BatchLineError(Base):
+    """A line of a batch upload that could not become a job, with its reason."""
+
+    __tablename__ = "batch_line_errors"
+
+    batch_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("batches.id", ondelete="CASCADE", name="fk_batch_line_errors_batch_id"), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1-based line number in the upload
+    custom_id: Mapped[str | None] = mapped_column(String(255))
+    message: Mapped[str] = mapped_column(Text)
 
 
 class File(Base):
@@ -84,11 +103,12 @@ class File(Base):
     filename: Mapped[str] = mapped_column(String(255))
     size: Mapped[int] = mapped_column("bytes", BigInteger)
     owner: Mapped[str] = mapped_column(String(64))  # sha256 of the API key that uploaded it
+    tenant: Mapped[str | None] = mapped_column(String(64))  # who may see it (None: admin keys only)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # deferred: listings and metadata reads never load what may be many megabytes
     content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
 
-    __table_args__ = (Index("ix_files_owner_created", "owner", "created_at", "id"),)
+    __table_args__ = (Index("ix_files_tenant_created", "tenant", "created_at", "id"),)
 
 
 class Job(Base):
@@ -100,12 +120,15 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(SmallInteger)
     payload: Mapped[dict] = mapped_column(JSON)
     conversation_id: Mapped[str | None] = mapped_column(String(128), index=True)
-    idempotency_key: Mapped[str | None] = mapped_column(String(128), unique=True)
+    # unique per tenant; `request_hash` (sha256 of the request) tells a repeat from a reuse with another body
+    idempotency_key: Mapped[str | None] = mapped_column(String(128))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
     batch_id: Mapped[uuid.UUID | None] = mapped_column(
         Uuid, ForeignKey("batches.id", ondelete="CASCADE", name="fk_jobs_batch_id")
     )
     custom_id: Mapped[str | None] = mapped_column(String(255))
     owner: Mapped[str | None] = mapped_column(String(64))  # sha256 of the API key that submitted it
+    tenant: Mapped[str | None] = mapped_column(String(64))  # who may see it (None: admin keys only)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(255))
@@ -144,7 +167,14 @@ class Job(Base):
         # running jobs by worker: a dead worker's jobs, a stopping worker's hand-back, cancels to pass on
         Index("ix_jobs_running_worker", "worker", postgresql_where=text("status = 'running'")),
         Index("ix_jobs_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),  # retention
+        UniqueConstraint("tenant", "idempotency_key", name="uq_jobs_tenant_idempotency_key"),
+        Index("ix_jobs_tenant_created", "tenant", "created_at"),
     )
+
+
+def request_hash(job: JobIn) -> str:
+    """sha256 of the job as submitted, keys sorted: equal for a repeat of the same request."""
+    return hashlib.sha256(json.dumps(job.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
 def job_row(job: JobIn, now: datetime, deadline_at: datetime | None = None, **columns) -> dict:
@@ -155,7 +185,8 @@ def job_row(job: JobIn, now: datetime, deadline_at: datetime | None = None, **co
         own = now + timedelta(seconds=job.deadline_s)
         deadline_at = own if deadline_at is None else min(own, deadline_at)
     return dict(id=uuid.uuid4(), kind=job.kind, priority=job.priority, payload=job.model_dump(mode="json"),
-                conversation_id=job.conversation_id, idempotency_key=job.idempotency_key, created_at=now,
+                conversation_id=job.conversation_id, idempotency_key=job.idempotency_key,
+                request_hash=request_hash(job) if job.idempotency_key else None, created_at=now,
                 deadline_at=deadline_at, **columns)
 
 

@@ -9,7 +9,7 @@ from jobs.settings import get_settings
 from jobs.tables import Base
 
 config = context.config
-url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
+url = config.get_main_option("sqlalchemy.url") or get_settings().database_url.get_secret_value()
 
 
 def run_offline() -> None:

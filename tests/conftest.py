@@ -10,7 +10,7 @@ import pytest
 
 from cli.tiny_model import build_tiny_model
 
-API_KEY = "test-key"
+API_KEY = "test-key-0123456789"
 
 
 @pytest.fixture(scope="session")

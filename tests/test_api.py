@@ -13,7 +13,7 @@ from jobs.settings import Settings
 from tests.conftest import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-READ_KEY, ADMIN_KEY = "reader-key-1", "admin-key-1"
+READ_KEY, ADMIN_KEY = "reader-key-0123456789", "admin-key-0123456789"
 GOOD = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 7}
 
 
@@ -177,14 +177,17 @@ def test_oversized_body_is_413_before_anything_is_read(client, broker):
 
 def test_scopes_rate_limits_and_wrong_scope(database, broker, tiny_model):
     # a slow refill (one request per 5 s), so the bucket cannot refill while the test runs, however slow
-    settings = Settings(database_url=database, broker_url=broker, api_keys=f"{API_KEY},{READ_KEY}:read,{ADMIN_KEY}:admin",
+    settings = Settings(database_url=database, broker_url=broker,
+                        api_keys=f"{API_KEY}@shop,{READ_KEY}:read@shop,{ADMIN_KEY}:admin",
                         model=str(tiny_model), rate_limit_per_s=0.2, rate_limit_burst=10)
     read = {"Authorization": f"Bearer {READ_KEY}"}
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with TestClient(create_app(settings)) as client:
         r = client.post("/v1/jobs", json=GOOD, headers=read)
         assert r.status_code == 403 and "submit" in r.json()["detail"]
-        job_id = client.post("/v1/jobs", json=GOOD, headers=admin).json()["id"]  # admin may do everything
+        assert client.post("/v1/jobs", json=GOOD, headers=admin).status_code == 202  # admin may do everything
+        job_id = client.post("/v1/jobs", json=GOOD, headers=AUTH).json()["id"]  # the shop's, as is the reader
+        assert client.get(f"/v1/jobs/{job_id}", headers=admin).status_code == 200  # admin sees every tenant
         codes = [client.get(f"/v1/jobs/{job_id}", headers=read).status_code for _ in range(12)]
         # a refused scope takes no token: the burst of ten reads goes through, then the bucket is empty
         assert codes == [200] * 10 + [429] * 2

@@ -63,7 +63,8 @@ def test_two_hundred_lines_with_five_malformed(stack):
         assert batch.status == "completed", batch
         counts = batch.request_counts
         assert (counts.total, counts.completed, counts.failed, counts.pending) == (200, 195, 5, 0)
-        assert sorted(e.line for e in batch.errors.data) == [18, 43, 100, 151, 200]
+        assert [e.line for e in client.line_errors(batch.id)] == [18, 43, 100, 151, 200]
+        assert batch.request_counts.invalid == 5
         output = list(client.batch_lines(batch.id))
         errors = list(client.batch_lines(batch.id, errors=True))
     assert len(output) == 195 and len(errors) == 5

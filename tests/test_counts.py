@@ -14,10 +14,13 @@ from engine.interface import Completion, Timings
 from jobs.counts import counts
 from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobIn
+from jobs.settings import ApiKey
 from jobs.tables import Batch, Job, job_row, status_counts, utcnow
 from migrations.apply import upgrade
 from worker import results
 from worker.outcome import Outcome
+
+ADMIN = ApiKey(digest="0" * 64, scopes=frozenset({"admin"}), tenant="ops")
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -79,7 +82,7 @@ def test_counts_follow_every_transition(url):
     with sessions.begin() as session:  # the reconciler's expiry sweep
         assert len(results.end_unrun(session, Job.deadline_at <= utcnow())) == 1
     with sessions() as session:  # a producer's cancel of a queued job
-        assert cancel(session, sessions, None, ids[3]).status == "cancelled"
+        assert cancel(session, sessions, None, ids[3], ADMIN).status == "cancelled"
     with sessions.begin() as session:  # a write that leaves the status alone counts nothing
         session.execute(update(Job).where(Job.id == ids[4]).values(published_at=utcnow()))
     assert_counts_right(engine, sessions)

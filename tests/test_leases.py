@@ -265,7 +265,7 @@ def test_queued_jobs_are_sent_again_only_when_their_message_is_gone(db, settings
     with sessions() as session:
         publish(celery, session, list(session.scalars(sa.select(Job).where(Job.id.in_(
             [uuid.UUID(i) for i in (waiting, lost, restored, stale)])))), settings)
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis.Redis.from_url(settings.broker_url.get_secret_value())
     by_job = messages_by_job(client, settings)
     assert {str(i) for i in by_job} == {waiting, lost, restored, stale}
     # `lost`: Redis lost its message; `restored`: handed back, its message back in the queue; `stale`: fetched

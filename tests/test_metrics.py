@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 
 from api.app import create_app
 from api.metrics import ServiceCollector
@@ -60,8 +61,8 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
         engine = sa.create_engine(database)
         with engine.begin() as conn:
             conn.execute(sa.text("UPDATE jobs SET status = 'succeeded' WHERE priority = 1"))
-            conn.execute(sa.text("INSERT INTO batches (id, status, priority, total, line_errors, metadata, created_at)"
-                                 " VALUES (:id, 'in_progress', 1, 0, '[]', '{}', now())"), {"id": uuid.uuid4()})
+            conn.execute(sa.text("INSERT INTO batches (id, status, priority, total, metadata, created_at)"
+                                 " VALUES (:id, 'in_progress', 1, 0, '{}', now())"), {"id": uuid.uuid4()})
         engine.dispose()
         redis.Redis.from_url(broker).hset("unacked", "delivery-tag", "message")
 
@@ -81,8 +82,9 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
 
 
 def test_database_metrics_survive_an_unreachable_broker(settings):
-    down = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
-    names = {m.name for m in ServiceCollector(down, make_sessions(make_db_engine(down.database_url))).collect()}
+    down = settings.model_copy(update={"broker_url": SecretStr("redis://127.0.0.1:1/0")})
+    sessions = make_sessions(make_db_engine(down.database_url.get_secret_value()))
+    names = {m.name for m in ServiceCollector(down, sessions).collect()}
     assert names == {"convoq_jobs", "convoq_batches"}
 
 

@@ -296,6 +296,7 @@ def test_stored_reasoning_reaches_the_api_and_batch_output(database):
     from api.routes.batches import _completion
     from api.routes.jobs import load_job
     from jobs.db import make_db_engine, make_sessions
+    from jobs.settings import ApiKey
     from jobs.tables import Job, Result
     from tests.test_worker_results import new_job
     from worker import results
@@ -305,7 +306,7 @@ def test_stored_reasoning_reaches_the_api_and_batch_output(database):
     outcome = Outcome.answered(Completion(job_id, [1, 2, 3], "<think>\nweigh it\n</think>\n\nYes.", 5, "stop"), 1.0,
                                thinking=True)
     results.store(sessions, results.claim(sessions, job_id, "w", 3), outcome, "w")
-    out = load_job(sessions, job_id)
+    out = load_job(sessions, job_id, ApiKey("0" * 64, frozenset({"admin"}), "operators"))
     assert (out.result.reasoning, out.result.text, out.result.completion_tokens) == ("weigh it", "Yes.", 3)
     with sessions() as session:
         row = _completion(session.get(Job, out.id), session.get(Result, out.id), "Qwen/Qwen3-8B")

@@ -227,8 +227,8 @@ class BrokerView:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        redis_url = settings.broker_url.startswith(("redis://", "rediss://"))
-        self.client = redis.Redis.from_url(settings.broker_url) if redis_url else None
+        redis_url = settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
+        self.client = redis.Redis.from_url(settings.broker_url.get_secret_value()) if redis_url else None
         self.stale: dict[uuid.UUID, list[bytes]] = {}
         self.calls = 0  # Redis round trips, for the scale benchmark
 

@@ -78,14 +78,14 @@ class WorkerContext:
     @classmethod
     def start(cls, settings: Settings, celery: Celery) -> WorkerContext:
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
-        db = make_db_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
+        db = make_db_engine(settings.database_url.get_secret_value(), pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
         sessions = make_sessions(db)
         bridge = Bridge.for_settings(load_backend(settings), settings)
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         leases = Leases()
         reconciler = Reconciler(sessions, celery, settings, name, leases, bridge.stop).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
-        progress = ProgressPublisher(settings.broker_url, bridge.engine.tokenizer)
+        progress = ProgressPublisher(settings.broker_url.get_secret_value(), bridge.engine.tokenizer)
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
                                                            settings.dead_after_s), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, batch_prefix=name), "stores")

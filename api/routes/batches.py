@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
+import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Annotated, TypeVar
+from typing import IO, Annotated, TypeVar
 
 from fastapi import APIRouter, BackgroundTasks, Header, HTTPException, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
@@ -20,8 +22,8 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker, undefer
 from starlette.datastructures import UploadFile
 
-from api.batch_input import LineError, parse_batch
-from api.deps import AUTH_ERRORS, CeleryDep, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from api.batch_input import LineError, ParsedLine, parse_lines
+from api.deps import V1_ERRORS, Caller, CeleryDep, SessionDep, SessionsDep, SettingsDep, errors, sees, visible
 from api.openai_objects import chat_completion
 from api.paging import list_of, page
 from api.prompt_check import PromptCheck
@@ -33,7 +35,6 @@ from jobs.schemas import (
     DEFAULT_BATCH_PRIORITY,
     ENDPOINTS,
     BatchCreate,
-    BatchErrors,
     BatchLineError,
     BatchOut,
     BatchStatus,
@@ -44,11 +45,15 @@ from jobs.schemas import (
     ResultOut,
     window_seconds,
 )
-from jobs.settings import Settings
+from jobs.settings import ApiKey, Settings
 from jobs.tables import Batch, File, Job, Result, as_utc, job_row, utcnow
+from jobs.tables import BatchLineError as LineErrorRow
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/batches", tags=["batches"])
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=V1_ERRORS)
+
+NOT_FOUND = errors(e404="No such batch (or another tenant's)")
+INSERT_ROWS = 1000  # job and line-error rows per INSERT while a batch is ingested
 
 OPEN = (BatchStatus.validating.value, BatchStatus.in_progress.value)
 M = TypeVar("M", bound=BaseModel)
@@ -89,7 +94,8 @@ def batch_out(session: Session, batch: Batch, by_status: dict[str, int] | None =
     counts = RequestCounts(
         total=batch.total,
         completed=by_status.get(JobStatus.succeeded.value, 0),
-        failed=by_status.get(JobStatus.failed.value, 0) + len(batch.line_errors),
+        failed=by_status.get(JobStatus.failed.value, 0) + batch.invalid_lines,
+        invalid=batch.invalid_lines,
         cancelled=by_status.get(JobStatus.cancelled.value, 0),
         expired=by_status.get(JobStatus.expired.value, 0),
         pending=sum(by_status.get(s, 0) for s in PENDING),
@@ -103,7 +109,6 @@ def batch_out(session: Session, batch: Batch, by_status: dict[str, int] | None =
         output_file_id=batch_file_id(batch.id, errors=False) if settled and counts.completed else None,
         error_file_id=batch_file_id(batch.id, errors=True) if settled and has_errors else None,
         request_counts=counts, metadata=batch.metadata_,
-        errors=BatchErrors(data=[BatchLineError(**e) for e in batch.line_errors]) if batch.line_errors else None,
         completion_window=batch.completion_window, created_at=_unix(batch.created_at),
         expires_at=_unix(batch.expires_at), in_progress_at=_unix(batch.in_progress_at),
         finalizing_at=_unix(batch.finalizing_at), completed_at=_unix(batch.completed_at),
@@ -113,46 +118,82 @@ def batch_out(session: Session, batch: Batch, by_status: dict[str, int] | None =
 
 
 def ingest(sessions: sessionmaker[Session], celery, settings: Settings, check: PromptCheck, batch_id: uuid.UUID,
-           data: bytes, owner: str) -> None:
-    """Validate the upload line by line, create one job per good line, publish them (runs after the response)."""
-    with sessions() as session:
-        batch = session.get(Batch, batch_id)
-        try:
-            parsed, errors, total = parse_batch(data, batch.priority)
-            for p in list(parsed):
-                if problem := check.problem(p.job):
-                    parsed.remove(p)
-                    errors.append(LineError(p.line, p.custom_id, f"{problem[0]}: {problem[1]}"))
-            errors.sort(key=lambda e: e.line)
+           source: IO[bytes], caller: ApiKey) -> None:
+    """Validate the upload line by line, create one job per good line, publish them (runs after the response).
+    Lines are read, checked and inserted a thousand at a time, so memory holds one chunk, never the upload."""
+    try:
+        with sessions() as session:
+            batch = session.get(Batch, batch_id)
+            try:
+                total, invalid = _store_lines(session, batch, check, source, caller)
+            except Exception as exc:
+                session.rollback()
+                log.exception("batch %s could not be ingested", batch_id)
+                session.execute(insert(LineErrorRow.__table__), {"batch_id": batch_id, "line": 0, "custom_id": None,
+                                                                 "message": f"ingest failed: {type(exc).__name__}"})
+                session.execute(update(Batch).where(Batch.id == batch_id).values(
+                    status=BatchStatus.failed.value, failed_at=utcnow(), invalid_lines=1))
+                session.commit()
+                return
             now = utcnow()
-            rows = [job_row(p.job, now, deadline_at=batch.expires_at, batch_id=batch_id, custom_id=p.custom_id,
-                            owner=owner) for p in parsed]
-            batch.total, batch.line_errors = total, [e.as_dict() for e in errors]
-            if not rows:
-                batch.status, batch.failed_at = BatchStatus.failed.value, now
-            elif batch.status == BatchStatus.validating.value:
-                batch.status, batch.in_progress_at = BatchStatus.in_progress.value, now
-                session.execute(insert(Job.__table__), rows)  # one statement run for every row
-            else:  # cancelled while validating: record the lines, run nothing
-                batch.status, batch.cancelled_at = BatchStatus.cancelled.value, now
-                rows = []
+            moved = (dict(status=BatchStatus.failed.value, failed_at=now) if total == invalid
+                     else dict(status=BatchStatus.in_progress.value, in_progress_at=now))
+            # only from `validating`, in the transaction that holds the jobs: a cancel either came first (and
+            # nothing runs) or waits for this commit and then finds the jobs to cancel
+            opened = session.execute(update(Batch).where(Batch.id == batch_id,
+                                                         Batch.status == BatchStatus.validating.value)
+                                     .values(total=total, invalid_lines=invalid, **moved))
+            if opened.rowcount == 0:  # cancelled while validating: run nothing
+                session.rollback()
+                session.execute(update(Batch).where(Batch.id == batch_id).values(
+                    status=BatchStatus.cancelled.value, cancelled_at=now, total=total))
+                session.commit()
+                return
             session.commit()
-            jobs = [Job(**row) for row in rows]
-        except Exception as exc:
-            session.rollback()
-            log.exception("batch %s could not be ingested", batch_id)
-            session.execute(update(Batch).where(Batch.id == batch_id).values(
-                status=BatchStatus.failed.value, failed_at=utcnow(),
-                line_errors=[{"line": 0, "custom_id": None, "message": f"ingest failed: {type(exc).__name__}"}],
-            ))
-            session.commit()
-            return
-        publish(celery, session, jobs, settings)
+            # committed before any message exists; what a message needs is a few columns per job
+            jobs = session.execute(select(Job.id, Job.kind, Job.priority).where(Job.batch_id == batch_id)).all()
+            publish(celery, session, jobs, settings)
+    finally:
+        source.close()
 
 
-def _get_batch(session: Session, batch_id: uuid.UUID) -> Batch:
+def _store_lines(session: Session, batch: Batch, check: PromptCheck, source: IO[bytes],
+                 caller: ApiKey) -> tuple[int, int]:
+    """Insert a job per good line and a `BatchLineError` per bad one (uncommitted); (lines, bad lines)."""
+    jobs: list[dict] = []
+    bad: list[dict] = []
+    total = invalid = 0
+    now = utcnow()
+
+    def flush() -> None:
+        if jobs:
+            session.execute(insert(Job.__table__), jobs)  # one statement run for every row
+        if bad:
+            session.execute(insert(LineErrorRow.__table__), bad)
+        jobs.clear()
+        bad.clear()
+
+    for item in parse_lines(source, batch.priority):
+        total += 1
+        if isinstance(item, ParsedLine) and (problem := check.problem(item.job)):
+            item = LineError(item.line, item.custom_id, f"{problem[0]}: {problem[1]}")
+        if isinstance(item, ParsedLine):
+            jobs.append(job_row(item.job, now, deadline_at=batch.expires_at, batch_id=batch.id,
+                                custom_id=item.custom_id, owner=caller.digest, tenant=batch.tenant))
+        else:
+            invalid += 1
+            bad.append({"batch_id": batch.id, "line": item.line, "custom_id": item.custom_id,
+                        "message": item.message})
+        if len(jobs) + len(bad) >= INSERT_ROWS:
+            flush()
+    flush()
+    return total, invalid
+
+
+def _get_batch(session: Session, batch_id: uuid.UUID, caller: ApiKey) -> Batch:
+    """The batch, or 404 when there is none or it is another tenant's (its existence is not revealed)."""
     batch = session.get(Batch, batch_id)
-    if batch is None:
+    if batch is None or not sees(caller, batch.tenant):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no batch {batch_id}")
     return batch
 
@@ -161,7 +202,8 @@ def _get_batch(session: Session, batch_id: uuid.UUID) -> Batch:
 class BatchInput:
     """A new batch's lines and options, from either body of `POST /v1/batches`."""
 
-    data: bytes
+    source: IO[bytes]  # the lines, at the start of a temporary file (or of the stored file's bytes)
+    lines: int  # non-blank lines
     name: str | None
     input_file_id: str | None
     priority: int | None
@@ -177,23 +219,42 @@ def _validated(model: type[M], data: bytes | dict) -> M:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
 
 
+def _spool(lines: Iterable[bytes], settings: Settings) -> tuple[IO[bytes], int]:
+    """`lines` copied into a temporary file, one line at a time, and their non-blank count; 413 past the
+    upload limits. The caller owns (and closes) the file."""
+    out = tempfile.TemporaryFile()  # noqa: SIM115 (handed to the ingest, which closes it)
+    size = count = 0
+    try:
+        for line in lines:
+            size += len(line)
+            count += bool(line.strip())
+            if size > settings.max_upload_bytes or count > settings.max_batch_lines:
+                raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
+                                    f"a batch takes at most {settings.max_batch_lines} lines and "
+                                    f"{settings.max_upload_bytes} bytes; split it into several batches")
+            out.write(line)
+    except BaseException:
+        out.close()
+        raise
+    out.seek(0)
+    return out, count
+
+
 async def _from_upload(request: Request, settings: Settings) -> BatchInput:
-    async with request.form(max_files=1) as form:
+    # the multipart parser itself spools the file to disk past 1 MiB; it is copied (on disk) once more, since
+    # the form's files are gone when this returns and the lines are read after the answer
+    async with request.form(max_files=1, max_fields=16) as form:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             raise RequestValidationError([{"loc": ("body", "file"), "msg": "a JSONL file is required",
                                            "type": "missing"}])
-        # an empty form field counts as left out, as FastAPI's own form parameters do
-        fields = _validated(BatchUpload, {k: v for k, v in form.items() if k != "file" and v != ""})
-        data = await upload.read(settings.max_upload_bytes + 1)
-    if len(data) > settings.max_upload_bytes:
-        raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
-                            f"the upload exceeds {settings.max_upload_bytes} bytes; split it into several batches")
-    return BatchInput(data=data, name=upload.filename, input_file_id=None, priority=fields.priority,
+        fields = _validated(BatchUpload, {k: v for k, v in form.items() if k != "file"})
+        source, lines = await run_in_threadpool(_spool, upload.file, settings)
+    return BatchInput(source=source, lines=lines, name=upload.filename, input_file_id=None, priority=fields.priority,
                       metadata=fields.metadata or {}, completion_window=fields.completion_window)
 
 
-def _from_file(session: Session, spec: BatchCreate, key: str) -> BatchInput:
+def _from_file(session: Session, spec: BatchCreate, caller: ApiKey, settings: Settings) -> BatchInput:
     if spec.endpoint not in ENDPOINTS:
         raise HTTPException(status.HTTP_400_BAD_REQUEST,
                             f"endpoint {spec.endpoint!r} is not served here; a batch may call {', '.join(ENDPOINTS)}")
@@ -201,13 +262,17 @@ def _from_file(session: Session, spec: BatchCreate, key: str) -> BatchInput:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"file {spec.input_file_id} is a batch's results (purpose "
                                                          "batch_output); upload the requests with purpose=batch")
     file = session.get(File, spec.input_file_id, options=[undefer(File.content)])
-    if file is None or file.owner != key:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no file {spec.input_file_id} uploaded with this API key")
+    if file is None or not sees(caller, file.tenant):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no file {spec.input_file_id}")
     if file.purpose != "batch":
         raise HTTPException(status.HTTP_400_BAD_REQUEST,
                             f"file {file.id} has purpose {file.purpose!r}; a batch's input needs purpose 'batch'")
-    return BatchInput(data=file.content, name=file.filename, input_file_id=file.id, priority=spec.priority,
-                      metadata=spec.metadata or {}, completion_window=spec.completion_window)
+    lines = sum(1 for line in io.BytesIO(file.content) if line.strip())
+    if lines > settings.max_batch_lines:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"file {file.id} has {lines} lines; a batch takes at most "
+                                                         f"{settings.max_batch_lines}: split it into several files")
+    return BatchInput(source=io.BytesIO(file.content), lines=lines, name=file.filename, input_file_id=file.id,
+                      priority=spec.priority, metadata=spec.metadata or {}, completion_window=spec.completion_window)
 
 
 def _request_bodies() -> dict:
@@ -224,13 +289,12 @@ def _request_bodies() -> dict:
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=BatchOut, openapi_extra=_request_bodies(),
-             responses={**AUTH_ERRORS,
-                        400: {"description": "An endpoint other than /v1/chat/completions, or a file that is not "
-                                             "a batch input"},
-                        404: {"description": "No file input_file_id uploaded with this API key"},
-                        413: {"description": "The upload is larger than CONVOQ_MAX_UPLOAD_BYTES"},
-                        415: {"description": "Neither application/json nor multipart/form-data"},
-                        429: {"description": "Rate limited, or its lines would pass the bound on unfinished jobs"}})
+             responses=errors(
+                 e400="An input file that is not a batch input, or has more than CONVOQ_MAX_BATCH_LINES lines",
+                 e404="No file input_file_id (or another tenant's)",
+                 e413="The upload is larger than CONVOQ_MAX_UPLOAD_BYTES or has more than CONVOQ_MAX_BATCH_LINES lines",
+                 e415="Neither application/json nor multipart/form-data",
+                 e429="Rate limited, or its lines would pass the bound on unfinished jobs (see Retry-After)"))
 async def create_batch(
     request: Request,
     background: BackgroundTasks,
@@ -238,58 +302,62 @@ async def create_batch(
     sessions: SessionsDep,
     celery: CeleryDep,
     settings: SettingsDep,
-    key: SubmitKey,
-    x_convoq_priority: Annotated[int | None, Header(
+    caller: Caller,
+    # typed `int` so the document says integer (a header is never JSON null); absent, it is None
+    x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
         ge=0, le=9, description="0..9, 9 most urgent; before the body's `priority` (multipart) or "
                                 "`metadata.priority` (JSON); bulk work defaults low")] = None,
 ) -> BatchOut:
     """Create a batch from OpenAI's JSON body (`input_file_id`: a file uploaded with purpose `batch`, as the
     `openai` SDK sends it) or from a multipart/form-data upload of the JSONL itself (`file`, as our client and
-    CLI send it). The lines are checked and run after the answer; bad lines end up in `errors`."""
+    CLI send it). The lines are checked and run after the answer; bad lines are listed at
+    `GET /v1/batches/{id}/line_errors`."""
     media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media == "multipart/form-data":
         given = await _from_upload(request, settings)
     elif media == "application/json":
         spec = _validated(BatchCreate, await request.body())
-        given = await run_in_threadpool(_from_file, session, spec, key)  # the content may be many megabytes
+        given = await run_in_threadpool(_from_file, session, spec, caller, settings)  # may be many megabytes
     else:
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
                             "send application/json with input_file_id (OpenAI's way) or multipart/form-data with "
                             "the JSONL as `file`")
     try:
+        request.app.state.admission.admit(session, caller.digest, given.lines)
         window = timedelta(seconds=window_seconds(given.completion_window))
-    except ValueError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
-    request.app.state.admission.admit(session, key, sum(1 for line in given.data.splitlines() if line.strip()))
-    now = utcnow()
-    # the header first, as on /v1/chat/completions: it lets a caller set priority without touching the body
-    priority = next(p for p in (x_convoq_priority, given.priority, DEFAULT_BATCH_PRIORITY) if p is not None)
-    batch = Batch(priority=priority, input_name=given.name, input_file_id=given.input_file_id,
-                  status=BatchStatus.validating.value, total=0, line_errors=[], metadata_=given.metadata,
-                  completion_window=given.completion_window, created_at=now, expires_at=now + window)
-    session.add(batch)
-    session.commit()
-    background.add_task(ingest, sessions, celery, settings, request.app.state.prompt_check, batch.id, given.data, key)
+        now = utcnow()
+        # the header first, as on /v1/chat/completions: it lets a caller set priority without touching the body
+        priority = next(p for p in (x_convoq_priority, given.priority, DEFAULT_BATCH_PRIORITY) if p is not None)
+        batch = Batch(priority=priority, input_name=given.name, input_file_id=given.input_file_id,
+                      tenant=caller.tenant, status=BatchStatus.validating.value, total=0, invalid_lines=0,
+                      metadata_=given.metadata, completion_window=given.completion_window, created_at=now,
+                      expires_at=now + window)
+        session.add(batch)
+        session.commit()
+    except BaseException:
+        given.source.close()
+        raise
+    background.add_task(ingest, sessions, celery, settings, request.app.state.prompt_check, batch.id, given.source,
+                        caller)
     return batch_out(session, batch)
 
 
-@router.get("", response_model=ListOf[BatchOut], responses={**AUTH_ERRORS, 400: {"description": "`after` names "
-                                                                                               "no batch"}})
+@router.get("", response_model=ListOf[BatchOut], responses=errors(e404="`after` names no batch of this tenant"))
 def list_batches(
     session: SessionDep,
-    _: ReadKey,
+    caller: Caller,
     after: Annotated[uuid.UUID | None, Query(description="the last id of the page before")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> ListOf[BatchOut]:
     """Batches, newest first, in OpenAI's list object."""
-    batches, more = page(session, select(Batch), Batch, after, limit)
+    batches, more = page(session, visible(select(Batch), Batch, caller), Batch, after, limit)
     counts = _job_counts(session, [b.id for b in batches])
     return list_of([batch_out(session, b, counts[b.id]) for b in batches], more)
 
 
-@router.get("/{batch_id}", response_model=BatchOut)
-def get_batch(batch_id: uuid.UUID, session: SessionDep, _: ReadKey) -> BatchOut:
-    batch = _get_batch(session, batch_id)
+@router.get("/{batch_id}", response_model=BatchOut, responses=NOT_FOUND)
+def get_batch(batch_id: uuid.UUID, session: SessionDep, caller: Caller) -> BatchOut:
+    batch = _get_batch(session, batch_id, caller)
     if batch.status in (BatchStatus.in_progress.value, BatchStatus.cancelling.value):
         settle_batch(session, batch_id)  # a safety net: workers settle batches too
         session.commit()
@@ -298,12 +366,11 @@ def get_batch(batch_id: uuid.UUID, session: SessionDep, _: ReadKey) -> BatchOut:
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchOut,
-             responses={**AUTH_ERRORS, 404: {"description": "No such batch"},
-                        409: {"description": "The batch is no longer open (the detail names its status)"}})
-def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, _: SubmitKey) -> BatchOut:
+             responses={**NOT_FOUND, **errors(e409="The batch is no longer open (the detail names its status)")})
+def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, caller: Caller) -> BatchOut:
     """Queued items are cancelled and never run; running ones are stopped by their workers and end `cancelled`
     with the text they had. Finished items stay downloadable."""
-    batch = _get_batch(session, batch_id)
+    batch = _get_batch(session, batch_id, caller)
     if batch.status not in OPEN:
         raise HTTPException(status.HTTP_409_CONFLICT, f"batch is {batch.status}; only open batches can be cancelled")
     now = utcnow()
@@ -327,11 +394,12 @@ def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, _:
     return batch_out(session, batch)
 
 
-@router.post("/{batch_id}/retry", response_model=BatchOut)
+@router.post("/{batch_id}/retry", response_model=BatchOut,
+             responses={**NOT_FOUND, **errors(e409="The batch is validating or cancelling; retry once it settles")})
 def retry_failed(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, settings: SettingsDep,
-                 _: SubmitKey) -> BatchOut:
+                 caller: Caller) -> BatchOut:
     """Run the batch's failed jobs again (lines that failed validation cannot run: fix and upload those)."""
-    batch = _get_batch(session, batch_id)
+    batch = _get_batch(session, batch_id, caller)
     if batch.status in (BatchStatus.validating.value, BatchStatus.cancelling.value):
         raise HTTPException(status.HTTP_409_CONFLICT, f"batch is {batch.status}; retry once it settles")
     jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.failed.value)))
@@ -352,13 +420,14 @@ def _completion(job: Job, result: Result, model: str) -> dict:
 
 
 def batch_lines(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool, model: str) -> Iterator[bytes]:
-    """The batch's output lines (succeeded items) or error lines (bad lines; failed, cancelled, expired items)."""
+    """The batch's output lines (succeeded items) or error lines (bad lines; failed, cancelled, expired items).
+    The caller has checked that the batch is there for whoever asked."""
     with sessions() as session:
-        batch = _get_batch(session, batch_id)
         if errors:
-            for e in batch.line_errors:
-                yield _line(f"batch_req_line{e['line']}", e["custom_id"], None,
-                            {"code": "invalid_line", "message": f"line {e['line']}: {e['message']}"})
+            for e in session.scalars(select(LineErrorRow).where(LineErrorRow.batch_id == batch_id)
+                                     .order_by(LineErrorRow.line).execution_options(yield_per=INSERT_ROWS)):
+                yield _line(f"batch_req_line{e.line}", e.custom_id, None,
+                            {"code": "invalid_line", "message": f"line {e.line}: {e.message}"})
             wanted = (JobStatus.failed.value, JobStatus.cancelled.value, JobStatus.expired.value)
         else:
             wanted = (JobStatus.succeeded.value,)
@@ -380,23 +449,44 @@ def _line(line_id: str, custom_id: str | None, response: dict | None, error: dic
     return (json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error}) + "\n").encode()
 
 
-def batch_file(session: Session, sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool,
-               model: str) -> StreamingResponse:
-    """The batch's output or error lines as a download (404 for an unknown batch)."""
-    _get_batch(session, batch_id)
+JSONL = {200: {"description": "JSON Lines, one OpenAI Batch output line each", "content": {"application/jsonl": {}}}}
+
+
+def batch_file(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool, model: str) -> StreamingResponse:
+    """The batch's output or error lines as a download (the caller checked the batch is visible)."""
     return StreamingResponse(batch_lines(sessions, batch_id, errors, model), media_type="application/jsonl")
 
 
-@router.get("/{batch_id}/output")
+@router.get("/{batch_id}/output", response_class=StreamingResponse, responses={**JSONL, **NOT_FOUND})
 def batch_output(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, settings: SettingsDep,
-                 _: ReadKey) -> StreamingResponse:
+                 caller: Caller) -> StreamingResponse:
     """Succeeded items as OpenAI Batch output lines (available while the batch still runs)."""
-    return batch_file(session, sessions, batch_id, False, settings.model)
+    _get_batch(session, batch_id, caller)
+    return batch_file(sessions, batch_id, False, settings.model)
 
 
-@router.get("/{batch_id}/errors")
+@router.get("/{batch_id}/errors", response_class=StreamingResponse, responses={**JSONL, **NOT_FOUND})
 def batch_errors(batch_id: uuid.UUID, session: SessionDep, sessions: SessionsDep, settings: SettingsDep,
-                 _: ReadKey) -> StreamingResponse:
+                 caller: Caller) -> StreamingResponse:
     """Bad lines, failed, cancelled and expired items, as OpenAI Batch error lines (`error.code`: `invalid_line`,
     `job_failed`, `cancelled`, `expired`)."""
-    return batch_file(session, sessions, batch_id, True, settings.model)
+    _get_batch(session, batch_id, caller)
+    return batch_file(sessions, batch_id, True, settings.model)
+
+
+@router.get("/{batch_id}/line_errors", response_model=ListOf[BatchLineError], responses=NOT_FOUND)
+def line_errors(
+    batch_id: uuid.UUID,
+    session: SessionDep,
+    caller: Caller,
+    after: Annotated[int, Query(ge=0, le=2**31 - 1, description="the last line number of the page before")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> ListOf[BatchLineError]:
+    """The lines that could not become jobs, by line number, a page at a time (`request_counts.invalid` counts
+    them)."""
+    _get_batch(session, batch_id, caller)
+    rows = list(session.scalars(select(LineErrorRow).where(LineErrorRow.batch_id == batch_id, LineErrorRow.line > after)
+                                .order_by(LineErrorRow.line).limit(limit + 1)))
+    found = [BatchLineError(line=r.line, custom_id=r.custom_id, message=r.message) for r in rows[:limit]]
+    return ListOf(data=found, first_id=str(found[0].line) if found else None,
+                  last_id=str(found[-1].line) if found else None, has_more=len(rows) > limit)

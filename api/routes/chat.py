@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from api.batch_input import OpenAIBody, openai_job
-from api.deps import AUTH_ERRORS, CeleryDep, SessionsDep, SettingsDep, SubmitKey
+from api.deps import V1_ERRORS, Caller, CeleryDep, SessionsDep, SettingsDep, errors
 from api.errors import openai_error
 from api.events import follow
 from api.openai_objects import chat_completion, chunk, usage
@@ -30,7 +30,7 @@ from api.routes.jobs import cancel, enqueue, load_job
 from jobs.chat import split_reasoning, thinking_of
 from jobs.schemas import JobOut, JobStatus, PriorityMetadata, metadata_priority
 
-router = APIRouter(prefix="/v1/chat", tags=["openai"])
+router = APIRouter(prefix="/v1/chat", tags=["openai"], responses=V1_ERRORS)
 
 
 class ChatCompletionRequest(OpenAIBody):
@@ -81,18 +81,20 @@ class Deltas:
         return delta
 
 
-@router.post("/completions", responses={**AUTH_ERRORS, 400: {"description": "A field we cannot honour"},
-                                        404: {"description": "The model is not served here"},
-                                        409: {"description": "The job was cancelled or expired"},
-                                        500: {"description": "The job failed"}})
+@router.post("/completions", responses={
+    200: {"description": "A `chat.completion`, or with `stream` its `chat.completion.chunk`s as Server-Sent Events",
+          "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}},
+    **errors(e400="A field we cannot honour", e404="The model is not served here",
+             e409="The job was cancelled or expired", e500="The job failed")})
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     sessions: SessionsDep,
     celery: CeleryDep,
     settings: SettingsDep,
-    key: SubmitKey,
-    x_convoq_priority: Annotated[int | None, Header(
+    caller: Caller,
+    # typed `int` so the document says integer (a header is never JSON null); absent, it is None
+    x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
         ge=0, le=9, description="0..9, 9 most urgent; before `metadata.priority`; interactive by default")] = None,
 ):
     """OpenAI's chat completions (`n` = 1). Sampling fields as in a batch line; unset ones take the model's
@@ -110,15 +112,15 @@ async def chat_completions(
 
     def submit():
         with sessions() as session:
-            return enqueue(request, session, celery, settings, key, job_in)
+            return enqueue(request, session, celery, settings, caller, job_in)
 
     job_id = (await run_in_threadpool(submit)).id
     completion_id = f"chatcmpl-{job_id.hex}"
-    events = follow(request.app.state.redis, lambda i: load_job(sessions, i), job_id)
+    events = follow(request.app.state.redis, lambda i: load_job(sessions, i, caller), job_id)
 
     def give_up() -> None:
         with sessions() as session:
-            cancel(session, sessions, celery, job_id)
+            cancel(session, sessions, celery, job_id, caller)
 
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))

@@ -12,17 +12,18 @@ from fastapi.responses import Response
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.deps import AUTH_ERRORS, ReadKey, SessionDep, SessionsDep, SettingsDep, SubmitKey
+from api.deps import V1_ERRORS, Caller, SessionDep, SessionsDep, SettingsDep, errors, sees, visible
 from api.paging import list_of, page
-from api.routes.batches import batch_file, batch_lines, parse_batch_file_id
+from api.routes.batches import JSONL, batch_file, batch_lines, parse_batch_file_id
 from jobs.schemas import FileDeleted, FileOut, ListOf
+from jobs.settings import ApiKey
 from jobs.tables import Batch, as_utc, utcnow
 from jobs.tables import File as FileRow
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=V1_ERRORS)
 
 PURPOSES = ("batch",)  # what an upload may be for; a batch's results have purpose `batch_output`
-NOT_FOUND = {**AUTH_ERRORS, 404: {"description": "No such file"}}
+NOT_FOUND = errors(e404="No such file (or another tenant's)")
 
 
 def _unix(row: FileRow | Batch) -> int:
@@ -33,16 +34,21 @@ def file_out(row: FileRow) -> FileOut:
     return FileOut(id=row.id, bytes=row.size, created_at=_unix(row), filename=row.filename, purpose=row.purpose)
 
 
-def _batch_file_out(session: Session, sessions: sessionmaker[Session], file_id: str, batch_id: uuid.UUID,
-                    errors: bool, model: str) -> FileOut | None:
-    """The File object of a batch's output or error file; None if there is no such batch. Its size is counted
-    by reading its lines: these files exist only as they are read."""
+def _visible_batch(session: Session, batch_id: uuid.UUID, caller: ApiKey) -> Batch | None:
     batch = session.get(Batch, batch_id)
+    return batch if batch is not None and sees(caller, batch.tenant) else None
+
+
+def _batch_file_out(session: Session, sessions: sessionmaker[Session], file_id: str, batch_id: uuid.UUID,
+                    of_errors: bool, model: str, caller: ApiKey) -> FileOut | None:
+    """The File object of a batch's output or error file; None if there is no such batch (for this caller).
+    Its size is counted by reading its lines: these files exist only as they are read."""
+    batch = _visible_batch(session, batch_id, caller)
     if batch is None:
         return None
-    size = sum(len(line) for line in batch_lines(sessions, batch_id, errors, model))
+    size = sum(len(line) for line in batch_lines(sessions, batch_id, of_errors, model))
     return FileOut(id=file_id, bytes=size, created_at=_unix(batch), purpose="batch_output",
-                   filename=f"batch_{batch_id.hex}_{'error' if errors else 'output'}.jsonl")
+                   filename=f"batch_{batch_id.hex}_{'error' if of_errors else 'output'}.jsonl")
 
 
 def _missing(file_id: str) -> HTTPException:
@@ -50,14 +56,16 @@ def _missing(file_id: str) -> HTTPException:
 
 
 @router.post("", response_model=FileOut,
-             responses={**AUTH_ERRORS, 400: {"description": "A purpose other than `batch`"},
-                        413: {"description": "The file is larger than CONVOQ_MAX_UPLOAD_BYTES"}})
+             responses=errors(e400="A purpose other than `batch`",
+                              e413="The file is larger than CONVOQ_MAX_UPLOAD_BYTES"))
 def upload_file(
     file: Annotated[UploadFile, File(description="JSONL: OpenAI Batch lines or convoq lines")],
-    purpose: Annotated[str, Form(description="`batch`, the only purpose kept here")],
+    # any other purpose is OpenAI's 400 (the SDK's BadRequestError); the enum says so up front
+    purpose: Annotated[str, Form(description="`batch`, the only purpose kept here",
+                                 json_schema_extra={"enum": list(PURPOSES)})],
     session: SessionDep,
     settings: SettingsDep,
-    key: SubmitKey,
+    caller: Caller,
 ) -> FileOut:
     """Upload a batch input file; `POST /v1/batches` with its id runs it."""
     if purpose not in PURPOSES:
@@ -65,27 +73,26 @@ def upload_file(
                                                          "files for batches only (purpose=batch)")
     data = file.file.read(settings.max_upload_bytes + 1)
     if len(data) > settings.max_upload_bytes:
-        raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
                             f"the file exceeds {settings.max_upload_bytes} bytes; split it into several files")
     row = FileRow(id=f"file-{uuid.uuid4().hex}", purpose=purpose, filename=file.filename or "upload.jsonl",
-                  size=len(data), owner=key, created_at=utcnow(), content=data)
+                  size=len(data), owner=caller.digest, tenant=caller.tenant, created_at=utcnow(), content=data)
     session.add(row)
     session.commit()
     return file_out(row)
 
 
-@router.get("", response_model=ListOf[FileOut], responses={**AUTH_ERRORS, 400: {"description": "`after` names "
-                                                                                              "no file"}})
+@router.get("", response_model=ListOf[FileOut], responses=errors(e404="`after` names no file of this tenant"))
 def list_files(
     session: SessionDep,
-    key: ReadKey,
+    caller: Caller,
     purpose: str | None = None,
     after: Annotated[str | None, Query(description="the last id of the page before")] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Literal["asc", "desc"] = "desc",
 ) -> ListOf[FileOut]:
-    """The files this API key uploaded, in OpenAI's list object (by creation time, newest first by default)."""
-    rows = select(FileRow).where(FileRow.owner == key)
+    """The files of this tenant, in OpenAI's list object (by creation time, newest first by default)."""
+    rows = visible(select(FileRow), FileRow, caller)
     if purpose is not None:
         rows = rows.where(FileRow.purpose == purpose)
     found, more = page(session, rows, FileRow, after, limit, newest_first=order == "desc")
@@ -93,44 +100,46 @@ def list_files(
 
 
 @router.get("/{file_id}", response_model=FileOut, responses=NOT_FOUND)
-def get_file(file_id: str, session: SessionDep, sessions: SessionsDep, settings: SettingsDep, _: ReadKey) -> FileOut:
+def get_file(file_id: str, session: SessionDep, sessions: SessionsDep, settings: SettingsDep,
+             caller: Caller) -> FileOut:
     if (batch := parse_batch_file_id(file_id)) is not None:
-        out = _batch_file_out(session, sessions, file_id, *batch, settings.model)
+        out = _batch_file_out(session, sessions, file_id, *batch, settings.model, caller)
     else:
         row = session.get(FileRow, file_id)
-        out = None if row is None else file_out(row)
+        out = None if row is None or not sees(caller, row.tenant) else file_out(row)
     if out is None:
         raise _missing(file_id)
     return out
 
 
 @router.get("/{file_id}/content", response_class=Response,
-            responses={**NOT_FOUND, 200: {"description": "The file's bytes", "content": {
-                "application/octet-stream": {}, "application/jsonl": {}}}})
+            responses={**NOT_FOUND, 200: {"description": "The file's bytes: an upload as it came, a batch's output "
+                                                         "or error file as JSON Lines", "content": {
+                "application/octet-stream": {}, **JSONL[200]["content"]}}})
 def file_content(file_id: str, session: SessionDep, sessions: SessionsDep, settings: SettingsDep,
-                 _: ReadKey) -> Response:
+                 caller: Caller) -> Response:
     if (batch := parse_batch_file_id(file_id)) is not None:
-        if session.get(Batch, batch[0]) is None:
+        if _visible_batch(session, batch[0], caller) is None:
             raise _missing(file_id)
-        return batch_file(session, sessions, *batch, settings.model)
-    content = session.scalar(select(FileRow.content).where(FileRow.id == file_id))
+        return batch_file(sessions, *batch, settings.model)
+    content = session.scalar(visible(select(FileRow.content), FileRow, caller).where(FileRow.id == file_id))
     if content is None:
         raise _missing(file_id)
     return Response(content, media_type="application/octet-stream")
 
 
 @router.delete("/{file_id}", response_model=FileDeleted,
-               responses={**NOT_FOUND, 400: {"description": "A batch's output or error file (they are read from "
-                                                            "the batch, not stored)"}})
-def delete_file(file_id: str, session: SessionDep, key: SubmitKey) -> FileDeleted:
-    """Delete an upload of this API key. Batches made from it keep running."""
+               responses={**NOT_FOUND, **errors(e400="A batch's output or error file (they are read from the "
+                                                     "batch, not stored)")})
+def delete_file(file_id: str, session: SessionDep, caller: Caller) -> FileDeleted:
+    """Delete an upload of this tenant. Batches made from it keep running."""
     if parse_batch_file_id(file_id) is not None:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"file {file_id} is a batch's results, read from the "
                                                          "batch on each download: there is nothing to delete")
-    deleted = session.scalar(delete(FileRow).where(FileRow.id == file_id, FileRow.owner == key)
+    deleted = session.scalar(visible(delete(FileRow), FileRow, caller).where(FileRow.id == file_id)
                              .returning(FileRow.id))
     session.commit()
     if deleted is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no file {file_id} uploaded with this API key")
+        raise _missing(file_id)
     return FileDeleted(id=file_id)
 
