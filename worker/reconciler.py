@@ -140,9 +140,10 @@ def attribute(expired: list[Row], blamed_workers: set[str], max_crashes: int) ->
 
 
 def crash_error(verdict: str, crashes: int) -> str:
+    """The error of a job failed for crashes; `crashes` counts this one."""
     if verdict == "condemned":
-        return (f"its worker died while it ran alone (after {crashes} earlier crashes with it running): "
-                "it is taken to be the cause")
+        return (f"its worker died while it ran alone ({crashes} worker deaths with it running): it is taken to be "
+                "the cause")
     return f"workers died {crashes} times while it ran (CONVOQ_MAX_CRASHES)"
 
 

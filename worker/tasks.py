@@ -163,38 +163,39 @@ def worker_app(settings: Settings) -> Celery:
 
 def run_claimed(ctx: WorkerContext, claimed: results.Claimed) -> None:
     """Run a job this worker holds the lease of, and store its outcome. A suspect (in `suspect_after_crashes`
-    crashes) runs with the engine to itself, and says so in its row first."""
+    crashes) runs with the engine to itself, and says so in its row first; it keeps the engine to itself until
+    its outcome is written, so that a crash after it cannot be blamed on it."""
     job_id = str(claimed.job_id)
     suspect = claimed.crashes >= ctx.settings.suspect_after_crashes
     ctx.progress.status(job_id, JobStatus.running)
-    try:
-        with ctx.solo.alone() if suspect else ctx.solo.shared():
+    with ctx.solo.alone() if suspect else ctx.solo.shared():
+        try:
             if suspect and not results.mark_alone(ctx.sessions, claimed):
                 ctx.metrics.refused()
                 return
             with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
                                 on_tokens=lambda ids: ctx.progress.tokens(job_id, ids)) as run:
                 outcome = RUN_BY_KIND[claimed.job.kind](run)
-        if outcome.completion.finish_reason == LEASE_LOST:  # what it did is not this run's to write
-            if not results.give_back(ctx.sessions, claimed):
+            if outcome.completion.finish_reason == LEASE_LOST:  # what it did is not this run's to write
+                if not results.give_back(ctx.sessions, claimed):
+                    ctx.metrics.refused()
+                return
+            if outcome.completion.retryable:
+                raise RuntimeError(outcome.completion.error)
+            stored = ctx.store((claimed, outcome))
+            if not stored.applied:
                 ctx.metrics.refused()
-            return
-        if outcome.completion.retryable:
-            raise RuntimeError(outcome.completion.error)
-        stored = ctx.store((claimed, outcome))
-        if not stored.applied:
-            ctx.metrics.refused()
-            return
-        ctx.progress.status(job_id, stored.status)
-        ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
-    except EngineDead:
-        # the model's state is unknown: exit so the supervisor restarts the worker; this worker's leases then
-        # expire and the reconciler hands its jobs back
-        log.critical("engine thread is dead; exiting")
-        os._exit(3)
-    except Exception as exc:
-        log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
-        retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
+                return
+            ctx.progress.status(job_id, stored.status)
+            ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
+        except EngineDead:
+            # the model's state is unknown: exit so the supervisor restarts the worker; this worker's leases
+            # then expire and the reconciler hands its jobs back
+            log.critical("engine thread is dead; exiting")
+            os._exit(3)
+        except Exception as exc:
+            log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
+            retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
 
 
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:
