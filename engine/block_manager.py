@@ -86,6 +86,7 @@ class BlockManager:
     def __init__(self, pools: list[BlockPool], windows: list[int], block_size: int) -> None:
         self.pools = pools
         self.windows = windows  # per pool: 0 for full attention, else the window its layers use
+        self.windowed = any(windows)
         self.block_size = block_size
         self.prefix = pools[0].prefix  # the engine gives one only to a lone full-attention pool
 
@@ -142,6 +143,8 @@ class BlockManager:
 
     def recycle(self, seq: Sequence) -> None:
         """Free the ring blocks no query from `seq.num_computed` on can see."""
+        if not self.windowed:
+            return
         for pool, window, table in zip(self.pools, self.windows, seq.block_tables, strict=True):
             if window == 0:
                 continue
@@ -156,9 +159,9 @@ class BlockManager:
         """Give `seq` the blocks its next `num_tokens` tokens need (after `recycle`); False, and nothing taken,
         when some pool cannot."""
         needed = -(-(seq.num_computed + num_tokens) // self.block_size)
-        missing = [needed - len(table) for table in seq.block_tables]
-        if max(missing) <= 0:
+        if all(len(table) >= needed for table in seq.block_tables):  # most decode steps
             return True
+        missing = [needed - len(table) for table in seq.block_tables]
         if not all(pool.can_allocate(n) for pool, n in zip(self.pools, missing, strict=True)):
             return False
         for pool, table, n in zip(self.pools, seq.block_tables, missing, strict=True):

@@ -22,7 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler, work_of
 from engine.sequence import Sequence
-from engine.text import cut_at_stop, finish_text, think_ids
+from engine.text import finish_text, stops_hit, think_ids
 from kernels.dispatch import select_ops
 
 
@@ -96,7 +96,7 @@ class LLMEngine:
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
-        seq = Sequence(request, len(self.blocks.pools), self.device)
+        seq = Sequence(request, len(self.blocks.pools))
         self._seqs[request.request_id] = seq
         self.blocks.prefetch(seq)
         self.scheduler.add(seq)
@@ -127,7 +127,7 @@ class LLMEngine:
         sampled = self.runner.run(batch)
         end = time.monotonic()
         self._steps += 1
-        done = []
+        done, stopping = [], []
         for seq, n in batch:
             seq.record_step(self._steps, start, end, len(batch), prefilled=n > 1 or seq.num_computed == 0)
             seq.num_computed += n
@@ -140,11 +140,18 @@ class LLMEngine:
                 token = self._within_thinking_budget(seq, token)
             seq.append_token(token, end)
             self._tokens_generated += 1
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq)
-                del self._seqs[seq.request_id]
-                done.append(self._completion(seq, reason))
+            if token in self.eos_ids and not seq.params.ignore_eos:
+                self._finish(seq, "stop", done)
+            elif seq.params.stop:
+                stopping.append(seq)  # decoded together below
+            elif self._at_length(seq):
+                self._finish(seq, "length", done)
+        if stopping:
+            outputs = [(seq.output_tail(seq.stop_window), seq.params.stop) for seq in stopping]
+            hits = stops_hit(self.tokenizer, outputs)
+            for seq, hit in zip(stopping, hits, strict=True):
+                if hit or self._at_length(seq):
+                    self._finish(seq, "stop" if hit else "length", done)
         # the whole step, planning and bookkeeping included: what an interactive request waits per token
         self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
@@ -162,16 +169,13 @@ class LLMEngine:
             seq.reasoning += 1
         return token
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in self.eos_ids and not p.ignore_eos:
-            return "stop"
-        # decoding text every token costs, so only requests with stop strings pay for it
-        if p.stop and cut_at_stop(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), p.stop)[1]:
-            return "stop"
-        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+    def _at_length(self, seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len
+
+    def _finish(self, seq: Sequence, reason: str, done: list[Completion]) -> None:
+        self.scheduler.finish(seq)
+        del self._seqs[seq.request_id]
+        done.append(self._completion(seq, reason))
 
     def _completion(self, seq: Sequence, reason: str) -> Completion:
         eos = set() if seq.params.ignore_eos else self.eos_ids
