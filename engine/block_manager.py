@@ -23,16 +23,15 @@ from engine.kv_cache import KVCache
 from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence
 
-GROWTH = 1.5
-
 
 class BlockPool:
-    """Free list and reference counts of one KV cache; it grows 1.5x at a time, never past `max_blocks`, and
-    only then evicts unreferenced cached blocks."""
+    """Free list and reference counts of one KV cache; it grows through `sizes` (its `growth_plan`, the first
+    its size now) up to `max_blocks`, the last, and only then evicts unreferenced cached blocks."""
 
-    def __init__(self, cache: KVCache, max_blocks: int, prefix: PrefixCache | None = None) -> None:
+    def __init__(self, cache: KVCache, sizes: list[int], prefix: PrefixCache | None = None) -> None:
         self.cache = cache
-        self.max_blocks = max_blocks
+        self.sizes = sizes
+        self.max_blocks = sizes[-1]
         self.prefix = prefix
         self.ref_counts = [0] * cache.num_blocks
         self.free: deque[int] = deque(range(cache.num_blocks))
@@ -76,7 +75,7 @@ class BlockPool:
 
     def _grow(self) -> None:
         old = self.capacity
-        new = min(self.max_blocks, max(old + 1, math.ceil(old * GROWTH)))
+        new = next(size for size in self.sizes if size > old)
         self.cache.resize(new)
         self.ref_counts.extend([0] * (new - old))
         self.free.extend(range(old, new))

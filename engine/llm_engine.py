@@ -14,7 +14,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.dense_decode import DenseDecodeKV
 from engine.host_cache import HostCache
 from engine.interface import Completion, Request, RequestError
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, growth_plan
 from engine.kv_plan import plan_kv
 from engine.loader import load_model, read_eos_ids, read_shape
 from engine.memory import weights_bytes
@@ -45,17 +45,16 @@ class LLMEngine:
 
         self.plan = plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
         self.windows = plan.windows
-        caches = [
-            KVCache(n, min(config.initial_blocks, m), config.block_size, shape.num_kv_heads, shape.head_dim,
-                    cache_dtype, self.device)
-            for n, m in zip(plan.layers, plan.max_blocks, strict=True)
-        ]
+        # each pool's K and V per layer are its segments: growth copies one at a time (engine.kv_cache)
+        sizes = [growth_plan(min(config.initial_blocks, m), m, 2 * n) for n, m in zip(plan.layers, plan.max_blocks,
+                                                                                      strict=True)]
+        caches = [KVCache(n, s[0], config.block_size, shape.num_kv_heads, shape.head_dim, cache_dtype, self.device)
+                  for n, s in zip(plan.layers, sizes, strict=True)]
         prefix = None
         if config.enable_prefix_cache and plan.windows == [0]:
             host_blocks = config.host_cache_memory // caches[0].bytes_per_block
             prefix = PrefixCache(HostCache(caches[0], host_blocks) if host_blocks > 0 else None)
-        pools = [BlockPool(c, m, prefix if i == 0 else None)
-                 for i, (c, m) in enumerate(zip(caches, plan.max_blocks, strict=True))]
+        pools = [BlockPool(c, s, prefix if i == 0 else None) for i, (c, s) in enumerate(zip(caches, sizes, strict=True))]
         self.blocks = BlockManager(pools, plan.windows, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
         graphs = None
