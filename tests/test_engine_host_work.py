@@ -1,0 +1,87 @@
+"""The engine's per-step host work done incrementally gives what doing it from scratch gives: stop strings
+found on an output's tail, seeded draws that depend only on (seed, draw)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine.interface import Request, SamplingParams
+from engine.sampler import sample, seeded_uniforms
+from engine.text import cut_at_stop, stop_window, stops_hit
+from tests.engine_helpers import greedy, make_engine, run_all, single_thread  # noqa: F401 (autouse)
+
+PIECES = ["Grüße aus ", "東京", " und 終わり", "ST", "OP", " — café ", "naïve ", "🙂 ok", "\n\n", "<|im_end|>", "x"]
+STOPS = ["STOP", "終わり", "東京 und", " — c", "🙂", "é n"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_model):
+    return AutoTokenizer.from_pretrained(qwen3_model)
+
+
+def first_hit_from_scratch(tokenizer, ids: list[int], stops: list[str]) -> int | None:
+    for n in range(1, len(ids) + 1):
+        if cut_at_stop(tokenizer.decode(ids[:n], skip_special_tokens=True), stops)[1]:
+            return n
+    return None
+
+
+def first_hit_on_tails(tokenizer, ids: list[int], stops: list[str]) -> int | None:
+    window = stop_window(stops)
+    for n in range(1, len(ids) + 1):
+        if stops_hit(tokenizer, [(ids[max(0, n - window):n], stops)])[0]:
+            return n
+    return None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stop_strings_on_the_tail_hit_where_the_whole_text_does(tokenizer, seed):
+    rng = random.Random(seed)
+    # pieces tokenized apart, so stop strings straddle token boundaries (multi-byte characters split too)
+    ids = [t for _ in range(rng.randint(3, 12)) for t in tokenizer.encode(rng.choice(PIECES))]
+    stops = rng.sample(STOPS, rng.randint(1, 3))
+    assert len(ids) >= 3
+    assert first_hit_on_tails(tokenizer, ids, stops) == first_hit_from_scratch(tokenizer, ids, stops)
+
+
+def test_a_stop_split_over_many_byte_tokens_is_found_in_the_engine(qwen3_model, tokenizer):
+    engine = make_engine(qwen3_model)
+    ids = [t for piece in ("an ", "ST", "OP", " here") for t in tokenizer.encode(piece)]
+    # the model's own tokens do not matter: every request finds its stop in the text it generated
+    [done] = run_all(engine, [Request("r", ids[:2], greedy(40))]).values()
+    text = tokenizer.decode(done.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if not stop.strip():
+        pytest.skip("the generated text has no visible middle")
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop])
+    [stopped] = run_all(make_engine(qwen3_model), [Request("s", ids[:2], params)]).values()
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert len(stopped.token_ids) == first_hit_from_scratch(tokenizer, done.token_ids, [stop])
+
+
+def test_seeded_uniforms_depend_only_on_seed_and_draw():
+    seeds, draws = [0, 1, 2**40 + 5, 2**63 - 1, 7], [0, 0, 3, 1 << 33, 9]
+    together = seeded_uniforms(seeds, draws, torch.device("cpu"))
+    alone = torch.cat([seeded_uniforms([s], [d], torch.device("cpu")) for s, d in zip(seeds, draws, strict=True)])
+    assert torch.equal(together, alone) and ((together >= 0) & (together < 1)).all()
+    assert len(set(seeded_uniforms([1] * 1000, list(range(1000)), torch.device("cpu")).tolist())) == 1000
+    # spread evenly: the mean of many draws of one seed is close to a half
+    assert abs(seeded_uniforms([3] * 4000, list(range(4000)), torch.device("cpu")).mean().item() - 0.5) < 0.02
+
+
+class Row:
+    def __init__(self, params: SamplingParams, drawn: int):
+        self.params, self.token_ids, self.num_prompt_tokens = params, [1] * (4 + drawn), 4
+
+
+def test_a_seeded_row_draws_its_next_token_from_its_count_of_draws():
+    logits = torch.randn(1, 300)
+    p = SamplingParams(8, temperature=1.0, seed=11)
+    draws = [sample(logits.clone(), [Row(p, n)])[0] for n in range(40)]
+    assert draws == [sample(logits.repeat(2, 1), [Row(p, n), Row(SamplingParams(8, temperature=1.0), n)])[0]
+                     for n in range(40)]
+    assert len(set(draws)) > 10  # each draw its own number, not one repeated
