@@ -132,9 +132,9 @@ class BlockManager:
 
     def index(self, seq: Sequence) -> None:
         """Cache the full blocks of `seq` computed since the last call."""
-        if self.prefix is None:
-            return
         full = seq.num_computed // self.block_size
+        if self.prefix is None or full <= seq.num_indexed:  # most steps: no block filled up
+            return
         extend_keys(seq.block_keys, seq.token_ids, self.block_size)
         for i in range(seq.num_indexed, full):
             self.prefix.insert(seq.block_tables[0][i], seq.block_keys[i])

@@ -86,10 +86,8 @@ def plus(work: Work, seq: Sequence, n: int) -> Work:
 
 def work_of(batch: list[tuple[Sequence, int]]) -> Work:
     """The work of a scheduled step (before it runs: contexts are counted from `num_computed`)."""
-    work = Work()
-    for seq, n in batch:
-        work = plus(work, seq, n)
-    return work
+    contexts = [seq.num_computed + 1 for seq, n in batch if n == 1]
+    return Work(sum(n for _, n in batch if n > 1), len(contexts), max(contexts, default=0))
 
 
 class Scheduler:
