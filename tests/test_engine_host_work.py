@@ -85,3 +85,32 @@ def test_a_seeded_row_draws_its_next_token_from_its_count_of_draws():
     assert draws == [sample(logits.repeat(2, 1), [Row(p, n), Row(SamplingParams(8, temperature=1.0), n)])[0]
                      for n in range(40)]
     assert len(set(draws)) > 10  # each draw its own number, not one repeated
+
+
+def test_loop_gap_percentiles_come_back_within_a_bucket():
+    from engine.loop_gaps import PER_DOUBLING, LoopGaps
+
+    gaps = LoopGaps()
+    assert gaps.percentile(0.95) == 0.0
+    values = [i * 1e-5 for i in range(1, 1001)]  # 10 us .. 10 ms, evenly
+    for v in values:
+        gaps.observe(v)
+    for q in (0.5, 0.95):
+        exact = values[int(q * len(values)) - 1]
+        assert exact <= gaps.percentile(q) <= exact * 2 ** (1 / PER_DOUBLING) * 1.001
+    gaps.observe(1e6)  # far past the last bucket: counted there, memory unchanged
+    assert gaps.total == 1001 and len(gaps.counts) == len(LoopGaps().counts)
+
+
+def test_the_engine_thread_measures_gaps_only_between_back_to_back_steps(tiny_model):
+    from engine.engine_thread import EngineThread
+
+    thread = EngineThread(make_engine(tiny_model))
+    try:
+        futures = [thread.submit(Request(str(i), [5, 6, 7, 8], greedy(6))) for i in range(3)]
+        assert all(f.result(60).finish_reason == "length" for f in futures)
+        stats = thread.stats()
+    finally:
+        thread.close()
+    # at least 6 steps ran back to back for 6 tokens; an idle wait for work is no gap
+    assert 5 <= stats["loop_gaps"] < stats["steps"] and stats["loop_gap_p95_ms"] > 0
