@@ -20,6 +20,7 @@ from engine.loader import load_model, read_eos_ids, read_shape
 from engine.memory import weights_bytes
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
+from engine.profile import largest_step
 from engine.scheduler import Scheduler, work_of
 from engine.sequence import Sequence
 from engine.text import finish_text, stops_hit, think_ids
@@ -43,7 +44,13 @@ class LLMEngine:
         # a thinking model's block delimiters (Qwen3: `<think>` 151667, `</think>` 151668), if it has them
         self.think_ids = think_ids(self.tokenizer)
 
-        self.plan = plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
+        plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
+        # a budget that is a fraction of free memory leaves room for the largest step's activations
+        self.activation_bytes = 0
+        if self.device.type == "cuda" and config.kv_cache_memory <= 1:
+            self.activation_bytes = largest_step(self.model, ops, plan, config, cache_dtype)
+            plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device, self.activation_bytes)
+        self.plan = plan
         self.windows = plan.windows
         # each pool's K and V per layer are its segments: growth copies one at a time (engine.kv_cache)
         sizes = [growth_plan(min(config.initial_blocks, m), m, 2 * n) for n, m in zip(plan.layers, plan.max_blocks,
@@ -235,6 +242,7 @@ class LLMEngine:
         full = [p.max_blocks for p, w in zip(pools, self.windows, strict=True) if w == 0]
         return {
             "weights_bytes": weights_bytes(self.model),
+            "activation_bytes": self.activation_bytes,  # held back from a fractional budget (CUDA only)
             "kv_bytes_per_token": self.plan.kv_bytes_per_token,
             "kv_budget_bytes": self.plan.budget_bytes,
             "block_size": self.config.block_size,

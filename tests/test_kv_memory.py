@@ -54,3 +54,22 @@ def test_growth_is_geometric_up_to_half_the_budget_then_one_step_to_what_the_cop
     assert growth_plan(10, 1000, 56) == [10, 15, 23, 35, 53, 80, 120, 180, 270, 405, 992]
     assert growth_plan(10, 1000, 2) == [10, 15, 23, 35, 53, 80, 120, 180, 270, 405, 797]
     assert growth_plan(600, 1000, 56) == [1000]  # already past half: the whole budget from the start
+
+
+def test_a_fractional_budget_leaves_the_largest_steps_activations_free(monkeypatch):
+    from engine import memory
+
+    monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
+    assert memory.kv_budget(0.5, torch.device("cpu"), reserved=100) == 400
+    assert memory.kv_budget(4096, torch.device("cpu"), reserved=100) == 4096  # bytes given: taken as they are
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
+def test_the_profiling_step_runs_the_largest_batch_through_every_pool(tiny_models, preset):
+    from engine.profile import largest_step
+    from tests.engine_helpers import make_engine
+
+    engine = make_engine(tiny_models[preset], max_num_batched_tokens=300, prefill_chunk_size=128, max_num_seqs=64)
+    # on CPU nothing is measured, but the same forward runs: chunks, tables and slots for every pool
+    assert largest_step(engine.model, engine.runner.ops, engine.plan, engine.config, engine.config.cache_dtype) == 0
+    assert engine.memory_report()["activation_bytes"] == 0
