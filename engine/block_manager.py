@@ -141,9 +141,7 @@ class BlockManager:
         seq.num_indexed = max(seq.num_indexed, full)
 
     def recycle(self, seq: Sequence) -> None:
-        """Free the ring blocks no query from `seq.num_computed` on can see."""
-        if not self.windowed:
-            return
+        """Free the ring blocks no query from `seq.num_computed` on can see (only `windowed` pools have any)."""
         for pool, window, table in zip(self.pools, self.windows, seq.block_tables, strict=True):
             if window == 0:
                 continue

@@ -23,7 +23,7 @@ from engine.prefix_cache import PrefixCache
 from engine.profile import largest_step
 from engine.scheduler import Scheduler, work_of
 from engine.sequence import Sequence
-from engine.text import finish_text, stops_hit, think_ids
+from engine.text import finish_text, may_end_stop, stops_hit, think_ids
 from kernels.dispatch import select_ops
 
 
@@ -83,6 +83,7 @@ class LLMEngine:
         self._tokens_generated = 0
         self._tokens_computed = 0
         self._peak_blocks = 0  # most KV blocks in use after any step's scheduling
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for stop strings
 
     def add_request(self, request: Request) -> None:
         n, p = len(request.prompt_ids), request.sampling
@@ -148,7 +149,7 @@ class LLMEngine:
             self._tokens_generated += 1
             if token in self.eos_ids and not seq.params.ignore_eos:
                 self._finish(seq, "stop", done)
-            elif seq.params.stop:
+            elif seq.params.stop and may_end_stop(self._token_text(token), seq.params.stop):
                 stopping.append(seq)  # decoded together below
             elif self._at_length(seq):
                 self._finish(seq, "length", done)
@@ -174,6 +175,13 @@ class LLMEngine:
         elif seq.reasoning is not None:
             seq.reasoning += 1
         return token
+
+    def _token_text(self, token: int) -> str:
+        """One token's own text, decoded once per engine (byte-level tokens: never more than a few bytes)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=True)
+        return text
 
     def _at_length(self, seq: Sequence) -> bool:
         return seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len

@@ -188,7 +188,8 @@ class Scheduler:
         """Schedule `n` tokens of running `seq`, pre-empting others (or `seq` itself) when blocks are short."""
         if n <= 0 or seq.status is not Status.RUNNING:
             return
-        self.blocks.recycle(seq)
+        if self.blocks.windowed:
+            self.blocks.recycle(seq)
         while seq.status is Status.RUNNING and not self.blocks.try_append(seq, n):
             self._preempt(self._victim(seq, for_room=True), plan)
         if seq.status is Status.RUNNING:
@@ -280,8 +281,11 @@ class Scheduler:
 
     def _mark_computing(self, seq: Sequence, n: int, computing: set[int]) -> None:
         size = self.blocks.block_size
+        first = seq.num_computed // size
+        if first >= len(seq.block_keys):  # a decode into a block not full yet: nothing another could reuse
+            return
         last = min(-(-(seq.num_computed + n) // size), len(seq.block_keys))
-        computing.update(entry.key for entry in seq.block_keys[seq.num_computed // size:last])
+        computing.update(entry.key for entry in seq.block_keys[first:last])
 
     def _next_block_in_flight(self, seq: Sequence, computing: set[int]) -> bool:
         if not computing:

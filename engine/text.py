@@ -17,6 +17,13 @@ def stop_window(stops: Sequence[str]) -> int:
     return max((len(s.encode()) for s in stops if s), default=1)
 
 
+def may_end_stop(token_text: str, stops: Sequence[str]) -> bool:
+    """Whether a token whose own text is `token_text` can be the one that completes a stop string: it must
+    bring the stop's last character, or bytes of a character split over tokens (which alone decode to
+    U+FFFD). A token with no text (a special token, skipped) completes nothing."""
+    return "\ufffd" in token_text or any(s and s[-1] in token_text for s in stops)
+
+
 def stops_hit(tokenizer, tails: list[tuple[list[int], Sequence[str]]]) -> list[bool]:
     """For each (last tokens of an output, at least `stop_window` of them; its stop strings): whether a stop
     string ends with the output's last token. Only these tails are decoded, all in one call, instead of every
