@@ -87,14 +87,38 @@ class ModelRunner:
         """Final hidden states of every packed token."""
         if self.graphs is not None and step.num_decodes == len(step.seqs) and self.graphs.fits(len(step.seqs)):
             return self.graphs.run(step.input_ids, step.positions, step.slots, step.seq_lens, step.tables)
-        to, d = self.device, step.num_decodes
+        d, pools = step.num_decodes, len(step.tables)
+        input_ids, positions, cu_seqlens, seq_lens, *rest = upload(
+            [step.input_ids, step.positions, step.cu_seqlens, step.seq_lens, *step.tables, *step.slots], self.device)
+        tables, slots = rest[:pools], rest[pools:]
         parts = []
         if d:
-            parts.append(BatchPart(0, d, step.cu_seqlens[:d + 1].to(to), step.seq_lens[:d].to(to),
-                                   [t[:d].to(to) for t in step.tables], self.dense if step.dense else None))
+            parts.append(BatchPart(0, d, cu_seqlens[:d + 1], seq_lens[:d], [t[:d] for t in tables],
+                                   self.dense if step.dense else None))
         if d < len(step.seqs):
-            parts.append(BatchPart(d, len(step.input_ids), (step.cu_seqlens[d:] - d).to(to), step.seq_lens[d:].to(to),
-                                   [t[d:].to(to) for t in step.tables]))
-        attn = AttentionBatch(self.ops, self.caches, self.layer_slots, [s.to(to) for s in step.slots], parts)
-        return self.model(step.input_ids.to(to), step.positions.to(to), attn)
+            parts.append(BatchPart(d, len(step.input_ids), cu_seqlens[d:] - d, seq_lens[d:], [t[d:] for t in tables]))
+        attn = AttentionBatch(self.ops, self.caches, self.layer_slots, slots, parts)
+        return self.model(input_ids, positions, attn)
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """A step's small integer inputs on `device`: on CUDA one pinned host buffer and one non-blocking copy
+    for all of them instead of a synchronous pageable copy each; elsewhere they stay where they are."""
+    if device.type != "cuda":
+        return tensors
+    return split_copy(tensors, device, pin=True)
+
+
+def split_copy(tensors: list[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """`tensors` (integer, on the host) copied to `device` through one flat int64 buffer, each back in its
+    shape and dtype."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors])
+    if pin:
+        flat = flat.pin_memory()
+    moved = flat.to(device, non_blocking=pin)
+    out, start = [], 0
+    for t in tensors:
+        out.append(moved[start:start + t.numel()].view(t.shape).to(t.dtype))
+        start += t.numel()
+    return out
 

@@ -116,3 +116,13 @@ def test_the_engine_thread_measures_gaps_only_between_back_to_back_steps(tiny_mo
         thread.close()
     # at least 6 steps ran back to back for 6 tokens; an idle wait for work is no gap
     assert 5 <= stats["loop_gaps"] < stats["steps"] and stats["loop_gap_p95_ms"] > 0
+
+
+def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
+    from engine.model_runner import split_copy
+
+    tensors = [torch.tensor([5, 6, 7]), torch.arange(4).view(2, 2), torch.tensor([[1, -1], [2, 3]], dtype=torch.int32),
+               torch.empty(0, dtype=torch.int64), torch.tensor([2**40])]
+    moved = split_copy(tensors, torch.device("cpu"), pin=False)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape
+               for a, b in zip(tensors, moved, strict=True))
