@@ -69,13 +69,20 @@ class ModelRunner:
                                                                   key=lambda item: item[1])
         seqs = [seq for seq, _ in batch]
         counts = [n for _, n in batch]
-        input_ids = [t for seq, n in batch for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
+        computed = [seq.num_computed for seq in seqs]
+        d = len(decodes)
+        # a decode's one new token is the one at `num_computed`: no slice per row
+        input_ids = [seq.token_ids[c] for seq, c in zip(seqs[:d], computed[:d], strict=True)]
+        input_ids += [t for seq, n in batch[d:] for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
         counts_t = torch.tensor(counts)
-        seq_lens = torch.tensor([seq.num_computed for seq in seqs]) + counts_t
+        seq_lens = torch.tensor(computed) + counts_t
         cu_seqlens = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         torch.cumsum(counts_t, 0, out=cu_seqlens[1:])
-        row = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
-        positions = torch.arange(len(input_ids)) - cu_seqlens[row] + seq_lens[row] - counts_t[row]
+        if d == len(seqs):  # decodes only: one token per row, at the row's context length
+            row, positions = torch.arange(d), seq_lens - 1
+        else:
+            row = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
+            positions = torch.arange(len(input_ids)) - cu_seqlens[row] + seq_lens[row] - counts_t[row]
         tables = [table_tensor([seq.block_tables[p] for seq in seqs]) for p in range(len(self.caches))]
         slots = [t[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
                  for t in tables]
