@@ -193,10 +193,11 @@ def memory(check: Check) -> dict:
     before = 0 if check.dry else torch.cuda.memory_allocated()
     budget = 0.9 if not check.dry else 64 << 20
     engine = LLMEngine(EngineConfig(model=str(path), device=check.device, dtype=check.dtype,
-                                    kv_cache_memory=budget, initial_blocks=64, max_num_seqs=256))
+                                    kv_cache_memory=budget, initial_blocks=64, max_num_seqs=512))
     report = engine.memory_report()
-    # enough long requests to grow the pool to its ceiling, pre-empting once it is there
-    count, length = (16, 200) if check.dry else (256, 2048)
+    # more K/V than the ceiling holds (on an H200 0.9 of the free memory is ~1M tokens of the 0.6B shapes):
+    # the pool grows to its ceiling, then requests are pre-empted
+    count, length = (16, 200) if check.dry else (640, 2048)
     prompts = gpu_e2e.random_prompts(count, length, len(engine.tokenizer), seed=9)
     gpu_e2e.drive(engine, prompts, 16, "memory")
     after = engine.memory_report()
@@ -204,6 +205,7 @@ def memory(check: Check) -> dict:
               "activation_bytes": report["activation_bytes"],
               "pool_bytes_start": report["pool_bytes"], "pool_bytes_end": after["pool_bytes"],
               "pool_blocks_end": after["pool_blocks"], "pool_blocks_max": after["pool_blocks_max"],
+              "pool_at_ceiling": after["pool_blocks"] == after["pool_blocks_max"],
               "pool_within_budget": after["pool_bytes"] <= report["kv_budget_bytes"]}
     del engine
     if check.dry:
