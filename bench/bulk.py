@@ -8,6 +8,10 @@ the client polls its status only every half second, to stay out of the way on a 
 run feeds the same jobs to the worker's own bridge in this process (same prompts, same map-reduce), with
 nothing around it. The ratio says how well
 the pipeline keeps the engine busy. Broker and database come from CONVOQ_BROKER_URL / CONVOQ_DATABASE_URL.
+
+`loop_gap_p95_ms` is the engine loop's idle time between two back-to-back steps while the pipeline runs, read
+from the worker's metrics when the batch completed (`engine_loop_gap_p95_ms`: the same with the engine
+alone): on a GPU, where a step takes milliseconds, that gap is the device waiting on the worker's Python.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import sqlalchemy as sa
 from tqdm import tqdm
 
@@ -28,6 +33,7 @@ from api.client import Client
 from bench.common import report, tiny_model
 from cli.batch import follow
 from cli.demo import SAMPLES
+from cli.servers import free_port
 from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.settings import Settings
@@ -49,9 +55,19 @@ def workload(n: int, max_new_tokens: int) -> list[dict]:
             for i in range(n)]
 
 
-def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple[float, int]:
-    env = {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(), "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
-           "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY}
+def loop_gap_ms(metrics_url: str) -> float:
+    """The worker's engine loop gap p95, from its Prometheus metrics."""
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("convoq_engine_loop_gap_p95_milliseconds "):
+            return float(line.split()[1])
+    raise RuntimeError("the worker reports no engine loop gap")
+
+
+def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple[float, int, float]:
+    metrics_port = free_port()
+    env = {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
+           "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
+           "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_WORKER_METRICS_PORT": str(metrics_port)}
     with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-bulk-"))) as stack:
         stack.start_api()
         stack.start_worker()
@@ -59,6 +75,7 @@ def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple
             start = datetime.now(UTC)
             batch = client.create_batch("\n".join(json.dumps(x) for x in lines).encode(), name="bench.jsonl")
             batch = follow(client, str(batch.id), poll=0.5)
+        gap_ms = loop_gap_ms(f"http://127.0.0.1:{metrics_port}/metrics")
     if batch.request_counts.completed != len(lines):
         raise RuntimeError(f"the service finished only {batch.request_counts.completed}/{len(lines)}: {batch}")
     engine = sa.create_engine(settings.database_url.get_secret_value())
@@ -68,10 +85,10 @@ def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple
         completed = conn.execute(sa.select(Batch.completed_at).where(Batch.id == batch.id)).scalar_one()
     engine.dispose()
     # until the batch completed in the database (its last result stored), not until the client next polled
-    return (as_utc(completed) - start).total_seconds(), int(tokens)
+    return (as_utc(completed) - start).total_seconds(), int(tokens), gap_ms
 
 
-def through_engine(lines: list[dict], settings: Settings, model: Path, threads: int) -> tuple[float, int]:
+def through_engine(lines: list[dict], settings: Settings, model: Path, threads: int) -> tuple[float, int, float]:
     settings = settings.model_copy(update={"model": str(model)})
     bridge = Bridge.for_settings(load_backend(settings), settings)
     jobs = [JobIn(kind="summarize", priority=1, messages=x["transcript"],
@@ -89,11 +106,12 @@ def through_engine(lines: list[dict], settings: Settings, model: Path, threads: 
                 outcomes.append(outcome)
                 bar.update()
         elapsed = time.monotonic() - start
+        gap_ms = bridge.stats()["loop_gap_p95_ms"]
     finally:
         bridge.close()
     if not all(o.completion.ok for o in outcomes):
         raise RuntimeError("the engine run failed some transcripts")
-    return elapsed, sum(len(o.completion.token_ids) for o in outcomes)
+    return elapsed, sum(len(o.completion.token_ids) for o in outcomes), gap_ms
 
 
 def main() -> None:
@@ -106,8 +124,8 @@ def main() -> None:
     model = tiny_model()
     upgrade(settings.database_url.get_secret_value())
     lines = workload(args.transcripts, args.max_new_tokens)
-    engine_s, engine_tokens = through_engine(lines, settings, model, threads=settings.worker_concurrency)
-    service_s, service_tokens = through_service(lines, settings, model)
+    engine_s, engine_tokens, engine_gap_ms = through_engine(lines, settings, model, threads=settings.worker_concurrency)
+    service_s, service_tokens, gap_ms = through_service(lines, settings, model)
     result = {
         "transcripts": len(lines),
         "backend": settings.backend,
@@ -116,6 +134,8 @@ def main() -> None:
         "engine_transcripts_per_s": round(len(lines) / engine_s, 2),
         "engine_output_tok_s": round(engine_tokens / engine_s, 1),
         "pipeline_vs_engine": round(engine_s / service_s, 3),
+        "loop_gap_p95_ms": round(gap_ms, 3),
+        "engine_loop_gap_p95_ms": round(engine_gap_ms, 3),
     }
     report(result, args.json)
 

@@ -39,7 +39,7 @@ from jobs.schemas import TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from migrations.apply import upgrade
 
-KEY = "bench-key-0123456789abcdef"
+KEY = "bench-key-not-a-secret"
 FAULTS = ("kill", "redis", "postgres", "freeze")
 WORKER_FAULTS = ("kill", "freeze")
 LEASE_S = 5

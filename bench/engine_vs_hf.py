@@ -39,8 +39,10 @@ def model_folder(preset: str) -> Path:
     return path
 
 
-def make_requests(preset: str, vocab: int, seed: int, tag: str) -> list[Request]:
-    count, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[preset]
+def make_requests(preset: str, vocab: int, seed: int, tag: str, count: int | None = None) -> list[Request]:
+    """The preset's workload (its first `count` requests, when given)."""
+    total, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[preset]
+    count = total if count is None else count
     rng = random.Random(seed)
     requests = []
     for i in range(count):
@@ -64,7 +66,8 @@ def drain(engine: StepEngine, requests: list[Request], label: str) -> tuple[int,
     return tokens, time.monotonic() - start
 
 
-def measure(engine: StepEngine, preset: str, vocab: int, seed: int, label: str, repeat: int) -> float:
+def measure(engine: StepEngine, preset: str, vocab: int, seed: int, label: str, repeat: int,
+            count: int | None = None) -> float:
     """Best tokens/s of `repeat` runs of the workload, after a short warm-up.
 
     Each run draws fresh prompts (seed + 1000 * run; both sides see the same ones), so that a repeat cannot
@@ -75,7 +78,8 @@ def measure(engine: StepEngine, preset: str, vocab: int, seed: int, label: str, 
     drain(engine, warmup, f"{label} warm-up")
     rates = []
     for run in range(repeat):
-        tokens, seconds = drain(engine, make_requests(preset, vocab, seed + 1000 * run, f"{label}{run}"), label)
+        requests = make_requests(preset, vocab, seed + 1000 * run, f"{label}{run}", count)
+        tokens, seconds = drain(engine, requests, label)
         rates.append(tokens / seconds)
         print(f"{label:>6}: {tokens} tokens in {seconds:.2f} s = {rates[-1]:.0f} tok/s")
     return max(rates)

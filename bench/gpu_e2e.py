@@ -67,9 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def checkpoint_shapes() -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Hugging Face Qwen3-32B checkpoint, by name, in file order."""
-    c = QWEN3_32B
+def checkpoint_shapes(c: dict = QWEN3_32B) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face Qwen3 checkpoint of config `c` (default Qwen3-32B), by name, in file order."""
     hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], hidden)}
@@ -89,26 +88,28 @@ def checkpoint_shapes() -> dict[str, tuple[int, ...]]:
             f"{p}mlp.down_proj.weight": (hidden, inter),
         })
     shapes["model.norm.weight"] = (hidden,)
-    shapes["lm_head.weight"] = (c["vocab_size"], hidden)
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (c["vocab_size"], hidden)
     return shapes
 
 
-def random_weights(generator: torch.Generator) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, drawn one at a time on the GPU in bf16: norms at 1, the rest N(0, 0.02)."""
-    for name, shape in checkpoint_shapes().items():
+def random_weights(generator: torch.Generator, c: dict = QWEN3_32B,
+                   device: str = "cuda") -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, drawn one at a time on `device` in bf16: norms at 1, the rest N(0, 0.02)."""
+    for name, shape in checkpoint_shapes(c).items():
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+            yield name, torch.ones(shape, dtype=torch.bfloat16, device=device)
         else:
-            w = torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=generator)
+            w = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=generator)
             yield name, w.mul_(0.02)
 
 
-def write_config(path: Path) -> None:
+def write_config(path: Path, c: dict = QWEN3_32B) -> None:
     """config.json and the tokenizer files (cli.tiny_model's tokenizer; the model's vocab is larger, like `0.6b`)."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     Qwen3Config(
-        **QWEN3_32B,
+        **c,
         rms_norm_eps=1e-6,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),

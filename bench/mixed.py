@@ -95,15 +95,15 @@ def bulk_tok_s(done: dict[str, Completion], latency: dict[str, float], ids: list
     return sum(len(done[i].token_ids) for i in ids) / last, last
 
 
-def fresh_engine(rng: random.Random) -> LLMEngine:
+def fresh_engine(rng: random.Random, device: str) -> LLMEngine:
     """A warmed-up engine that has seen no interactive request (each phase gets its own: an engine that saw one
     keeps its bulk steps short for `interactive_window` seconds, expecting more)."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_model())))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model()), device=device))
     run_phase(engine, planned(rng, "warm", 8, (30, 600), (8, 16), BULK_PRIORITY, 0.0, 0.0), "warm-up")
     return engine
 
 
-def run_engine(chats: int, chat_rate: float, bulk: int, repeat: int, seed: int) -> dict:
+def run_engine(chats: int, chat_rate: float, bulk: int, repeat: int, seed: int, device: str = "cpu") -> dict:
     rng = random.Random(seed)
 
     def chat_plan(tag: str, start: float) -> list[Planned]:
@@ -112,16 +112,16 @@ def run_engine(chats: int, chat_rate: float, bulk: int, repeat: int, seed: int) 
     def bulk_plan(tag: str) -> list[Planned]:
         return planned(rng, tag, bulk, (400, 900), (64, 128), BULK_PRIORITY, 0.0, 0.0)
 
-    idle_done, idle_latency = run_phase(fresh_engine(rng), chat_plan("idle", 0.0), "chats, idle engine")
+    idle_done, idle_latency = run_phase(fresh_engine(rng, device), chat_plan("idle", 0.0), "chats, idle engine")
     idle = chat_latency(idle_done, idle_latency, [f"idle{i}" for i in range(chats)])
     keeps, alone_rates, mixed_rates = [], [], []
     mixed_done: dict[str, Completion] = {}
     mixed_latency: dict[str, float] = {}
     during: list[str] = []
     for r in range(repeat):  # alone and mixed side by side, so a drift in the machine's speed hits both
-        done, latency = run_phase(fresh_engine(rng), bulk_plan(f"alone{r}-"), f"bulk alone ({r + 1}/{repeat})")
+        done, latency = run_phase(fresh_engine(rng, device), bulk_plan(f"alone{r}-"), f"bulk alone ({r + 1}/{repeat})")
         alone_rate, _ = bulk_tok_s(done, latency, [f"alone{r}-{i}" for i in range(bulk)])
-        engine = fresh_engine(rng)
+        engine = fresh_engine(rng, device)
         done, latency = run_phase(engine, bulk_plan(f"bulk{r}-") + chat_plan(f"chat{r}-", 0.0),
                                   f"bulk + chats ({r + 1}/{repeat})")
         mixed_rate, mixed_s = bulk_tok_s(done, latency, [f"bulk{r}-{i}" for i in range(bulk)])
@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="engine: bulk alone / mixed pairs")
     parser.add_argument("--transcripts", type=int, default=256, help="pipeline: transcripts in each batch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="engine: where the engine runs")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     if args.pipeline:
@@ -162,7 +163,7 @@ def main() -> None:
 
         result = run_pipeline(args.chats, args.chat_rate, args.transcripts, 32, args.seed)
     else:
-        result = run_engine(args.chats, args.chat_rate, args.bulk, args.repeat, args.seed)
+        result = run_engine(args.chats, args.chat_rate, args.bulk, args.repeat, args.seed, args.device)
     report(result, args.json)
 
 

@@ -7,13 +7,20 @@ Starts its own API and worker (real processes) against the configured broker and
 Overhead is what the service adds around the engine: end-to-end time minus time inside the engine. In a
 burst (the default) it is mostly the wait in Redis behind the jobs ahead; `--rate` paces the submissions
 below what the service can take, which shows the fixed cost of the path itself.
+
+The same run also pushes as many no-op tasks through a bare Celery worker (`bench.celery_noop`: the same
+broker, convoq's Celery settings, a task that only counts itself) in one burst, once the service has stopped.
+A machine's speed varies with the hour, so the figure to judge is `capacity_ratio`: jobs/s of the service
+over tasks/s of bare Celery.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,11 +29,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
+from redis import Redis
 from tqdm import tqdm
 
 from api.client import AsyncClient
 from bench.common import percentile, report, tiny_model
 from cli.stack import Stack
+from jobs.broker import create_celery
 from jobs.schemas import TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Timing, as_utc
@@ -71,6 +80,45 @@ def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> datetime:
             time.sleep(0.2)
 
 
+def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path, timeout: float = 300) -> float:
+    """Tasks per second of a burst of `n_tasks` no-ops through a bare Celery worker, sent from here."""
+    queue = f"bench-noop-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(), "CONVOQ_INTERACTIVE_QUEUE": queue,
+           "CONVOQ_BULK_QUEUE": f"{queue}-bulk"}
+    log = logdir / "noop-worker.log"
+    sender = create_celery(settings.model_copy(update={"interactive_queue": queue, "bulk_queue": f"{queue}-bulk"}))
+    redis = Redis.from_url(settings.broker_url.get_secret_value())
+    counter = f"{queue}:done"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "bench.celery_noop", "worker", "--pool=threads",
+                                 f"--concurrency={concurrency}", f"--queues={queue}", "--without-mingle",
+                                 "--without-gossip", "--loglevel=info"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while " ready." not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the bare Celery worker did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+
+        def burst(n: int) -> float:
+            redis.delete(counter)
+            start = time.monotonic()
+            for _ in range(n):
+                sender.send_task("bench.noop", args=[counter], queue=queue)
+            while int(redis.get(counter) or 0) < n:
+                if time.monotonic() - start > timeout:
+                    raise TimeoutError(f"bare Celery ran {redis.get(counter)}/{n} tasks within {timeout}s")
+                time.sleep(0.01)
+            return time.monotonic() - start
+
+        burst(8)  # warm-up: connections, the threads' first fetches
+        return n_tasks / burst(n_tasks)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        redis.delete(counter)
+
+
 def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float) -> dict:
     settings = Settings()
     model = tiny_model()
@@ -84,7 +132,8 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float) -> dict
     }
     jobs = [JobIn(messages=[{"role": "user", "content": f"Where is my order {i}? It is late."}], priority=i % 10,
                   sampling={"max_new_tokens": max_new_tokens}) for i in range(n_jobs)]
-    with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-bench-"))) as stack:
+    logdir = Path(tempfile.mkdtemp(prefix="convoq-bench-"))
+    with Stack(env, logdir) as stack:
         stack.start_api()
         stack.start_worker()
         # warm-up: the first batch and the connection pools, outside the measurement
@@ -102,12 +151,16 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float) -> dict
             sa.select(Timing.queue_wait_ms, Timing.end_to_end_ms, Timing.engine_ms).where(Timing.job_id.in_(mine))
         ).all()
     db.dispose()
+    noop_per_s = bare_celery(settings, n_jobs, settings.worker_concurrency, logdir)
+    jobs_per_s = n_jobs / (end - start).total_seconds()
     waits = [t.queue_wait_ms for t in timings]
     overhead = [t.end_to_end_ms - t.engine_ms for t in timings]
     return {
         "jobs": n_jobs,
         "succeeded": succeeded,
-        "jobs_per_s": round(n_jobs / (end - start).total_seconds(), 1),
+        "jobs_per_s": round(jobs_per_s, 1),
+        "bare_celery_tasks_per_s": round(noop_per_s, 1),
+        "capacity_ratio": round(jobs_per_s / noop_per_s, 3),
         "submit_per_s": round(n_jobs / (submitted - start).total_seconds(), 1),
         "queue_wait_p50_ms": round(percentile(waits, 0.5), 1),
         "queue_wait_p95_ms": round(percentile(waits, 0.95), 1),

@@ -9,7 +9,7 @@ dequantize), and decodes may read `DenseDecodeKV` rows. Each layer attends with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -38,6 +38,8 @@ class BatchPart:
     seq_lens: torch.Tensor
     block_tables: list[torch.Tensor]  # one per KV pool
     dense: DenseDecodeKV | None = None  # decodes whose full-attention layers read dense rows instead
+    # the Triton kernels' tile layouts of this part, worked out by its first layer and kept for the others
+    layouts: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class AttentionBatch:
         k_scale, v_scale = cache.layer_scales(index, k, v)
         # only fp8 caches pass scales: the fast CPU ops take none (select_ops gives fp8 the references)
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        triton = self.ops.backend == "triton"
         self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping[pool], **scales)
         outs = []
         for part in self.parts:
@@ -62,7 +65,8 @@ class AttentionBatch:
             if part.dense is not None and part.dense.pool == pool:
                 outs.append(part.dense.attend(index, q[rows], k[rows], v[rows], scale))
             else:
+                kept = {"layouts": part.layouts} if triton else {}
                 outs.append(self.ops.paged_attention(q[rows], k_cache, v_cache, part.cu_seqlens_q, part.seq_lens,
                                                      part.block_tables[pool], scale, policy.window, policy.sinks,
-                                                     policy.stride, **scales))
+                                                     policy.stride, **scales, **kept))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

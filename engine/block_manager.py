@@ -23,16 +23,15 @@ from engine.kv_cache import KVCache
 from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence
 
-GROWTH = 1.5
-
 
 class BlockPool:
-    """Free list and reference counts of one KV cache; it grows 1.5x at a time, never past `max_blocks`, and
-    only then evicts unreferenced cached blocks."""
+    """Free list and reference counts of one KV cache; it grows through `sizes` (its `growth_plan`, the first
+    its size now) up to `max_blocks`, the last, and only then evicts unreferenced cached blocks."""
 
-    def __init__(self, cache: KVCache, max_blocks: int, prefix: PrefixCache | None = None) -> None:
+    def __init__(self, cache: KVCache, sizes: list[int], prefix: PrefixCache | None = None) -> None:
         self.cache = cache
-        self.max_blocks = max_blocks
+        self.sizes = sizes
+        self.max_blocks = sizes[-1]
         self.prefix = prefix
         self.ref_counts = [0] * cache.num_blocks
         self.free: deque[int] = deque(range(cache.num_blocks))
@@ -76,7 +75,7 @@ class BlockPool:
 
     def _grow(self) -> None:
         old = self.capacity
-        new = min(self.max_blocks, max(old + 1, math.ceil(old * GROWTH)))
+        new = next(size for size in self.sizes if size > old)
         self.cache.resize(new)
         self.ref_counts.extend([0] * (new - old))
         self.free.extend(range(old, new))
@@ -86,6 +85,7 @@ class BlockManager:
     def __init__(self, pools: list[BlockPool], windows: list[int], block_size: int) -> None:
         self.pools = pools
         self.windows = windows  # per pool: 0 for full attention, else the window its layers use
+        self.windowed = any(windows)
         self.block_size = block_size
         self.prefix = pools[0].prefix  # the engine gives one only to a lone full-attention pool
 
@@ -132,16 +132,16 @@ class BlockManager:
 
     def index(self, seq: Sequence) -> None:
         """Cache the full blocks of `seq` computed since the last call."""
-        if self.prefix is None:
-            return
         full = seq.num_computed // self.block_size
+        if self.prefix is None or full <= seq.num_indexed:  # most steps: no block filled up
+            return
         extend_keys(seq.block_keys, seq.token_ids, self.block_size)
         for i in range(seq.num_indexed, full):
             self.prefix.insert(seq.block_tables[0][i], seq.block_keys[i])
         seq.num_indexed = max(seq.num_indexed, full)
 
     def recycle(self, seq: Sequence) -> None:
-        """Free the ring blocks no query from `seq.num_computed` on can see."""
+        """Free the ring blocks no query from `seq.num_computed` on can see (only `windowed` pools have any)."""
         for pool, window, table in zip(self.pools, self.windows, seq.block_tables, strict=True):
             if window == 0:
                 continue
@@ -156,9 +156,9 @@ class BlockManager:
         """Give `seq` the blocks its next `num_tokens` tokens need (after `recycle`); False, and nothing taken,
         when some pool cannot."""
         needed = -(-(seq.num_computed + num_tokens) // self.block_size)
-        missing = [needed - len(table) for table in seq.block_tables]
-        if max(missing) <= 0:
+        if all(len(table) >= needed for table in seq.block_tables):  # most decode steps
             return True
+        missing = [needed - len(table) for table in seq.block_tables]
         if not all(pool.can_allocate(n) for pool, n in zip(self.pools, missing, strict=True)):
             return False
         for pool, table, n in zip(self.pools, seq.block_tables, missing, strict=True):

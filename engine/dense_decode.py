@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from engine.block_manager import GROWTH, table_tensor
-from engine.kv_cache import KVCache
+from engine.block_manager import table_tensor
+from engine.kv_cache import GROWTH, KVCache
 from engine.sequence import Sequence, Status
 from kernels.torch_ops import decode_attention, gather_blocks
 
@@ -31,7 +31,7 @@ class DenseDecodeKV:
         self.max_length = max_length  # no sequence gets longer than this
         self.max_rows = max_rows  # no step decodes more sequences than this
         num_layers, _, heads, dim = cache.shape
-        self.bytes_per_token = 2 * num_layers * heads * dim * cache.data.element_size()
+        self.bytes_per_token = 2 * num_layers * heads * dim * cache.dtype.itemsize
         self.data = torch.zeros(2, num_layers, 0, 0, heads, dim, dtype=cache.dtype, device=cache.device)
         self.order: list[Sequence] = []  # order[i] owns row i
         self.filled: dict[Sequence, int] = {}  # tokens of K/V each row holds
@@ -141,4 +141,4 @@ class DenseDecodeKV:
         tables = table_tensor([seq.block_tables[self.pool][:width] for seq in seqs])
         for kv in range(2):
             for layer in range(self.data.shape[1]):
-                self.data[kv, layer, rows, :longest] = gather_blocks(self.cache.data[kv, layer], tables, longest)
+                self.data[kv, layer, rows, :longest] = gather_blocks(self.cache.layer(layer)[kv], tables, longest)

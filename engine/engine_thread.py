@@ -12,6 +12,10 @@ supervisor restart it.
 Between steps the thread also stops requests: those cancelled (`cancel`) and those past their deadline, which
 end `expired`; either way the engine frees their KV blocks at once and their completion keeps the text so far.
 A caller that passes `on_tokens` is handed the output so far each time it has grown by `progress_every` tokens.
+
+The thread also measures the gaps between steps it runs back to back (`LoopGaps`), which `stats()` reports
+as `loop_gap_p50_ms` / `loop_gap_p95_ms`: what its own bookkeeping and the other threads of the process cost
+the model in idle time.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import replace
 import torch
 
 from engine.interface import Completion, Request, RequestError, StepEngine, Timings
+from engine.loop_gaps import LoopGaps
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,7 @@ class EngineThread:
         self._watched: dict[str, tuple[TokensCallback, int]] = {}  # request id -> (callback, tokens reported)
         self._cv = threading.Condition()
         self._stopping = False
+        self.gaps = LoopGaps()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -82,7 +88,8 @@ class EngineThread:
             self._cv.notify()
 
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        return {**self.engine.stats(), "loop_gap_p50_ms": 1e3 * self.gaps.percentile(0.5),
+                "loop_gap_p95_ms": 1e3 * self.gaps.percentile(0.95), "loop_gaps": self.gaps.total}
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -95,6 +102,7 @@ class EngineThread:
             while True:
                 with self._cv:
                     while not (self._stopping or self._inbox or self._cancels or self.engine.has_unfinished()):
+                        self.gaps.step_ended = None  # idle for want of work: not a gap between steps
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -106,7 +114,10 @@ class EngineThread:
                     self._stop(request_id, reason)
                 self._expire(time.monotonic())
                 if self.engine.has_unfinished():
+                    if self.gaps.step_ended is not None:
+                        self.gaps.observe(time.perf_counter() - self.gaps.step_ended)
                     self._step()
+                    self.gaps.step_ended = time.perf_counter()
                     self._report_tokens()
         except BaseException as exc:  # the engine is in an unknown state: fail everything, loudly
             log.exception("engine thread crashed")

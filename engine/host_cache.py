@@ -31,13 +31,12 @@ class HostCache:
             return
         if len(self.entries) < self.max_blocks:
             # allocated as needed, not up front: most runs never fill the tier
-            source = self.cache.data[:, :, block]
-            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.stream is not None)
+            buffer = torch.empty(self.cache.block_shape(), dtype=self.cache.dtype, pin_memory=self.stream is not None)
         else:
             _, (_, buffer) = self.entries.popitem(last=False)
             self.num_evictions += 1
         with self._copying():
-            buffer.copy_(self.cache.data[:, :, block], non_blocking=True)
+            self.cache.read_block(block, buffer)
         self.entries[entry.key] = (entry, buffer)
 
     def contains(self, entry: BlockKey) -> bool:
@@ -48,7 +47,7 @@ class HostCache:
         """Copy `entry` (which `contains`) into pool block `block`."""
         self.entries.move_to_end(entry.key)
         with self._copying():
-            self.cache.data[:, :, block].copy_(self.entries[entry.key][1], non_blocking=True)
+            self.cache.write_block(block, self.entries[entry.key][1])
 
     @contextmanager
     def _copying(self) -> Iterator[None]:

@@ -43,7 +43,8 @@ class KVPlan:
 
 
 def plan_kv(shape: ModelShape, config: EngineConfig, max_model_len: int, cache_dtype: torch.dtype,
-            device: torch.device) -> KVPlan:
+            device: torch.device, reserved: int = 0) -> KVPlan:
+    """`reserved`: bytes of free memory a budget given as a fraction leaves to activations."""
     policies = layer_policies(shape.windows, parse_policy(config.attention_policy))
     rings = [ring_window(p) for p in policies]
     windows = sorted(set(rings))
@@ -54,7 +55,7 @@ def plan_kv(shape: ModelShape, config: EngineConfig, max_model_len: int, cache_d
     block_bytes = [n * kv_bytes_per_token // shape.num_layers * config.block_size for n in layers]
     chunk = min(config.prefill_chunk_size, config.max_num_batched_tokens)
     per_seq = blocks_per_seq(windows, config.block_size, max_model_len, chunk)
-    budget = kv_budget(config.kv_cache_memory, device)
+    budget = kv_budget(config.kv_cache_memory, device, reserved)
     max_blocks = split_budget(budget, layers, block_bytes, [b * config.max_num_seqs for b in per_seq])
     if min(max_blocks) < 2:
         raise ValueError(f"a KV budget of {budget} bytes does not hold even two blocks per pool")

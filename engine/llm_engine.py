@@ -14,15 +14,16 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.dense_decode import DenseDecodeKV
 from engine.host_cache import HostCache
 from engine.interface import Completion, Request, RequestError
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, growth_plan
 from engine.kv_plan import plan_kv
 from engine.loader import load_model, read_eos_ids, read_shape
 from engine.memory import weights_bytes
 from engine.model_runner import ModelRunner
 from engine.prefix_cache import PrefixCache
+from engine.profile import largest_step
 from engine.scheduler import Scheduler, work_of
 from engine.sequence import Sequence
-from engine.text import cut_at_stop, finish_text, think_ids
+from engine.text import finish_text, may_end_stop, stops_hit, think_ids
 from kernels.dispatch import select_ops
 
 
@@ -43,19 +44,24 @@ class LLMEngine:
         # a thinking model's block delimiters (Qwen3: `<think>` 151667, `</think>` 151668), if it has them
         self.think_ids = think_ids(self.tokenizer)
 
-        self.plan = plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
+        plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
+        # a budget that is a fraction of free memory leaves room for the largest step's activations
+        self.activation_bytes = 0
+        if self.device.type == "cuda" and config.kv_cache_memory <= 1:
+            self.activation_bytes = largest_step(self.model, ops, plan, config, cache_dtype)
+            plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device, self.activation_bytes)
+        self.plan = plan
         self.windows = plan.windows
-        caches = [
-            KVCache(n, min(config.initial_blocks, m), config.block_size, shape.num_kv_heads, shape.head_dim,
-                    cache_dtype, self.device)
-            for n, m in zip(plan.layers, plan.max_blocks, strict=True)
-        ]
+        # each pool's K and V per layer are its segments: growth copies one at a time (engine.kv_cache)
+        sizes = [growth_plan(min(config.initial_blocks, m), m, 2 * n) for n, m in zip(plan.layers, plan.max_blocks,
+                                                                                      strict=True)]
+        caches = [KVCache(n, s[0], config.block_size, shape.num_kv_heads, shape.head_dim, cache_dtype, self.device)
+                  for n, s in zip(plan.layers, sizes, strict=True)]
         prefix = None
         if config.enable_prefix_cache and plan.windows == [0]:
             host_blocks = config.host_cache_memory // caches[0].bytes_per_block
             prefix = PrefixCache(HostCache(caches[0], host_blocks) if host_blocks > 0 else None)
-        pools = [BlockPool(c, m, prefix if i == 0 else None)
-                 for i, (c, m) in enumerate(zip(caches, plan.max_blocks, strict=True))]
+        pools = [BlockPool(c, s, prefix if i == 0 else None) for i, (c, s) in enumerate(zip(caches, sizes, strict=True))]
         self.blocks = BlockManager(pools, plan.windows, config.block_size)
         self.scheduler = Scheduler(config, self.blocks)
         graphs = None
@@ -77,6 +83,7 @@ class LLMEngine:
         self._tokens_generated = 0
         self._tokens_computed = 0
         self._peak_blocks = 0  # most KV blocks in use after any step's scheduling
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for stop strings
 
     def add_request(self, request: Request) -> None:
         n, p = len(request.prompt_ids), request.sampling
@@ -96,7 +103,7 @@ class LLMEngine:
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
-        seq = Sequence(request, len(self.blocks.pools), self.device)
+        seq = Sequence(request, len(self.blocks.pools))
         self._seqs[request.request_id] = seq
         self.blocks.prefetch(seq)
         self.scheduler.add(seq)
@@ -127,7 +134,7 @@ class LLMEngine:
         sampled = self.runner.run(batch)
         end = time.monotonic()
         self._steps += 1
-        done = []
+        done, stopping = [], []
         for seq, n in batch:
             seq.record_step(self._steps, start, end, len(batch), prefilled=n > 1 or seq.num_computed == 0)
             seq.num_computed += n
@@ -140,11 +147,18 @@ class LLMEngine:
                 token = self._within_thinking_budget(seq, token)
             seq.append_token(token, end)
             self._tokens_generated += 1
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq)
-                del self._seqs[seq.request_id]
-                done.append(self._completion(seq, reason))
+            if token in self.eos_ids and not seq.params.ignore_eos:
+                self._finish(seq, "stop", done)
+            elif seq.params.stop and may_end_stop(self._token_text(token), seq.params.stop):
+                stopping.append(seq)  # decoded together below
+            elif self._at_length(seq):
+                self._finish(seq, "length", done)
+        if stopping:
+            outputs = [(seq.output_tail(seq.stop_window), seq.params.stop) for seq in stopping]
+            hits = stops_hit(self.tokenizer, outputs)
+            for seq, hit in zip(stopping, hits, strict=True):
+                if hit or self._at_length(seq):
+                    self._finish(seq, "stop" if hit else "length", done)
         # the whole step, planning and bookkeeping included: what an interactive request waits per token
         self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
@@ -162,16 +176,20 @@ class LLMEngine:
             seq.reasoning += 1
         return token
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in self.eos_ids and not p.ignore_eos:
-            return "stop"
-        # decoding text every token costs, so only requests with stop strings pay for it
-        if p.stop and cut_at_stop(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), p.stop)[1]:
-            return "stop"
-        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+    def _token_text(self, token: int) -> str:
+        """One token's own text, decoded once per engine (byte-level tokens: never more than a few bytes)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=True)
+        return text
+
+    def _at_length(self, seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len
+
+    def _finish(self, seq: Sequence, reason: str, done: list[Completion]) -> None:
+        self.scheduler.finish(seq)
+        del self._seqs[seq.request_id]
+        done.append(self._completion(seq, reason))
 
     def _completion(self, seq: Sequence, reason: str) -> Completion:
         eos = set() if seq.params.ignore_eos else self.eos_ids
@@ -232,6 +250,7 @@ class LLMEngine:
         full = [p.max_blocks for p, w in zip(pools, self.windows, strict=True) if w == 0]
         return {
             "weights_bytes": weights_bytes(self.model),
+            "activation_bytes": self.activation_bytes,  # held back from a fractional budget (CUDA only)
             "kv_bytes_per_token": self.plan.kv_bytes_per_token,
             "kv_budget_bytes": self.plan.budget_bytes,
             "block_size": self.config.block_size,

@@ -25,9 +25,12 @@ def weights_bytes(model: nn.Module) -> int:
     return total
 
 
-def kv_budget(kv_cache_memory: float, device: torch.device) -> int:
-    """`kv_cache_memory` in bytes: as given when above 1, else that fraction of the memory free now."""
-    return int(kv_cache_memory if kv_cache_memory > 1 else kv_cache_memory * free_memory(device))
+def kv_budget(kv_cache_memory: float, device: torch.device, reserved: int = 0) -> int:
+    """`kv_cache_memory` in bytes: as given when above 1, else that fraction of the memory free now, less
+    `reserved` (what the largest step allocates besides the pool)."""
+    if kv_cache_memory > 1:
+        return int(kv_cache_memory)
+    return int(kv_cache_memory * free_memory(device)) - reserved
 
 
 def split_budget(budget: int, layers: list[int], block_bytes: list[int], caps: list[int]) -> list[int]:

@@ -69,13 +69,20 @@ class ModelRunner:
                                                                   key=lambda item: item[1])
         seqs = [seq for seq, _ in batch]
         counts = [n for _, n in batch]
-        input_ids = [t for seq, n in batch for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
+        computed = [seq.num_computed for seq in seqs]
+        d = len(decodes)
+        # a decode's one new token is the one at `num_computed`: no slice per row
+        input_ids = [seq.token_ids[c] for seq, c in zip(seqs[:d], computed[:d], strict=True)]
+        input_ids += [t for seq, n in batch[d:] for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
         counts_t = torch.tensor(counts)
-        seq_lens = torch.tensor([seq.num_computed for seq in seqs]) + counts_t
+        seq_lens = torch.tensor(computed) + counts_t
         cu_seqlens = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         torch.cumsum(counts_t, 0, out=cu_seqlens[1:])
-        row = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
-        positions = torch.arange(len(input_ids)) - cu_seqlens[row] + seq_lens[row] - counts_t[row]
+        if d == len(seqs):  # decodes only: one token per row, at the row's context length
+            row, positions = torch.arange(d), seq_lens - 1
+        else:
+            row = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
+            positions = torch.arange(len(input_ids)) - cu_seqlens[row] + seq_lens[row] - counts_t[row]
         tables = [table_tensor([seq.block_tables[p] for seq in seqs]) for p in range(len(self.caches))]
         slots = [t[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
                  for t in tables]
@@ -87,14 +94,38 @@ class ModelRunner:
         """Final hidden states of every packed token."""
         if self.graphs is not None and step.num_decodes == len(step.seqs) and self.graphs.fits(len(step.seqs)):
             return self.graphs.run(step.input_ids, step.positions, step.slots, step.seq_lens, step.tables)
-        to, d = self.device, step.num_decodes
+        d, pools = step.num_decodes, len(step.tables)
+        input_ids, positions, cu_seqlens, seq_lens, *rest = upload(
+            [step.input_ids, step.positions, step.cu_seqlens, step.seq_lens, *step.tables, *step.slots], self.device)
+        tables, slots = rest[:pools], rest[pools:]
         parts = []
         if d:
-            parts.append(BatchPart(0, d, step.cu_seqlens[:d + 1].to(to), step.seq_lens[:d].to(to),
-                                   [t[:d].to(to) for t in step.tables], self.dense if step.dense else None))
+            parts.append(BatchPart(0, d, cu_seqlens[:d + 1], seq_lens[:d], [t[:d] for t in tables],
+                                   self.dense if step.dense else None))
         if d < len(step.seqs):
-            parts.append(BatchPart(d, len(step.input_ids), (step.cu_seqlens[d:] - d).to(to), step.seq_lens[d:].to(to),
-                                   [t[d:].to(to) for t in step.tables]))
-        attn = AttentionBatch(self.ops, self.caches, self.layer_slots, [s.to(to) for s in step.slots], parts)
-        return self.model(step.input_ids.to(to), step.positions.to(to), attn)
+            parts.append(BatchPart(d, len(step.input_ids), cu_seqlens[d:] - d, seq_lens[d:], [t[d:] for t in tables]))
+        attn = AttentionBatch(self.ops, self.caches, self.layer_slots, slots, parts)
+        return self.model(input_ids, positions, attn)
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """A step's small integer inputs on `device`: on CUDA one pinned host buffer and one non-blocking copy
+    for all of them instead of a synchronous pageable copy each; elsewhere they stay where they are."""
+    if device.type != "cuda":
+        return tensors
+    return split_copy(tensors, device, pin=True)
+
+
+def split_copy(tensors: list[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """`tensors` (integer, on the host) copied to `device` through one flat int64 buffer, each back in its
+    shape and dtype."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors])
+    if pin:
+        flat = flat.pin_memory()
+    moved = flat.to(device, non_blocking=pin)
+    out, start = [], 0
+    for t in tensors:
+        out.append(moved[start:start + t.numel()].view(t.shape).to(t.dtype))
+        start += t.numel()
+    return out
 

@@ -3,8 +3,9 @@
 Penalties come first: transformers' repetition penalty over the prompt and the output, OpenAI's presence
 penalty over the output. Greedy rows then take the argmax. Sampled rows are divided by their temperature and
 filtered on one sort of their logits by top-k, top-p and min-p, in that order (transformers' warpers), and
-drawn in vocabulary order: rows with a seed from their own generator, so that their draws never depend on
-their batch-mates, the others in one call.
+all drawn in one call by inverting their cumulative distribution at one uniform number per row. A row with a
+seed takes its number from a counter-based hash of (seed, tokens it has drawn so far), so its draws never
+depend on its batch-mates, on pre-emptions or on the device, and no row needs a generator of its own.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import torch
 
 from engine.interface import SamplingParams
 
+MASK32 = 0xFFFFFFFF
+
 
 class Row(Protocol):
     """What sampling needs of a sequence (`engine.sequence.Sequence`)."""
 
     params: SamplingParams
-    generator: torch.Generator | None
     token_ids: list[int]  # prompt, then output so far
     num_prompt_tokens: int
 
@@ -52,13 +54,17 @@ def penalize(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[rows, vocab] probabilities after temperature, top-k, top-p and min-p, in vocabulary order."""
-    device = logits.device
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities after temperature, top-k, top-p and min-p, each row in descending order of its logits,
+    `[rows, ranks]` (ranks: the largest top-k, or the whole vocabulary), and the vocabulary id at each rank."""
+    device, vocab = logits.device, logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-    sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[1], device=device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device)[:, None]
+    widest = max(p.top_k if 0 < p.top_k < vocab else vocab for p in params)
+    # when every row has a top-k, only the best `widest` ever survive: a partial sort is enough
+    scaled = logits / temperature
+    sorted_logits, order = scaled.topk(widest) if widest < vocab else scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(widest, device=device)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]
     sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
     probs = sorted_logits.softmax(-1)
     top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
@@ -66,8 +72,24 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     drop = probs.cumsum(-1) - probs >= top_p
     min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
     drop |= probs < min_p * probs[:, :1]
-    probs = probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, probs / probs.sum(-1, keepdim=True))
+    return probs.masked_fill(drop, 0.0), order
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wang/Mueller), on int64 tensors holding values below 2**32: no product overflows."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    return (x >> 16) ^ x
+
+
+def seeded_uniforms(seeds: list[int], counters: list[int], device: torch.device) -> torch.Tensor:
+    """One number in [0, 1) per (seed, counter), the same wherever and with whatever else it is computed."""
+    low = torch.tensor([s & MASK32 for s in seeds], dtype=torch.int64, device=device)
+    high = torch.tensor([(s >> 32) & MASK32 for s in seeds], dtype=torch.int64, device=device)
+    counter = torch.tensor(counters, dtype=torch.int64, device=device)
+    x = _mix32(_mix32(low ^ _mix32(high)) ^ (counter & MASK32))
+    x = _mix32(x ^ (counter >> 32))
+    return x.double() / 2.0 ** 32
 
 
 def sample(logits: torch.Tensor, rows: list[Row]) -> list[int]:
@@ -76,11 +98,15 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[int]:
     tokens = logits.argmax(-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
     if sampled:
-        probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
-        seeded = [j for j, i in enumerate(sampled) if rows[i].generator is not None]
-        free = [j for j, i in enumerate(sampled) if rows[i].generator is None]
-        if free:
-            tokens[[sampled[j] for j in free]] = torch.multinomial(probs[free], 1)[:, 0]
-        for j in seeded:
-            tokens[sampled[j]] = torch.multinomial(probs[j], 1, generator=rows[sampled[j]].generator)[0]
+        params = [rows[i].params for i in sampled]
+        probs, order = _filtered_probs(logits[sampled], params)
+        uniforms = torch.rand(len(sampled), dtype=torch.float64, device=logits.device)
+        seeded = [j for j, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            draws = [len(rows[sampled[j]].token_ids) - rows[sampled[j]].num_prompt_tokens for j in seeded]
+            uniforms[seeded] = seeded_uniforms([params[j].seed for j in seeded], draws, logits.device)
+        cdf = probs.double().cumsum(-1)
+        # the first rank whose cumulative mass exceeds the draw; clamped for rounding at the very top
+        ranks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
+        tokens[sampled] = order.gather(1, ranks)[:, 0]
     return tokens.tolist()

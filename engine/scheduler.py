@@ -44,40 +44,50 @@ from engine.step_cost import StepCost, Work
 
 @dataclass
 class StepPlan:
-    """The step being planned: what runs, and the work that adds up to."""
+    """The step being planned: what runs, and the work that adds up to (kept as plain counters: the planner
+    adds hundreds of rows a step)."""
 
     tokens_left: int
     scheduled: dict[Sequence, int] = field(default_factory=dict)
     computing: set[int] = field(default_factory=set)  # keys of the blocks this step's prefill chunks fill
-    work: Work = field(default_factory=Work)
+    prefill_tokens: int = 0
+    decode_rows: int = 0
+    decode_longest: int = 0
+
+    @property
+    def work(self) -> Work:
+        return Work(self.prefill_tokens, self.decode_rows, self.decode_longest)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.scheduled[seq] = n
         self.tokens_left -= n
-        self.work = plus(self.work, seq, n)
+        if n == 1:
+            self.decode_rows += 1
+            self.decode_longest = max(self.decode_longest, seq.num_computed + 1)
+        else:
+            self.prefill_tokens += n
 
     def remove(self, seq: Sequence) -> None:
+        """(A row taken out leaves the longest context as it was: an estimate on the safe side.)"""
         n = self.scheduled.pop(seq, 0)
-        if n:
-            self.tokens_left += n
-            self.work = plus(self.work, seq, n, sign=-1)
+        self.tokens_left += n
+        if n == 1:
+            self.decode_rows -= 1
+        elif n:
+            self.prefill_tokens -= n
 
 
-def plus(work: Work, seq: Sequence, n: int, sign: int = 1) -> Work:
-    """`work` with `n` more (or, `sign` -1, fewer) tokens of `seq`: a decode row, or a prefill chunk. (A row
-    taken out leaves the longest context as it was: an estimate on the safe side.)"""
+def plus(work: Work, seq: Sequence, n: int) -> Work:
+    """`work` with `n` more tokens of `seq`: a decode row, or a prefill chunk."""
     if n == 1:
-        longest = max(work.decode_longest, seq.num_computed + 1) if sign > 0 else work.decode_longest
-        return Work(work.prefill_tokens, work.decode_rows + sign, longest)
-    return Work(work.prefill_tokens + sign * n, work.decode_rows, work.decode_longest)
+        return Work(work.prefill_tokens, work.decode_rows + 1, max(work.decode_longest, seq.num_computed + 1))
+    return Work(work.prefill_tokens + n, work.decode_rows, work.decode_longest)
 
 
 def work_of(batch: list[tuple[Sequence, int]]) -> Work:
     """The work of a scheduled step (before it runs: contexts are counted from `num_computed`)."""
-    work = Work()
-    for seq, n in batch:
-        work = plus(work, seq, n)
-    return work
+    contexts = [seq.num_computed + 1 for seq, n in batch if n == 1]
+    return Work(sum(n for _, n in batch if n > 1), len(contexts), max(contexts, default=0))
 
 
 class Scheduler:
@@ -130,7 +140,7 @@ class Scheduler:
         decodes = sorted((s for s in bulk if s.num_uncomputed == 1),
                          key=lambda s: (s.last_step < self._step - 1, s.last_step, s.admitted))
         for i, seq in enumerate(decodes):
-            if plan.tokens_left < 1 or self.cost.predict(plus(plan.work, seq, 1)) > limit:
+            if plan.tokens_left < 1 or (limit < math.inf and self.cost.predict(plus(plan.work, seq, 1)) > limit):
                 self.num_rows_deferred += len(decodes) - i  # the rest would not fit either
                 break
             self._run(seq, 1, plan)
@@ -178,7 +188,8 @@ class Scheduler:
         """Schedule `n` tokens of running `seq`, pre-empting others (or `seq` itself) when blocks are short."""
         if n <= 0 or seq.status is not Status.RUNNING:
             return
-        self.blocks.recycle(seq)
+        if self.blocks.windowed:
+            self.blocks.recycle(seq)
         while seq.status is Status.RUNNING and not self.blocks.try_append(seq, n):
             self._preempt(self._victim(seq, for_room=True), plan)
         if seq.status is Status.RUNNING:
@@ -270,8 +281,11 @@ class Scheduler:
 
     def _mark_computing(self, seq: Sequence, n: int, computing: set[int]) -> None:
         size = self.blocks.block_size
+        first = seq.num_computed // size
+        if first >= len(seq.block_keys):  # a decode into a block not full yet: nothing another could reuse
+            return
         last = min(-(-(seq.num_computed + n) // size), len(seq.block_keys))
-        computing.update(entry.key for entry in seq.block_keys[seq.num_computed // size:last])
+        computing.update(entry.key for entry in seq.block_keys[first:last])
 
     def _next_block_in_flight(self, seq: Sequence, computing: set[int]) -> bool:
         if not computing:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-import torch
-
 from engine.block_key import BlockKey
 from engine.interface import Request, Timings
+from engine.text import stop_window
 
 
 class Status(Enum):
@@ -17,11 +16,12 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, request: Request, num_pools: int, device: torch.device) -> None:
+    def __init__(self, request: Request, num_pools: int) -> None:
         self.request = request
         self.params = request.sampling
         self.token_ids = list(request.prompt_ids)
         self.num_prompt_tokens = len(request.prompt_ids)
+        self.stop_window = stop_window(self.params.stop)  # output tokens a stop string can span
         # Tokens whose K/V is in the cache. A step computes `token_ids[num_computed:]` (or a chunk of it) and
         # samples when it reaches the end, so prefill, chunked prefill, decode and recompute after pre-emption
         # are one code path.
@@ -38,10 +38,6 @@ class Sequence:
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.generator: torch.Generator | None = None
-        if self.params.seed is not None:
-            # per request, so that its draws do not depend on which other requests share its steps
-            self.generator = torch.Generator(device).manual_seed(self.params.seed)
 
     @property
     def request_id(self) -> str:
@@ -62,6 +58,10 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def output_tail(self, n: int) -> list[int]:
+        """The last `n` output tokens (fewer when the output is shorter), without copying the whole output."""
+        return self.token_ids[max(self.num_prompt_tokens, len(self.token_ids) - n):]
 
     def urgency(self, now: float, ageing_rate: float) -> float:
         """Priority plus what it gained by waiting since arrival (for a job: since it was created)."""

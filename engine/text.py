@@ -11,6 +11,27 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(hits)], True) if hits else (text, False)
 
 
+def stop_window(stops: Sequence[str]) -> int:
+    """Tokens at the end of an output that a stop string completed by its last token can span: a byte-level
+    tokenizer's tokens hold at least one byte each, so no more tokens than the stop string has bytes."""
+    return max((len(s.encode()) for s in stops if s), default=1)
+
+
+def may_end_stop(token_text: str, stops: Sequence[str]) -> bool:
+    """Whether a token whose own text is `token_text` can be the one that completes a stop string: it must
+    bring the stop's last character, or bytes of a character split over tokens (which alone decode to
+    U+FFFD). A token with no text (a special token, skipped) completes nothing."""
+    return "\ufffd" in token_text or any(s and s[-1] in token_text for s in stops)
+
+
+def stops_hit(tokenizer, tails: list[tuple[list[int], Sequence[str]]]) -> list[bool]:
+    """For each (last tokens of an output, at least `stop_window` of them; its stop strings): whether a stop
+    string ends with the output's last token. Only these tails are decoded, all in one call, instead of every
+    output from its start every token; earlier occurrences were caught when they ended."""
+    texts = tokenizer.backend_tokenizer.decode_batch([ids for ids, _ in tails], skip_special_tokens=True)
+    return [cut_at_stop(text, stops)[1] for text, (_, stops) in zip(texts, tails, strict=True)]
+
+
 def finish_text(tokenizer, token_ids: list[int], stops: Sequence[str], eos_ids: set[int]) -> tuple[list[int], str, bool]:
     """Generated ids and text trimmed at EOS or the first stop string; the bool says whether either hit."""
     ended = False

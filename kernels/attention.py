@@ -15,13 +15,17 @@ directly: a KV head's scale folds into the softmax scale (K) and the output (V).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.sparse import AttentionPolicy, BlockCSR, block_csr
+
+T = TypeVar("T")
 
 LOG2E = 1.4426950408889634  # the kernels use exp2: scores are pre-multiplied by log2(e)
 
@@ -267,13 +271,26 @@ def paged_attention(
     stride: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    layouts: dict | None = None,
 ) -> torch.Tensor:
-    """`attention_ref.paged_attention_ref`, on Triton."""
+    """`attention_ref.paged_attention_ref`, on Triton. `layouts`, when given, is a dict that lives as long as
+    these queries and key lengths do (one step's part, the same at every layer): the query tiles and kept key
+    tiles the first call works out (device work and a host sync each) are kept there for the next calls."""
     _check(q, k_cache, v_cache)
     policy = AttentionPolicy(window, sinks, stride)
     if q.shape[0] == seq_lens.shape[0]:  # every sequence brings at least one token, so exactly one each
-        return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, policy, k_scale, v_scale)
-    return _extend(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, policy, k_scale, v_scale)
+        return _decode(q, k_cache, v_cache, seq_lens, block_tables, scale, policy, k_scale, v_scale, layouts)
+    return _extend(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, policy, k_scale, v_scale,
+                   layouts)
+
+
+def _kept(layouts: dict | None, key: tuple, build: Callable[[], T]) -> T:
+    """`build()`, or what it gave for `key` in `layouts` before."""
+    if layouts is None:
+        return build()
+    if key not in layouts:
+        layouts[key] = build()
+    return layouts[key]
 
 
 def _cache_args(k_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[int, ...]:
@@ -303,14 +320,15 @@ def _decode(
     policy: AttentionPolicy,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    layouts: dict | None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // kv_heads
     tiling = _tiling(q, batch)
     max_keys = block_tables.shape[1] * block_size
-    last = seq_lens - 1
-    csr = _csr(policy, last, last, max_keys, tiling.block_n)
+    csr = _kept(layouts, ("decode", policy, max_keys, tiling.block_n),
+                lambda: _csr(policy, seq_lens - 1, seq_lens - 1, max_keys, tiling.block_n))
     max_tiles = csr.max_row if csr else triton.cdiv(max_keys, tiling.block_n)
     splits = _decode_splits(batch, kv_heads, max_tiles, tiling)
 
@@ -347,6 +365,7 @@ def _extend(
     policy: AttentionPolicy,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    layouts: dict | None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
@@ -354,10 +373,15 @@ def _extend(
     tiling = _tiling(q, batch)
     block_m, block_n = tiling.block_m, tiling.block_n
     num_rows = num_tokens // block_m + batch  # each sequence adds at most one partial row
-    row_seq, row_tok, row_cnt = query_tiles(cu_seqlens_q, block_m, num_rows)
-    seq = row_seq.long()
-    q_first = (seq_lens - (cu_seqlens_q[1:] - cu_seqlens_q[:-1]))[seq] + row_tok - cu_seqlens_q[seq]
-    csr = _csr(policy, q_first, q_first + row_cnt - 1, block_tables.shape[1] * block_size, block_n)
+    max_keys = block_tables.shape[1] * block_size
+
+    def layout() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BlockCSR | None]:
+        row_seq, row_tok, row_cnt = query_tiles(cu_seqlens_q, block_m, num_rows)
+        seq = row_seq.long()
+        q_first = (seq_lens - (cu_seqlens_q[1:] - cu_seqlens_q[:-1]))[seq] + row_tok - cu_seqlens_q[seq]
+        return row_seq, row_tok, row_cnt, _csr(policy, q_first, q_first + row_cnt - 1, max_keys, block_n)
+
+    row_seq, row_tok, row_cnt, csr = _kept(layouts, ("extend", policy, max_keys, block_m, block_n), layout)
 
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     scaled = k_scale is not None

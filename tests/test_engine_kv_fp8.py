@@ -47,8 +47,8 @@ def test_fp8_halves_kv_bytes_of_bf16(tiny_models):
         fp8 = make_engine(path, dtype="bfloat16", kv_cache_memory=2**24, kv_cache_dtype="fp8")
         bf16_report, fp8_report = bf16.memory_report(), fp8.memory_report()
         assert fp8_report["kv_bytes_per_token"] * 2 == bf16_report["kv_bytes_per_token"]
-        # the same budget holds twice the blocks
-        assert fp8_report["pool_blocks_max"] == pytest.approx(2 * bf16_report["pool_blocks_max"], rel=0.01)
+        # the same budget holds twice the blocks (what a pool reaches of it depends on its growth steps)
+        assert sum(fp8.plan.max_blocks) == pytest.approx(2 * sum(bf16.plan.max_blocks), rel=0.01)
         assert fp8.blocks.pools[0].cache.bytes_per_block * 2 == bf16.blocks.pools[0].cache.bytes_per_block
 
 

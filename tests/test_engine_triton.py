@@ -36,3 +36,16 @@ def generate(path, backend: str, **settings) -> list[list[int]]:
 def test_triton_greedy_matches_torch(tiny_models, preset, settings):
     path = tiny_models[preset]
     assert generate(path, "triton", **settings) == generate(path, "torch", **settings)
+
+
+def test_windowed_tile_layouts_are_worked_out_once_per_step_not_per_layer(tiny_models, monkeypatch):
+    engine = make_engine(tiny_models["tiny-swa"], attention_backend="triton", attention_policy="streaming:32:4",
+                         prefill_chunk_size=48, max_num_batched_tokens=64, max_num_seqs=8)
+    built = []
+    block_csr = attention.block_csr
+    monkeypatch.setattr(attention, "block_csr", lambda *args: built.append(args[0]) or block_csr(*args))
+    engine.add_request(Request("r", PROMPTS[0], greedy(NEW_TOKENS)))
+    engine.step()  # one prefill chunk: one part
+    windowed = [s for s in engine.plan.layer_slots if s.policy.window]
+    groups = {(s.pool, s.policy) for s in windowed}
+    assert len(built) == len(groups) < len(windowed)

@@ -27,7 +27,8 @@ def check_blocks(engine: LLMEngine, seen: dict[int, tuple[int, torch.Tensor]]) -
     for block in [b for b in seen if b not in prefix.entries]:
         del seen[block]  # evicted: the block may now hold anything
     for block, entry in prefix.entries.items():
-        data = pool.cache.data[:, :, block]
+        data = torch.empty(pool.cache.block_shape())
+        pool.cache.read_block(block, data)
         if block in seen and seen[block][0] == entry.key:
             # not exact: a block evicted and recomputed with the same tokens in one step differs by rounding
             assert torch.allclose(seen[block][1], data, rtol=0, atol=1e-4), f"block {block} was overwritten"

@@ -5,6 +5,7 @@ and a multilingual prompt token-identical to transformers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -160,8 +161,8 @@ def test_the_tiny_checkpoint_without_sampling_defaults_stays_greedy(tiny_model):
 
 class Row:
     def __init__(self, params: SamplingParams, prompt: list[int], output: list[int], seed: int | None = None):
-        self.params, self.token_ids, self.num_prompt_tokens = params, prompt + output, len(prompt)
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.params = params if seed is None else replace(params, seed=seed)
+        self.token_ids, self.num_prompt_tokens = prompt + output, len(prompt)
 
 
 def test_repetition_and_presence_penalties_match_their_definitions():

@@ -45,6 +45,8 @@ ENGINE_STATS = {
                            "Bulk decode rows left out of a step to keep an interactive latency target"),
     "preemptions_spared": ("convoq_engine_preemptions_spared", "counter",
                            "Pre-emptions not done because the sequence had been pre-empted often enough"),
+    "loop_gap_p95_ms": ("convoq_engine_loop_gap_p95_milliseconds", "gauge",
+                        "95th percentile of the engine loop's idle time between back-to-back steps"),
     "step_fixed_s": ("convoq_engine_step_fixed_seconds", "gauge",
                      "The fixed part of a step's cost, as the engine's online fit has it"),
 }

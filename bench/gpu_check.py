@@ -1,0 +1,267 @@
+"""The GPU check: everything a GPU decides about the engine, in one run that writes one JSON.
+
+    bench/gpu_check.sh [gpu_check.json]            # on a CUDA machine, under 8 minutes on one H200
+    python -m bench.gpu_check --dry-run out.json   # the same parts on CPU with tiny shapes: the wiring only
+
+Parts, each timed and each allowed to fail without stopping the rest (its error is recorded instead); the JSON
+is rewritten after every part, so a run cut short still leaves what it measured:
+
+1. `kernels`: `bench.gpu_kernels` (quick shapes): every Triton kernel against its reference, and timings.
+2. `engine_vs_hf`: our engine against transformers on Qwen3-0.6B's shapes in bf16 (random weights):
+   `generate` in static batches of 16 on a mixed-length workload (target >= 10x), and `generate_batch`
+   (transformers' continuous batching, paged attention) on a uniform one (target >= 1.5x).
+3. `decode_floor`: decode ms/token at batch 1 for Qwen3-8B and -32B shapes (random bf16 weights built in
+   memory), against the floor that the measured copy bandwidth sets: weight bytes / bandwidth (target <= 1.5x).
+4. `mixed`: `bench.mixed` on the GPU (fewer requests): an urgent chat's latency under a bulk backlog.
+5. `graphs_identity`: greedy tokens with CUDA graphs on and off, 0.6B shapes, bf16: identical, token for token.
+6. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
+   memory against weights + KV budget + the activations the profiling step held back, and the device.
+
+The last line printed is a JSON summary: each part's verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench import engine_vs_hf, gpu_e2e, gpu_kernels
+from engine.config import EngineConfig, model_dtype
+from engine.hf_backend import HFEngine
+from engine.interface import Request, SamplingParams
+from engine.llm_engine import LLMEngine
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+                vocab_size=151936, rope_theta=1000000.0)
+# stands in for both large shapes in a dry run: the same code path, a model that builds in milliseconds
+DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+                 vocab_size=4096, rope_theta=1000000.0)
+TARGETS = {"vs_generate": 10.0, "vs_generate_batch": 1.5, "decode_vs_floor": 1.5}
+
+
+class Check:
+    """Where the check runs: a GPU in earnest, or the CPU with tiny shapes (`dry`)."""
+
+    def __init__(self, dry: bool) -> None:
+        self.dry = dry
+        self.device = "cpu" if dry else "cuda"
+        self.dtype = "float32" if dry else "bfloat16"
+        self.preset = "tiny" if dry else "0.6b"
+
+    def synchronize(self) -> None:
+        if not self.dry:
+            torch.cuda.synchronize()
+
+    def release(self) -> None:
+        if not self.dry:
+            torch.cuda.empty_cache()
+
+
+def kernels(check: Check) -> dict:
+    if check.dry:
+        return {"skipped": "needs CUDA (the kernel tests run the same checks under TRITON_INTERPRET=1)"}
+    report = gpu_kernels.run(quick=True)
+    report["ok"] = all(c["ok"] for c in report["checks"])
+    return report
+
+
+def _generate_batch_tok_s(path: Path, check: Check, prompts: list[list[int]], new_tokens: int) -> float:
+    """transformers' continuous batching (`generate_batch`, paged attention) on `prompts`, greedy."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=model_dtype(check.dtype, check.device),
+                                                 attn_implementation="paged|sdpa").to(check.device).eval()
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=prompts[:2], generation_config=config)  # warm-up
+    start = time.monotonic()
+    outputs = model.generate_batch(inputs=prompts, generation_config=config)
+    check.synchronize()
+    seconds = time.monotonic() - start
+    return sum(len(o.generated_tokens) for o in outputs.values()) / seconds
+
+
+def engine_vs_transformers(check: Check) -> dict:
+    path = engine_vs_hf.model_folder(check.preset)
+    engine = LLMEngine(EngineConfig(model=str(path), device=check.device, dtype=check.dtype))
+    vocab = len(engine.tokenizer)
+    count = 4 if check.dry else None  # the whole workload on a GPU
+    ours = engine_vs_hf.measure(engine, check.preset, vocab, 0, "engine", 1, count)
+    uniform = [r.prompt_ids for r in engine_vs_hf.make_requests(check.preset, vocab, 7, "u", count)]
+    new_tokens = 8 if check.dry else 128
+    requests = [Request(f"u{i}", p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+                for i, p in enumerate(uniform)]
+    tokens, seconds = engine_vs_hf.drain(engine, requests, "engine uniform")
+    ours_uniform = tokens / seconds
+    del engine
+    check.release()
+    hf = HFEngine(str(path), device=check.device, dtype=check.dtype, max_batch_size=16)
+    generate = engine_vs_hf.measure(hf, check.preset, vocab, 0, "hf", 1, count)
+    del hf
+    check.release()
+    batched = _generate_batch_tok_s(path, check, uniform, new_tokens)
+    check.release()
+    return {
+        "model": check.preset, "dtype": check.dtype,
+        "engine_tok_s": ours, "generate_tok_s": generate, "vs_generate": ours / generate,
+        "engine_uniform_tok_s": ours_uniform, "generate_batch_tok_s": batched,
+        "vs_generate_batch": ours_uniform / batched,
+        "ok": None if check.dry else (ours / generate >= TARGETS["vs_generate"]
+                                      and ours_uniform / batched >= TARGETS["vs_generate_batch"]),
+    }
+
+
+def _decode_ms_per_token(shape: dict, check: Check, bandwidth_gbs: float | None) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        gpu_e2e.write_config(Path(folder), shape)
+        weights = gpu_e2e.random_weights(torch.Generator(check.device).manual_seed(0), shape, check.device)
+        engine = LLMEngine(EngineConfig(model=folder, device=check.device, dtype=check.dtype,
+                                        initial_blocks=1 << 30, max_num_seqs=8), weights)
+    new_tokens = 8 if check.dry else 64
+    prompts = gpu_e2e.random_prompts(2, 128, len(engine.tokenizer), seed=5)
+    for i, prompt in enumerate(prompts):  # the first compiles and captures: not timed
+        run = gpu_e2e.drive(engine, [prompt], new_tokens, f"decode{i}")
+    [completion] = run.completions
+    ms = completion.timings.decode_ms / (len(completion.token_ids) - 1)
+    weight_bytes = engine.memory_report()["weights_bytes"]
+    del engine, run
+    check.release()
+    floor = weight_bytes / (bandwidth_gbs * 1e9) * 1e3 if bandwidth_gbs else None
+    return {"weights_bytes": weight_bytes, "ms_per_token": ms, "floor_ms": floor,
+            "vs_floor": ms / floor if floor else None}
+
+
+def decode_floor(check: Check) -> dict:
+    bandwidth = None if check.dry else gpu_e2e.copy_bandwidth_gbs()
+    shapes = {"8b": DRY_SHAPE, "32b": DRY_SHAPE} if check.dry else {"8b": QWEN3_8B, "32b": gpu_e2e.QWEN3_32B}
+    result: dict = {"copy_bandwidth_gbs": bandwidth}
+    for name, shape in shapes.items():
+        result[name] = _decode_ms_per_token(shape, check, bandwidth)
+    ratios = [result[name]["vs_floor"] for name in shapes]
+    result["ok"] = None if check.dry else all(r <= TARGETS["decode_vs_floor"] for r in ratios)
+    return result
+
+
+def mixed_load(check: Check) -> dict:
+    # imported here: it reads the service's settings (pydantic-settings), which a bare GPU machine may lack,
+    # and that must cost only this part
+    from bench import mixed
+
+    if check.dry:
+        return mixed.run_engine(chats=2, chat_rate=20.0, bulk=4, repeat=1, seed=0, device=check.device)
+    return mixed.run_engine(chats=10, chat_rate=2.0, bulk=128, repeat=1, seed=0, device=check.device)
+
+
+def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[int]]) -> tuple[list[list[int]], bool]:
+    """Each prompt's greedy tokens, and whether CUDA graphs were in use."""
+    engine = LLMEngine(EngineConfig(model=str(path), device=check.device, dtype=check.dtype, cuda_graphs=graphs,
+                                    initial_blocks=1 << 30))
+    requests = [Request(str(i), p, SamplingParams(max_new_tokens=32, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for r in requests:
+        engine.add_request(r)
+    done = {}
+    while engine.has_unfinished():
+        done.update((c.request_id, c.token_ids) for c in engine.step())
+    captured = engine.runner.graphs is not None
+    del engine
+    check.release()
+    return [done[r.request_id] for r in requests], captured
+
+
+def graphs_identity(check: Check) -> dict:
+    path = engine_vs_hf.model_folder(check.preset)
+    prompts = [r.prompt_ids for r in engine_vs_hf.make_requests(check.preset, 4096, 11, "g", 6 if check.dry else 24)]
+    with_graphs, captured = _greedy_tokens(path, check, True, prompts)
+    without, _ = _greedy_tokens(path, check, False, prompts)
+    differing = [i for i, (a, b) in enumerate(zip(with_graphs, without, strict=True)) if a != b]
+    return {"requests": len(prompts), "graphs_captured": captured, "differing_requests": differing,
+            "ok": not differing}
+
+
+def memory(check: Check) -> dict:
+    path = engine_vs_hf.model_folder(check.preset)
+    if not check.dry:
+        torch.cuda.reset_peak_memory_stats()
+    before = 0 if check.dry else torch.cuda.memory_allocated()
+    budget = 0.9 if not check.dry else 64 << 20
+    engine = LLMEngine(EngineConfig(model=str(path), device=check.device, dtype=check.dtype,
+                                    kv_cache_memory=budget, initial_blocks=64, max_num_seqs=512))
+    report = engine.memory_report()
+    # more K/V than the ceiling holds (on an H200 0.9 of the free memory is ~1M tokens of the 0.6B shapes):
+    # the pool grows to its ceiling, then requests are pre-empted
+    count, length = (16, 200) if check.dry else (640, 2048)
+    prompts = gpu_e2e.random_prompts(count, length, len(engine.tokenizer), seed=9)
+    gpu_e2e.drive(engine, prompts, 16, "memory")
+    after = engine.memory_report()
+    result = {"weights_bytes": report["weights_bytes"], "kv_budget_bytes": report["kv_budget_bytes"],
+              "activation_bytes": report["activation_bytes"],
+              "pool_bytes_start": report["pool_bytes"], "pool_bytes_end": after["pool_bytes"],
+              "pool_blocks_end": after["pool_blocks"], "pool_blocks_max": after["pool_blocks_max"],
+              "pool_at_ceiling": after["pool_blocks"] == after["pool_blocks_max"],
+              "pool_within_budget": after["pool_bytes"] <= report["kv_budget_bytes"]}
+    del engine
+    if check.dry:
+        result["ok"] = result["pool_within_budget"]
+        return result
+    peak = torch.cuda.max_memory_allocated() - before
+    total = torch.cuda.get_device_properties(0).total_memory
+    check.release()
+    result.update({"peak_allocated_bytes": peak, "device_bytes": total,
+                   # the pool, the weights and what the profiling step held back: all the engine should take
+                   "peak_over_planned": peak / (report["weights_bytes"] + report["kv_budget_bytes"]
+                                                + report["activation_bytes"]),
+                   "ok": result["pool_within_budget"] and peak < total})
+    return result
+
+
+PARTS: dict[str, Callable[[Check], dict]] = {
+    "kernels": kernels, "engine_vs_hf": engine_vs_transformers, "decode_floor": decode_floor,
+    "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
+}
+
+
+def run(check: Check, out: Path, parts: list[str]) -> dict:
+    report: dict = {"device": "cpu (dry run)" if check.dry else torch.cuda.get_device_name(),
+                    "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "parts": {}}
+    for name in parts:
+        start = time.monotonic()
+        try:
+            result = PARTS[name](check)
+        except Exception as exc:  # one part failing must not cost the figures of the others
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:],
+                      "ok": False}
+            check.release()
+        result["seconds"] = round(time.monotonic() - start, 1)
+        report["parts"][name] = result
+        out.write_text(json.dumps(report, indent=2, default=str))
+        print(f"{name}: {'error' if 'error' in result else 'done'} in {result['seconds']} s", file=sys.stderr)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json_path", nargs="?", default="gpu_check.json", help="where the report goes")
+    parser.add_argument("--dry-run", action="store_true", help="on CPU with tiny shapes: checks the wiring only")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; use --dry-run to check the wiring on CPU", file=sys.stderr)
+        return 2
+    report = run(Check(args.dry_run), Path(args.json_path), args.parts.split(","))
+    summary = {name: part.get("ok") for name, part in report["parts"].items()}
+    print(json.dumps({"ok": summary, "json": args.json_path}))
+    return 0 if all(ok is not False for ok in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Host work per engine step: everything but the model, for N sequences decoding together.
+
+    python -m bench.step_overhead --json [--seqs 256]
+
+The engine runs its real scheduler, input packing, sampling and bookkeeping on the tiny checkpoint, with the
+model forward replaced by a stub that hands back fixed hidden states and fixed logits. What is left is the
+work the host does per step while, on a GPU, the device would be running the forward: the figure the step
+loop must keep under a millisecond so that the GPU never waits on Python. Two workloads run one after the
+other: all rows greedy, and all rows sampled (temperature, top-k, top-p, each with its own seed); every row
+also carries a stop string that never matches, so stop detection is paid for every token.
+
+The stub's vocabulary is small (`--vocab`) so that the arithmetic of sampling, which a GPU does in
+microseconds, does not hide the per-row Python work this measures. Parts: `schedule` (the scheduler's plan
+and block allocation), `prepare` (packing the inputs on the host), `sample` (penalties, greedy and random
+draws), `postprocess` (the rest of the step: appending tokens, stop and length checks, prefix-cache indexing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+import engine.model_runner as model_runner
+from bench.common import report, tiny_model
+from engine.config import EngineConfig
+from engine.interface import Request, SamplingParams
+from engine.llm_engine import LLMEngine
+
+PARTS = ("schedule", "prepare", "sample")
+
+
+class Timers:
+    """Seconds spent in each wrapped callable since the last `reset`."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    def reset(self) -> None:
+        self.spent = {}
+
+
+@contextmanager
+def stubbed(engine: LLMEngine, vocab: int, timers: Timers):
+    """The engine with its forward and logits replaced by fixed tensors, and its parts timed."""
+    rows = engine.config.max_num_batched_tokens
+    hidden = torch.zeros(rows, engine.model.shape.hidden_size)
+    logits = torch.randn(engine.config.max_num_seqs, vocab, generator=torch.Generator().manual_seed(0))
+    runner, model, scheduler = engine.runner, engine.model, engine.scheduler
+    saved = (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample)
+    runner.forward = timers.wrap("stub", lambda step: hidden[:len(step.input_ids)])
+    model.compute_logits = timers.wrap("stub_logits", lambda h: logits[:h.shape[0]].clone())
+    runner.pack = timers.wrap("prepare", runner.pack)
+    scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
+    model_runner.sample = timers.wrap("sample", model_runner.sample)
+    try:
+        yield
+    finally:
+        runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample = saved
+
+
+def measure(engine: LLMEngine, timers: Timers, params: SamplingParams, seqs: int, prompt_len: int,
+            warmup: int, steps: int, tag: str) -> dict[str, float]:
+    """Milliseconds per step of host work (and of each part) with `seqs` sequences decoding."""
+    for i in range(seqs):
+        prompt = [(i * 7 + j) % 4000 + 10 for j in range(prompt_len)]
+        engine.add_request(Request(f"{tag}-{i}", prompt, params))
+    for _ in range(warmup):  # prefills first, then decodes only
+        engine.step()
+    totals, parts = [], {p: [] for p in (*PARTS, "postprocess")}
+    for _ in range(steps):
+        timers.reset()
+        start = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - start
+        stub = timers.spent.get("stub", 0.0) + timers.spent.get("stub_logits", 0.0)
+        host = total - stub
+        totals.append(host)
+        for p in PARTS:
+            parts[p].append(timers.spent.get(p, 0.0))
+        parts["postprocess"].append(host - sum(timers.spent.get(p, 0.0) for p in PARTS))
+    for i in range(seqs):
+        engine.abort_request(f"{tag}-{i}")
+    result = {"host_ms_per_step": round(1e3 * statistics.median(totals), 3)}
+    result.update({f"{p}_ms": round(1e3 * statistics.median(v), 3) for p, v in parts.items()})
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=256, help="sequences decoding in every step")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens of each sequence")
+    parser.add_argument("--warmup", type=int, default=40, help="steps before measuring (prefills included)")
+    parser.add_argument("--steps", type=int, default=50, help="steps measured per workload")
+    parser.add_argument("--vocab", type=int, default=512, help="columns of the stub's logits")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # what one engine loop gets of a busy machine
+    config = EngineConfig(model=str(tiny_model()), max_num_seqs=args.seqs,
+                          max_num_batched_tokens=max(4096, args.seqs), dense_decode=False,
+                          kv_cache_memory=1 << 30)
+    engine = LLMEngine(config)
+    timers = Timers()
+    new = args.warmup + args.steps + 8
+    workloads = {
+        "greedy": SamplingParams(max_new_tokens=new, ignore_eos=True, stop=["<never>"]),
+        "sampled": SamplingParams(max_new_tokens=new, temperature=0.8, top_p=0.9, top_k=50, seed=1,
+                                  ignore_eos=True, stop=["<never>"]),
+    }
+    result: dict = {"seqs": args.seqs, "vocab": args.vocab, "steps": args.steps}
+    with stubbed(engine, args.vocab, timers):
+        for name, params in workloads.items():
+            figures = measure(engine, timers, params, args.seqs, args.prompt, args.warmup, args.steps, name)
+            result.update({f"{name}_{k}": v for k, v in figures.items()})
+    result["host_ms_per_step"] = max(result["greedy_host_ms_per_step"], result["sampled_host_ms_per_step"])
+    report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The engine's per-step host work done incrementally gives what doing it from scratch gives: stop strings
+found on an output's tail, seeded draws that depend only on (seed, draw)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine.interface import Request, SamplingParams
+from engine.sampler import sample, seeded_uniforms
+from engine.text import cut_at_stop, may_end_stop, stop_window, stops_hit
+from tests.engine_helpers import greedy, make_engine, run_all, single_thread  # noqa: F401 (autouse)
+
+PIECES = ["Grüße aus ", "東京", " und 終わり", "ST", "OP", " — café ", "naïve ", "🙂 ok", "\n\n", "<|im_end|>", "x"]
+STOPS = ["STOP", "終わり", "東京 und", " — c", "🙂", "é n"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_model):
+    return AutoTokenizer.from_pretrained(qwen3_model)
+
+
+def first_hit_from_scratch(tokenizer, ids: list[int], stops: list[str]) -> int | None:
+    for n in range(1, len(ids) + 1):
+        if cut_at_stop(tokenizer.decode(ids[:n], skip_special_tokens=True), stops)[1]:
+            return n
+    return None
+
+
+def first_hit_on_tails(tokenizer, ids: list[int], stops: list[str]) -> int | None:
+    """As the engine does it: only after a token that may end a stop, only the tail decoded."""
+    window = stop_window(stops)
+    for n in range(1, len(ids) + 1):
+        own = tokenizer.decode(ids[n - 1:n], skip_special_tokens=True)
+        if may_end_stop(own, stops) and stops_hit(tokenizer, [(ids[max(0, n - window):n], stops)])[0]:
+            return n
+    return None
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_stop_strings_on_the_tail_hit_where_the_whole_text_does(tokenizer, seed):
+    rng = random.Random(seed)
+    # pieces tokenized apart, so stop strings straddle token boundaries (multi-byte characters split too)
+    ids = [t for _ in range(rng.randint(3, 12)) for t in tokenizer.encode(rng.choice(PIECES))]
+    stops = rng.sample(STOPS, rng.randint(1, 3))
+    assert len(ids) >= 3
+    assert first_hit_on_tails(tokenizer, ids, stops) == first_hit_from_scratch(tokenizer, ids, stops)
+
+
+def test_a_stop_split_over_many_byte_tokens_is_found_in_the_engine(qwen3_model, tokenizer):
+    engine = make_engine(qwen3_model)
+    ids = [t for piece in ("an ", "ST", "OP", " here") for t in tokenizer.encode(piece)]
+    # the model's own tokens do not matter: every request finds its stop in the text it generated
+    [done] = run_all(engine, [Request("r", ids[:2], greedy(40))]).values()
+    text = tokenizer.decode(done.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if not stop.strip():
+        pytest.skip("the generated text has no visible middle")
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop])
+    [stopped] = run_all(make_engine(qwen3_model), [Request("s", ids[:2], params)]).values()
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert len(stopped.token_ids) == first_hit_from_scratch(tokenizer, done.token_ids, [stop])
+
+
+def test_seeded_uniforms_depend_only_on_seed_and_draw():
+    seeds, draws = [0, 1, 2**40 + 5, 2**63 - 1, 7], [0, 0, 3, 1 << 33, 9]
+    together = seeded_uniforms(seeds, draws, torch.device("cpu"))
+    alone = torch.cat([seeded_uniforms([s], [d], torch.device("cpu")) for s, d in zip(seeds, draws, strict=True)])
+    assert torch.equal(together, alone) and ((together >= 0) & (together < 1)).all()
+    assert len(set(seeded_uniforms([1] * 1000, list(range(1000)), torch.device("cpu")).tolist())) == 1000
+    # spread evenly: the mean of many draws of one seed is close to a half
+    assert abs(seeded_uniforms([3] * 4000, list(range(4000)), torch.device("cpu")).mean().item() - 0.5) < 0.02
+
+
+class Row:
+    def __init__(self, params: SamplingParams, drawn: int):
+        self.params, self.token_ids, self.num_prompt_tokens = params, [1] * (4 + drawn), 4
+
+
+def test_a_seeded_row_draws_its_next_token_from_its_count_of_draws():
+    logits = torch.randn(1, 300)
+    p = SamplingParams(8, temperature=1.0, seed=11)
+    draws = [sample(logits.clone(), [Row(p, n)])[0] for n in range(40)]
+    assert draws == [sample(logits.repeat(2, 1), [Row(p, n), Row(SamplingParams(8, temperature=1.0), n)])[0]
+                     for n in range(40)]
+    assert len(set(draws)) > 10  # each draw its own number, not one repeated
+
+
+def test_loop_gap_percentiles_come_back_within_a_bucket():
+    from engine.loop_gaps import PER_DOUBLING, LoopGaps
+
+    gaps = LoopGaps()
+    assert gaps.percentile(0.95) == 0.0
+    values = [i * 1e-5 for i in range(1, 1001)]  # 10 us .. 10 ms, evenly
+    for v in values:
+        gaps.observe(v)
+    for q in (0.5, 0.95):
+        exact = values[int(q * len(values)) - 1]
+        assert exact <= gaps.percentile(q) <= exact * 2 ** (1 / PER_DOUBLING) * 1.001
+    gaps.observe(1e6)  # far past the last bucket: counted there, memory unchanged
+    assert gaps.total == 1001 and len(gaps.counts) == len(LoopGaps().counts)
+
+
+def test_the_engine_thread_measures_gaps_only_between_back_to_back_steps(tiny_model):
+    from engine.engine_thread import EngineThread
+
+    thread = EngineThread(make_engine(tiny_model))
+    try:
+        futures = [thread.submit(Request(str(i), [5, 6, 7, 8], greedy(6))) for i in range(3)]
+        assert all(f.result(60).finish_reason == "length" for f in futures)
+        stats = thread.stats()
+    finally:
+        thread.close()
+    # at least 6 steps ran back to back for 6 tokens; an idle wait for work is no gap
+    assert 5 <= stats["loop_gaps"] < stats["steps"] and stats["loop_gap_p95_ms"] > 0
+
+
+def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
+    from engine.model_runner import split_copy
+
+    tensors = [torch.tensor([5, 6, 7]), torch.arange(4).view(2, 2), torch.tensor([[1, -1], [2, 3]], dtype=torch.int32),
+               torch.empty(0, dtype=torch.int64), torch.tensor([2**40])]
+    moved = split_copy(tensors, torch.device("cpu"), pin=False)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape
+               for a, b in zip(tensors, moved, strict=True))

@@ -1,0 +1,35 @@
+"""The GPU check's wiring, on CPU: its dry run builds every model and engine it would on a GPU, at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+
+from bench import gpu_check
+from tests.engine_helpers import single_thread  # noqa: F401 (autouse)
+
+
+def test_dry_run_writes_one_report_with_every_part(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    # the slow parts (transformers' generate, the mixed-load phases) run in `--dry-run` without `--parts`
+    assert gpu_check.main(["--dry-run", "--parts", "kernels,decode_floor,graphs_identity,memory", str(out)]) == 0
+    parts = json.loads(out.read_text())["parts"]
+    assert list(parts) == ["kernels", "decode_floor", "graphs_identity", "memory"]
+    assert "skipped" in parts["kernels"]
+    for shape in ("8b", "32b"):
+        assert parts["decode_floor"][shape]["ms_per_token"] > 0 and parts["decode_floor"][shape]["weights_bytes"] > 0
+    assert parts["graphs_identity"]["ok"] and parts["graphs_identity"]["requests"] == 6
+    memory = parts["memory"]
+    assert memory["pool_bytes_end"] > memory["pool_bytes_start"]  # the load made the pool grow
+    assert memory["ok"] and memory["pool_bytes_end"] <= memory["kv_budget_bytes"]
+
+
+def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(check):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setitem(gpu_check.PARTS, "kernels", broken)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--dry-run", "--parts", "kernels,memory", str(out)]) == 1
+    parts = json.loads(out.read_text())["parts"]
+    assert "no such kernel" in parts["kernels"]["error"] and parts["kernels"]["ok"] is False
+    assert parts["memory"]["ok"]
