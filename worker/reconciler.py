@@ -348,7 +348,8 @@ def sweep_lock(sessions: sessionmaker[Session]) -> Iterator[bool]:
         yield True
         return
     with engine.connect() as conn:
-        conn.execute(text("SET idle_in_transaction_session_timeout = '60s'"))
+        # LOCAL: for this transaction only, so the pooled connection goes back as it came
+        conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = '60s'"))
         got = bool(conn.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK}))
         try:
             yield got
