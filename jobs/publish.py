@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from celery import Celery
 from sqlalchemy import update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.clock import db_now
@@ -27,7 +28,8 @@ def publish(
     this session, or by handing their ids to `stamp` (a `stamp_writer`'s `submit`).
 
     A job whose message could not be sent stays `queued` with no `published_at`: the row keeps it, and the
-    reconciler publishes it later. Returns the ids of the jobs that went out.
+    reconciler publishes it later. A stamp that fails is only logged: a sweep finds the message and stamps
+    it (it never sends a second one). Returns the ids of the jobs that went out.
     """
     sent = []
     try:
@@ -51,7 +53,12 @@ def publish(
     if sent and stamp is not None:
         stamp(sent)
     elif sent:
-        mark_published(session, sent)
+        try:
+            mark_published(session, sent)
+        except DBAPIError:  # a deadlock with a claim or a cancel of the same rows, or the database away
+            session.rollback()
+            log.warning("sent %d jobs but could not stamp them; a sweep finds their messages and stamps them",
+                        len(sent), exc_info=True)
     return sent
 
 

@@ -291,3 +291,27 @@ def test_queued_jobs_are_sent_again_only_when_their_message_is_gone(db, settings
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM jobs WHERE published_at IS NULL")).scalar_one() == 0
     client.close()
+
+
+def test_a_stamp_that_fails_after_the_send_is_left_to_the_sweep(db, settings, monkeypatch):
+    from jobs import publish as publishing
+
+    engine, sessions = db
+    celery = create_celery(settings)
+    job_id = new_job(sessions)
+
+    def deadlocked(session, job_ids):
+        raise OperationalError("UPDATE jobs", {}, RuntimeError("deadlock detected"))
+
+    monkeypatch.setattr(publishing, "mark_published", deadlocked)
+    with sessions() as session:
+        sent = publish(celery, session, [session.get(Job, uuid.UUID(job_id))], settings)
+    assert sent == [uuid.UUID(job_id)]  # sent, and the caller goes on
+    monkeypatch.undo()
+    swept = Sweeper(sessions, celery, settings).sweep(force=True)
+    assert swept["published"] == 0  # its message is there: stamped, not sent again
+    client = redis.Redis.from_url(settings.broker_url.get_secret_value())
+    assert len(messages_by_job(client, settings)[uuid.UUID(job_id)]) == 1
+    client.close()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT published_at FROM jobs")).scalar_one() is not None
