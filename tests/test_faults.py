@@ -86,6 +86,12 @@ def supervise(stack: Stack, database_url: str, n: int, timeout: float) -> int:
     return deaths
 
 
+def submit_around(client: Client, poison: str, n: int) -> tuple[list, object]:
+    """`n` jobs, the one in the middle with the `poison` prompt: (ids of the others, its id)."""
+    ids = [client.submit(job(i, poison if i == n // 2 else None)).id for i in range(n)]
+    return ids[:n // 2] + ids[n // 2 + 1:], ids[n // 2]
+
+
 def submit_all(stack: Stack, n: int) -> list[str]:
     with Client(stack.api_url, API_KEY) as client:
         return [str(client.submit(job(i)).id) for i in range(n)]
@@ -195,9 +201,7 @@ def test_a_job_that_kills_its_worker_fails_alone_and_the_others_succeed(service_
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         with Client(stack.api_url, API_KEY) as client:
-            good = [client.submit(job(i)).id for i in range(12)]
-            poison = client.submit(job(12, "Please CRASH now")).id
-            good += [client.submit(job(i)).id for i in range(13, 24)]
+            good, poison = submit_around(client, "Please CRASH now", 24)
             stack.start_worker()
             deaths = supervise(stack, database, 24, timeout=300)
             bad = client.wait(poison, timeout=10)
@@ -212,9 +216,7 @@ def test_poison_job_fails_alone_after_bounded_retries(service_env, database, tmp
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         with Client(stack.api_url, API_KEY) as client:
-            good = [client.submit(job(i)).id for i in range(25)]
-            poison = client.submit(job(0, "Please summarize POISON for me")).id
-            good += [client.submit(job(i)).id for i in range(25, 50)]
+            good, poison = submit_around(client, "Please summarize POISON for me", 51)
             stack.start_worker()
             done = [client.wait(i, timeout=180) for i in good]
             bad = client.wait(poison, timeout=180)

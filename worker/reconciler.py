@@ -54,7 +54,7 @@ from jobs.settings import Settings
 from jobs.tables import Job, Run, Sweep, Worker, utcnow
 from worker.leases import Leases
 from worker.outcome import LEASE_LOST
-from worker.results import end_runs, end_unrun, retrying, settle
+from worker.results import end_runs, end_unrun, retrying, returned, settle
 
 log = logging.getLogger(__name__)
 QUEUED, RUNNING, FAILED = JobStatus.queued.value, JobStatus.running.value, JobStatus.failed.value
@@ -106,15 +106,14 @@ def hand_back(sessions: sessionmaker[Session], name: str) -> int:
     """A worker stopping cleanly returns the jobs it still holds, uncharged; a sweep sends them again."""
     jobs = Job.__table__
     with sessions.begin() as session:
-        returned = session.execute(
+        back = session.execute(
             update(jobs).where(jobs.c.worker == name, jobs.c.status == RUNNING)
-            .values(status=QUEUED, worker=None, published_at=None, lease_id=None, lease_expires_at=None,
-                    attempts=jobs.c.attempts - 1)
+            .values(**returned(), lease_id=None)
             .returning(jobs.c.id, jobs.c.lease_id)
         ).all()
-        end_runs(session, [(job_id, lease, "returned") for job_id, lease in returned])
+        end_runs(session, [(job_id, lease, "returned") for job_id, lease in back])
         session.execute(update(Worker.__table__).where(Worker.name == name).values(stopped_at=db_now()))
-    return len(returned)
+    return len(back)
 
 
 # --- crash attribution --------------------------------------------------------------------------------------
@@ -152,9 +151,7 @@ def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int) -> Coun
     jobs, runs = Job.__table__, Run.__table__
     counts: Counter = Counter()
     fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
-    back = update(jobs).where(fenced).values(
-        status=QUEUED, worker=None, published_at=None, lease_id=None, lease_expires_at=None, alone_at=None,
-        attempts=jobs.c.attempts - 1, crashes=jobs.c.crashes + bindparam("charge"))
+    back = update(jobs).where(fenced).values(**returned(crashes=bindparam("charge")), lease_id=None)
     failed = update(jobs).where(fenced).values(
         status=FAILED, error=bindparam("e"), finished_at=db_now(), lease_id=None, lease_expires_at=None,
         crashes=jobs.c.crashes + 1)
@@ -231,7 +228,6 @@ class BrokerView:
         redis_url = settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
         self.client = redis.Redis.from_url(settings.broker_url.get_secret_value()) if redis_url else None
         self.stale: dict[uuid.UUID, list[bytes]] = {}
-        self.calls = 0  # Redis round trips, for the scale benchmark
 
     def live(self, held_for_s: float) -> set[uuid.UUID] | None:
         """Every job with a live message; None if the broker cannot be read this way."""
@@ -243,17 +239,13 @@ class BrokerView:
             # twice, never miss one that stays
             start = 0
             while page := self.client.lrange(name, start, start + PAGE - 1):
-                self.calls += 1
                 present.update(i for i in map(job_id_of, page) if i is not None)
                 start += PAGE
-            self.calls += 1
         now, cursor = time.time(), 0
         while True:
             cursor, entries = self.client.hscan(UNACKED_KEY, cursor, count=PAGE)
-            self.calls += 1
             delivered = dict(zip(entries, self.client.zmscore(UNACKED_INDEX_KEY, list(entries)), strict=True)) \
                 if entries else {}
-            self.calls += bool(entries)
             for tag, raw in entries.items():
                 job_id = job_id_of(raw)
                 if job_id is None:
@@ -270,7 +262,6 @@ class BrokerView:
         tags = [tag for i in job_ids for tag in self.stale.get(i, [])]
         if self.client is not None and tags:
             self.client.pipeline().zrem(UNACKED_INDEX_KEY, *tags).hdel(UNACKED_KEY, *tags).execute()
-            self.calls += 1
 
     def close(self) -> None:
         if self.client is not None:

@@ -83,15 +83,15 @@ def holds(claimed: Claimed) -> ColumnElement[bool]:
     return (jobs.c.id == claimed.job_id) & (jobs.c.lease_id == claimed.lease) & (jobs.c.status == RUNNING)
 
 
-def end_runs(session: Session, ended: list[tuple[uuid.UUID, uuid.UUID, str]]) -> None:
+def end_runs(session: Session, done: list[tuple[uuid.UUID, uuid.UUID, str]]) -> None:
     """Record how runs ended: (job id, lease id, outcome) each."""
-    if not ended:
+    if not done:
         return
     runs = Run.__table__
     session.connection().execute(
         update(runs).where(runs.c.job_id == bindparam("j"), runs.c.lease_id == bindparam("l"))
         .values(outcome=bindparam("o"), ended_at=db_now()),
-        [dict(j=job_id, l=lease, o=outcome) for job_id, lease, outcome in ended],
+        [dict(j=job_id, l=lease, o=outcome) for job_id, lease, outcome in done],
     )
 
 
@@ -110,10 +110,11 @@ def _refuse(session: Session, refused: list[Claimed], what: str) -> None:
 
 
 def _fenced(sessions: sessionmaker[Session], claimed: Claimed, values: dict, done: str | None, what: str,
-            outcome: str | None) -> bool:
-    """Apply `values` to the job while this run holds it; True if applied, now or by an earlier try of this
-    write whose reply was lost (the job is in status `done` under this lease). A refused write is recorded."""
-    jobs = Job.__table__
+            run: dict) -> bool:
+    """Apply `values` to the job while this run holds it, and `run` to the run's row; True if applied, now or by
+    an earlier try of this write whose reply was lost (the job is in status `done` under this lease). A refused
+    write is recorded."""
+    jobs, runs = Job.__table__, Run.__table__
 
     def action() -> bool:
         with sessions.begin() as session:
@@ -121,20 +122,34 @@ def _fenced(sessions: sessionmaker[Session], claimed: Claimed, values: dict, don
             if not applied and done is not None:
                 row = session.execute(select(jobs.c.status, jobs.c.lease_id).where(jobs.c.id == claimed.job_id)).first()
                 applied = row is not None and row.lease_id == claimed.lease and row.status == done
-            if applied and outcome is not None:
-                end_runs(session, [(claimed.job_id, claimed.lease, outcome)])
-            if not applied:
+            if applied:
+                session.execute(update(runs).where(runs.c.job_id == claimed.job_id, runs.c.lease_id == claimed.lease)
+                                .values(**run))
+            else:
                 _refuse(session, [claimed], what)
             return applied
 
     return retrying(action, f"{what} {claimed.job_id}")
 
 
+def ended(outcome: str) -> dict:
+    """A run's row once it ended so."""
+    return dict(outcome=outcome, ended_at=db_now())
+
+
+def returned(crashes: ColumnElement[int] | int = 0) -> dict:
+    """The columns of a running job sent back to `queued` because its run ended with its worker: not an attempt
+    (the claim's is refunded), `crashes` more crashes."""
+    jobs = Job.__table__
+    return dict(status=QUEUED, worker=None, published_at=None, lease_expires_at=None, alone_at=None,
+                attempts=jobs.c.attempts - 1, crashes=jobs.c.crashes + crashes)
+
+
 def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
     """A job whose run raised: it ends `failed` with the error instead of staying `running` forever. False if
     the run no longer holds the job (the write was refused)."""
     values = dict(status=FAILED, error=storable(error)[:4000], finished_at=utcnow(), lease_expires_at=None)
-    applied = _fenced(sessions, claimed, values, FAILED, "failure", "failed")
+    applied = _fenced(sessions, claimed, values, FAILED, "failure", ended("failed"))
     if applied and claimed.batch_id is not None:
         retrying(lambda: settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
     return applied
@@ -144,33 +159,19 @@ def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bo
     """Put a job that failed this attempt back to `queued` (for a delayed retry); False if this run no longer
     holds it. The lease stays on the row only so that a retry of this write recognises it; a claim replaces it."""
     values = dict(status=QUEUED, worker=None, published_at=None, error=storable(error)[:4000], lease_expires_at=None)
-    return _fenced(sessions, claimed, values, QUEUED, "retry", "retry")
+    return _fenced(sessions, claimed, values, QUEUED, "retry", ended("retry"))
 
 
 def give_back(sessions: sessionmaker[Session], claimed: Claimed) -> bool:
     """A run whose lease expired before its worker could renew it (the worker was frozen or cut off): the job
     goes back to `queued` as a sweep would have sent it (a crash, not an attempt), unless the sweep already did
     and the job moved on, in which case the write is refused."""
-    jobs = Job.__table__
-    values = dict(status=QUEUED, worker=None, published_at=None, lease_expires_at=None, alone_at=None,
-                  attempts=jobs.c.attempts - 1, crashes=jobs.c.crashes + 1)
-    return _fenced(sessions, claimed, values, QUEUED, "hand-back", "crashed")
+    return _fenced(sessions, claimed, returned(crashes=1), QUEUED, "hand-back", ended("crashed"))
 
 
 def mark_alone(sessions: sessionmaker[Session], claimed: Claimed) -> bool:
     """Record that this run now has its worker to itself: if the worker dies from here on, the job did it."""
-    runs = Run.__table__
-
-    def action() -> bool:
-        with sessions.begin() as session:
-            if session.execute(update(Job.__table__).where(holds(claimed)).values(alone_at=db_now())).rowcount != 1:
-                _refuse(session, [claimed], "running alone")
-                return False
-            session.execute(update(runs).where(runs.c.job_id == claimed.job_id, runs.c.lease_id == claimed.lease)
-                            .values(alone=True))
-            return True
-
-    return retrying(action, f"run alone {claimed.job_id}")
+    return _fenced(sessions, claimed, dict(alone_at=db_now()), None, "running alone", dict(alone=True))
 
 
 NOT_RUN_ERRORS = {JobStatus.cancelled.value: "cancelled before it ran",
@@ -228,8 +229,7 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
                            jobs.c.error, jobs.c.deadline_at, jobs.c.crashes)
             ).all()
             if rows:
-                insert_ignore(session, Run, [dict(job_id=row.id, lease_id=lease, worker=worker, started_at=utcnow())
-                                             for row in rows])
+                insert_ignore(session, Run, [dict(job_id=row.id, lease_id=lease, worker=worker) for row in rows])
             # the rest are duplicates, or must not run; only then is a second statement needed
             rest = ids - {row.id for row in rows}
             ended = end_unrun(session, jobs.c.id.in_(rest)) if rest else []
