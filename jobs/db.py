@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+
+T = TypeVar("T")
+# deadlock_detected, serialization_failure: PostgreSQL aborted the transaction to let another one through
+CONFLICTS = ("40P01", "40001")
 
 
 def make_db_engine(url: str, pool_size: int = 16, pre_ping: bool = True) -> Engine:
@@ -34,3 +44,23 @@ def insert_ignore(session: Session, table, rows: dict | list[dict]) -> None:
     dialect = session.get_bind().dialect.name
     insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
     session.connection().execute(insert(table.__table__).on_conflict_do_nothing(), rows)
+
+
+def conflicted(exc: DBAPIError) -> bool:
+    """The database aborted this transaction to break a deadlock or a serialization conflict."""
+    return getattr(exc.orig, "sqlstate", None) in CONFLICTS
+
+
+def retry_conflicts(session: Session, action: Callable[[], T], attempts: int = 5) -> T:
+    """Run `action` (one transaction on `session`, which it commits) again when the database aborted it for a
+    conflict with another transaction: nothing of it was applied, so it is safe to run again. Any other error
+    is raised at once."""
+    for attempt in range(attempts - 1):
+        try:
+            return action()
+        except DBAPIError as exc:
+            session.rollback()
+            if not conflicted(exc):
+                raise
+            time.sleep(random.uniform(0.01, 0.05) * 2**attempt)  # apart, so the two do not meet again
+    return action()

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from celery import Celery
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -63,8 +63,12 @@ def publish(
 
 
 def mark_published(session: Session, job_ids: list[uuid.UUID]) -> None:
+    """Stamp the jobs whose messages went out. A row another transaction holds (a claim or a cancel of it) is
+    skipped, not waited for: that transaction moves the job on (the stamp matters only while it is queued), and
+    if it rolls back, a sweep finds the message and stamps it. So a stamp never waits, nor deadlocks."""
     jobs_table = Job.__table__  # Core: nothing reads `published_at` back from the callers' objects
-    session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids))
+    free = select(jobs_table.c.id).where(jobs_table.c.id.in_(job_ids)).with_for_update(skip_locked=True)
+    session.execute(update(jobs_table).where(jobs_table.c.id.in_(free))
                     .values(published_at=db_now(), message_missing_at=None))  # compared on the database's clock
     session.commit()
 

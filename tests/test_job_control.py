@@ -91,6 +91,35 @@ def test_backpressure_refuses_past_the_bounds_and_stores_nothing(database, broke
     assert sql(database, "SELECT count(*) FROM batches")[0][0] == 0
 
 
+def test_a_batch_cancel_that_deadlocks_with_another_writer_is_retried_not_failed(database, broker, tiny_model):
+    """Another transaction (a claim, a heartbeat) holds one of the batch's rows and then wants another that the
+    cancel holds: PostgreSQL aborts one of the two. If that is the cancel, it runs again instead of answering
+    500."""
+    lines = b"\n".join(b'{"custom_id": "c%d", "messages": [{"role": "user", "content": "hi"}]}' % i for i in range(2))
+    with api(database, broker, tiny_model) as client:
+        batch_id = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=AUTH).json()["id"]
+        low, high = sorted(row[0] for row in sql(database, "SELECT id FROM jobs"))
+        engine = sa.create_engine(database)
+        with engine.connect() as other:
+            other.execute(sa.text("UPDATE jobs SET priority = priority WHERE id = :i"), {"i": high})
+            answer: list[httpx.Response] = []
+            cancelling = threading.Thread(
+                target=lambda: answer.append(client.post(f"/v1/batches/{batch_id}/cancel", headers=AUTH)))
+            cancelling.start()
+            time.sleep(0.3)  # the cancel now holds `low` and waits for `high`
+            try:  # the deadlock: one of the two is aborted after PostgreSQL's deadlock_timeout (1 s)
+                other.execute(sa.text("UPDATE jobs SET priority = priority WHERE id = :i"), {"i": low})
+                other.commit()
+            except sa.exc.OperationalError:
+                other.rollback()
+            cancelling.join(30)
+        engine.dispose()
+    [response] = answer
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "cancelled"
+    assert sql(database, "SELECT status FROM jobs") == [("cancelled",), ("cancelled",)]
+
+
 def test_deadline_and_window_inputs_are_checked(database, broker, tiny_model):
     with api(database, broker, tiny_model) as client:
         for bad in (0, -1, 10**9):

@@ -29,6 +29,7 @@ from api.paging import list_of, page
 from api.prompt_check import PromptCheck
 from jobs.batches import PENDING, settle_batch
 from jobs.broker import broadcast_cancel
+from jobs.db import retry_conflicts
 from jobs.publish import publish
 from jobs.schemas import (
     BATCH_SETTLED,
@@ -373,16 +374,7 @@ def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, ca
     batch = _get_batch(session, batch_id, caller)
     if batch.status not in OPEN:
         raise HTTPException(status.HTTP_409_CONFLICT, f"batch is {batch.status}; only open batches can be cancelled")
-    now = utcnow()
-    session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(OPEN))
-                    .values(status=BatchStatus.cancelling.value, cancelling_at=now))
-    session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.queued.value)
-                    .values(status=JobStatus.cancelled.value, finished_at=now, error="batch cancelled"))
-    running = [str(i) for i in session.scalars(
-        update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.running.value,
-                          Job.cancel_requested_at.is_(None))
-        .values(cancel_requested_at=now).returning(Job.id))]
-    session.commit()
+    running = retry_conflicts(session, lambda: _cancel_jobs(session, batch_id))
     if running:
         try:
             broadcast_cancel(celery, running)
@@ -392,6 +384,26 @@ def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, ca
     session.commit()
     session.refresh(batch)
     return batch_out(session, batch)
+
+
+def _cancel_jobs(session: Session, batch_id: uuid.UUID) -> list[str]:
+    """Mark the batch cancelling, cancel its queued jobs and ask for its running ones to stop; commits. Returns
+    the ids of the running jobs."""
+    now = utcnow()
+    session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(OPEN))
+                    .values(status=BatchStatus.cancelling.value, cancelling_at=now))
+    # The jobs' rows are locked in id order first: claims and publish stamps lock theirs in that order (an
+    # `id IN` list is scanned sorted), and two transactions locking the same rows in different orders deadlock.
+    session.execute(select(Job.id).where(Job.batch_id == batch_id, Job.status.in_(PENDING))
+                    .order_by(Job.id).with_for_update())
+    session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.queued.value)
+                    .values(status=JobStatus.cancelled.value, finished_at=now, error="batch cancelled"))
+    running = [str(i) for i in session.scalars(
+        update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.running.value,
+                          Job.cancel_requested_at.is_(None))
+        .values(cancel_requested_at=now).returning(Job.id))]
+    session.commit()
+    return running
 
 
 @router.post("/{batch_id}/retry", response_model=BatchOut,
