@@ -39,7 +39,7 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, as_utc
 from migrations.apply import upgrade
-from worker.backend import load_backend
+from worker.backend import start_engine
 from worker.bridge import Bridge
 from worker.outcome import Outcome
 from worker.summarize import summarize
@@ -90,7 +90,7 @@ def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple
 
 def through_engine(lines: list[dict], settings: Settings, model: Path, threads: int) -> tuple[float, int, float]:
     settings = settings.model_copy(update={"model": str(model)})
-    bridge = Bridge.for_settings(load_backend(settings), settings)
+    bridge = Bridge.for_settings(start_engine(settings), settings)
     jobs = [JobIn(kind="summarize", priority=1, messages=x["transcript"],
                   sampling={"max_new_tokens": x["max_new_tokens"]}) for x in lines]
     try:

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from api.client import Client
 from bench.audit import audit
 from bench.common import report, tiny_model
+from bench.faults import lost_replies_env
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
 from jobs.schemas import TERMINAL, JobIn, JobStatus
@@ -108,7 +109,7 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
                "CONVOQ_SWEEP_EVERY_S": "2", "CONVOQ_UNPUBLISHED_GRACE_S": "2", "CONVOQ_WORKER_CONCURRENCY": "32",
                "CONVOQ_MAX_BATCH_SIZE": "16", "CONVOQ_WORKER_METRICS_PORT": "0"}
         if lost_reply_every:
-            env |= {"CONVOQ_BACKEND": "bench.faults:lost_replies", "CONVOQ_LOST_REPLY_EVERY": str(lost_reply_every)}
+            env |= lost_replies_env(lost_reply_every)
         db = sa.create_engine(pg.url)
         with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-chaos-"))) as stack:
             stack.start_api()

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 
 from tqdm import tqdm
 
+from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from jobs.schemas import DEFAULT_BATCH_PRIORITY, JobIn
 from jobs.settings import Settings
@@ -43,7 +44,7 @@ class Trial:
 
 def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> Trial:
     engine = LLMEngine(engine_config(settings, max_num_seqs=seqs, max_num_batched_tokens=tokens))
-    bridge = Bridge.for_settings(engine, settings)
+    bridge = Bridge.for_settings(EngineThread(engine), settings)
     start = time.monotonic()
 
     created = datetime.now(UTC)

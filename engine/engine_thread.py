@@ -72,6 +72,14 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def tokenizer(self) -> object:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     def submit(self, request: Request, on_tokens: TokensCallback | None = None) -> Future:
         future: Future = Future()
         with self._cv:

@@ -1,12 +1,15 @@
 """What a backend takes in and gives back: the contract between the worker and any engine.
 
-Both backends (the `hf` reference and our own `LLMEngine`) implement `StepEngine`; `engine.engine_thread.EngineThread`
-wraps either in the one thread that owns the model and hands out futures.
+Both backends (the `hf` reference and our own `LLMEngine`) implement `StepEngine`. An `EngineRunner` drives one
+from a loop of its own and hands out futures: `engine.engine_thread.EngineThread` (a thread of this process)
+or `engine.engine_process.EngineProcess` (a process of its own).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,3 +101,23 @@ class StepEngine(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for metrics (running, waiting, kv usage, ...)."""
+
+
+class EngineRunner(Protocol):
+    """A `StepEngine` behind its own step loop; every method may be called from any thread."""
+
+    tokenizer: object
+    max_model_len: int
+
+    @property
+    def alive(self) -> bool: ...
+
+    def submit(self, request: Request, on_tokens: Callable[[list[int]], None] | None = None) -> Future[Completion]:
+        """Queue a request; its future resolves with its completion, or fails with `EngineDead`. `on_tokens`
+        is handed the output so far as it grows."""
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...

@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     # Chats that do not say `thinking` let a thinking model reason first (summaries never do unless asked).
     default_thinking: bool = False
     host_cache_memory: int = Field(2**30, ge=0)  # bytes of host memory for KV blocks evicted from the device
+    # The engine (model and step loop) runs in a process of its own, spawned by the worker, so the Python of
+    # the worker's Celery threads never holds up a step; false runs it as a thread of the worker process.
+    engine_process: bool = True
 
     # Comma-separated `KEY[:scopes][@tenant]` or `sha256=HEX[:scopes][@tenant]` entries, keys of at least 16
     # characters, scopes `+`-joined from submit, read, admin (default submit+read; admin sees every tenant). A

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from api.client import Client
 from bench.audit import audit
+from bench.faults import lost_replies_env
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
 from jobs.schemas import JobIn
@@ -157,8 +158,7 @@ def test_database_stopped_for_a_minute(service_env, tmp_path):
 
 
 def test_commits_whose_reply_is_lost_are_recognised_when_retried(service_env, database, tmp_path):
-    env = {**service_env, **FAST_RECOVERY, "CONVOQ_BACKEND": "bench.faults:lost_replies",
-           "CONVOQ_LOST_REPLY_EVERY": "3"}
+    env = {**service_env, **FAST_RECOVERY, **lost_replies_env(3)}
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         ids = submit_all(stack, 40)

@@ -70,7 +70,7 @@ def test_within_one_priority_earlier_deadlines_are_admitted_first(tiny_model):
 
 
 def test_stopping_a_run_stops_every_part_of_a_map_reduce_summary(tiny_model):
-    bridge = Bridge(make_engine(tiny_model), interactive_priority=7)
+    bridge = Bridge(EngineThread(make_engine(tiny_model)), interactive_priority=7)
     turns = [Message(role="user" if i % 2 == 0 else "assistant", content=f"({i}) the router drops the line "
                      "every evening, the light blinks orange and the port was reset twice") for i in range(200)]
     job = JobIn(kind="summarize", priority=1, messages=turns, sampling={"max_new_tokens": 200})

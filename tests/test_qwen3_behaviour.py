@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from api.batch_input import parse_batch
+from engine.engine_thread import EngineThread
 from engine.hf_backend import HFEngine, _ThinkingBudget
 from engine.interface import Completion, Request, SamplingParams
 from engine.sampler import penalize, sample
@@ -94,7 +95,7 @@ class ScriptedEngine:
 def test_a_thinking_reply_keeps_its_reasoning_apart_and_counts_every_token(tokenizer, thinking):
     script = [THINK, *tokenizer.encode("\nThe customer wants the date.\n"), END_THINK,
               *tokenizer.encode("\n\nTomorrow before noon."), IM_END]
-    bridge = Bridge(ScriptedEngine(tokenizer, script), interactive_priority=7)
+    bridge = Bridge(EngineThread(ScriptedEngine(tokenizer, script)), interactive_priority=7)
     try:
         with bridge.run("j1", job(thinking=thinking), datetime.now(UTC)) as run:
             outcome = reply(run)
@@ -135,8 +136,8 @@ def test_the_reference_backend_closes_the_think_block_at_the_same_point():
 
 def test_the_model_generation_config_fills_unset_sampling_fields(qwen3_model):
     engine = make_engine(qwen3_model)
-    auto = Bridge.for_settings(engine, Settings(model=str(qwen3_model)))
-    none = Bridge.for_settings(engine, Settings(model=str(qwen3_model), generation_config="none"))
+    auto = Bridge.for_settings(EngineThread(engine), Settings(model=str(qwen3_model)))
+    none = Bridge.for_settings(EngineThread(engine), Settings(model=str(qwen3_model), generation_config="none"))
     try:
         with auto.run("a", job(), datetime.now(UTC)) as run:
             p = run.sampling
@@ -152,7 +153,7 @@ def test_the_model_generation_config_fills_unset_sampling_fields(qwen3_model):
 
 
 def test_the_tiny_checkpoint_without_sampling_defaults_stays_greedy(tiny_model):
-    bridge = Bridge.for_settings(make_engine(tiny_model), Settings(model=str(tiny_model)))
+    bridge = Bridge.for_settings(EngineThread(make_engine(tiny_model)), Settings(model=str(tiny_model)))
     try:
         assert bridge.sampling_defaults == OURS
     finally:

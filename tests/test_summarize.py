@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from engine.engine_thread import EngineThread
 from jobs.chat import chat_for
 from jobs.schemas import JobIn, Message
 from jobs.settings import Settings
@@ -20,7 +21,7 @@ NOW = datetime.now(UTC)
 @pytest.fixture(scope="module", params=["engine", "hf"])
 def bridge(request, tiny_model):
     settings = Settings(model=str(tiny_model), backend=request.param, device="cpu")
-    b = Bridge(load_backend(settings), settings.interactive_priority)
+    b = Bridge(EngineThread(load_backend(settings)), settings.interactive_priority)
     yield b
     b.close()
 
@@ -52,14 +53,14 @@ def spy_prompts(bridge: Bridge, monkeypatch) -> list[int]:
     """Record the prompt length of every request the bridge sends to the engine."""
     lengths: list[int] = []
     arrivals.clear()
-    submit = bridge.thread.submit
+    submit = bridge.runner.submit
 
     def recording(request, on_tokens=None):
         lengths.append(len(request.prompt_ids))
         arrivals.append(request.arrival)
         return submit(request, on_tokens)
 
-    monkeypatch.setattr(bridge.thread, "submit", recording)
+    monkeypatch.setattr(bridge.runner, "submit", recording)
     return lengths
 
 
@@ -133,7 +134,7 @@ def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge, monk
     lengths = spy_prompts(bridge, monkeypatch)
     outcome = run(reply, bridge, "too-long", job, NOW)
     assert outcome.completion.finish_reason == "error" and not outcome.completion.retryable
-    assert outcome.completion.error == problem(job, bridge.engine.tokenizer, bridge.context, False)[1]
+    assert outcome.completion.error == problem(job, bridge.tokenizer, bridge.context, False)[1]
     assert lengths == []  # refused before the engine saw it
 
 

@@ -7,11 +7,16 @@ Hugging Face cache here, so the engine and custom backends only ever read folder
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from functools import partial
 
 import torch
+from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.interface import StepEngine
+from engine.engine_process import EngineProcess
+from engine.engine_thread import EngineDead, EngineThread
+from engine.interface import EngineRunner, StepEngine
 from jobs.model_source import resolve_model
 from jobs.settings import Settings
 
@@ -52,3 +57,12 @@ def load_backend(settings: Settings) -> StepEngine:
         return HFEngine(model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size)
     module, _, factory = settings.backend.partition(":")
     return getattr(importlib.import_module(module), factory)(model, device=device, dtype=settings.dtype)
+
+
+def start_engine(settings: Settings, on_death: Callable[[EngineDead], None] | None = None) -> EngineRunner:
+    """The backend behind its step loop: in a process of its own (`CONVOQ_ENGINE_PROCESS`, the default), which
+    loads the model while this process keeps only the tokenizer, or in a thread of this process."""
+    if not settings.engine_process:
+        return EngineThread(load_backend(settings))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings.model, weights=False))
+    return EngineProcess(partial(load_backend, settings), tokenizer, on_death=on_death)

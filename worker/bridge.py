@@ -1,7 +1,8 @@
-"""The worker's side of the engine: prompts in, completions out, through the one thread that owns the engine.
+"""The worker's side of the engine: prompts in, completions out, through the one loop that owns the engine (an
+`EngineRunner`: a process of its own, or a thread of the worker's).
 
 Many Celery threads run jobs at once; each opens a `JobRun` on the bridge and blocks on its own futures while
-the engine thread batches everything in flight. What a job's prompts are (one chat, or the parts of a
+the engine loop batches everything in flight. What a job's prompts are (one chat, or the parts of a
 map-reduce summary) is decided by the task (`worker.tasks`, `worker.summarize`), never here.
 
 A run can be stopped from any thread (`Bridge.stop`: a cancel, or a deadline seen by the reconciler): its
@@ -18,8 +19,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
 
-from engine.engine_thread import EngineThread
-from engine.interface import Completion, Request, StepEngine
+from engine.interface import Completion, EngineRunner, Request
 from jobs.chat import Chat, encode_chat, thinking_of
 from jobs.model_source import resolve_model
 from jobs.schemas import JobIn
@@ -80,7 +80,7 @@ class JobRun:
                 future.set_result(Completion(request_id, [], "", len(prompt_ids), self.stopped))
                 return future
             self._in_flight.add(request_id)
-            future = self.bridge.thread.submit(request, self.on_tokens if stream else None)
+            future = self.bridge.runner.submit(request, self.on_tokens if stream else None)
         future.add_done_callback(lambda _: self._done(request_id))
         return future
 
@@ -91,7 +91,7 @@ class JobRun:
             self.stopped = reason
             in_flight = list(self._in_flight)
         for request_id in in_flight:
-            self.bridge.thread.cancel(request_id, reason)
+            self.bridge.runner.cancel(request_id, reason)
 
     def _done(self, request_id: str) -> None:
         with self._lock:
@@ -99,37 +99,41 @@ class JobRun:
 
 
 class Bridge:
-    def __init__(self, engine: StepEngine, interactive_priority: int, default_thinking: bool = False,
+    def __init__(self, runner: EngineRunner, interactive_priority: int, default_thinking: bool = False,
                  sampling_defaults: dict[str, float] = OURS) -> None:
         """`default_thinking`: whether chats that do not say reason first; `sampling_defaults`: what sampling
         fields a job leaves unset become (`worker.sampling`)."""
-        self.engine = engine
-        self.thread = EngineThread(engine)
+        self.runner = runner
         self.interactive_priority = interactive_priority
         self.default_thinking = default_thinking
         self.sampling_defaults = sampling_defaults
         # Bulk jobs render and tokenize their prompts one at a time. A batch starts a hundred of them at once,
-        # and that much Python in other threads would starve the engine thread of the GIL, stalling every step
-        # (and the interactive requests in it); interactive jobs never wait for this.
+        # and that much Python at once would starve everything else in this process of the GIL: an engine
+        # thread here (stalling every step), or the threads that hand interactive work to an engine process.
+        # Interactive jobs never wait for this.
         self._bulk_prompts = threading.Lock()
         self._runs: dict[str, JobRun] = {}
         self._runs_lock = threading.Lock()
 
     @classmethod
-    def for_settings(cls, engine: StepEngine, settings: Settings) -> Bridge:
+    def for_settings(cls, runner: EngineRunner, settings: Settings) -> Bridge:
         """The bridge a worker runs jobs through: the settings' thinking default, and the sampling defaults of
         CONVOQ_GENERATION_CONFIG for the model it serves."""
         defaults = sampling_defaults(resolve_model(settings.model, weights=False), settings.generation_config)
-        return cls(engine, settings.interactive_priority, settings.default_thinking, defaults)
+        return cls(runner, settings.interactive_priority, settings.default_thinking, defaults)
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
 
     @property
     def context(self) -> int:
-        return self.engine.max_model_len
+        return self.runner.max_model_len
 
     def prompt_ids(self, chat: Chat, job: JobIn, thinking: bool) -> list[int]:
         """`chat` (a prompt of `job`) as token ids."""
         with nullcontext() if job.priority >= self.interactive_priority else self._bulk_prompts:
-            return encode_chat(self.engine.tokenizer, chat, thinking)
+            return encode_chat(self.runner.tokenizer, chat, thinking)
 
     @contextmanager
     def run(self, job_id: str, job: JobIn, created_at: datetime, deadline_at: datetime | None = None,
@@ -157,7 +161,7 @@ class Bridge:
         return [run.job_id for run in runs]
 
     def stats(self) -> dict[str, float]:
-        return self.thread.stats()
+        return self.runner.stats()
 
     def close(self) -> None:
-        self.thread.close()
+        self.runner.close()

@@ -30,7 +30,7 @@ from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
 from worker import results
-from worker.backend import load_backend
+from worker.backend import start_engine
 from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
 from worker.leases import Leases
@@ -80,12 +80,12 @@ class WorkerContext:
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
         db = make_db_engine(settings.database_url.get_secret_value(), pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
         sessions = make_sessions(db)
-        bridge = Bridge.for_settings(load_backend(settings), settings)
+        bridge = Bridge.for_settings(start_engine(settings, on_death=engine_died), settings)
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         leases = Leases()
         reconciler = Reconciler(sessions, celery, settings, name, leases, bridge.stop).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
-        progress = ProgressPublisher(settings.broker_url.get_secret_value(), bridge.engine.tokenizer)
+        progress = ProgressPublisher(settings.broker_url.get_secret_value(), bridge.tokenizer)
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
                                                            settings.dead_after_s), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, batch_prefix=name), "stores")
@@ -188,14 +188,18 @@ def run_claimed(ctx: WorkerContext, claimed: results.Claimed) -> None:
                 return
             ctx.progress.status(job_id, stored.status)
             ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
-        except EngineDead:
-            # the model's state is unknown: exit so the supervisor restarts the worker; this worker's leases
-            # then expire and the reconciler hands its jobs back
-            log.critical("engine thread is dead; exiting")
-            os._exit(3)
+        except EngineDead as exc:
+            engine_died(exc)
         except Exception as exc:
             log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
             retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
+
+
+def engine_died(error: EngineDead) -> None:
+    """The model's state is unknown: exit so the supervisor restarts the worker; this worker's leases then
+    expire and the reconciler hands its jobs back."""
+    log.critical("the engine is dead (%s); exiting", error)
+    os._exit(3)
 
 
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:
