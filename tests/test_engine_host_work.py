@@ -1,5 +1,5 @@
 """The engine's per-step host work done incrementally gives what doing it from scratch gives: stop strings
-found on an output's tail, seeded draws that depend only on (seed, draw)."""
+found on an output's tail, seeded draws that depend only on (seed, draw), sampling through sorted values only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.interface import Request, SamplingParams
-from engine.sampler import sample, seeded_uniforms
+from engine.sampler import penalize, sample, seeded_uniforms
 from engine.text import cut_at_stop, may_end_stop, stop_window, stops_hit
 from tests.engine_helpers import greedy, make_engine, run_all, single_thread  # noqa: F401 (autouse)
 
@@ -126,3 +126,43 @@ def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
     moved = split_copy(tensors, torch.device("cpu"), pin=False)
     assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape
                for a, b in zip(tensors, moved, strict=True))
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+
+def sample_from_scratch(logits: torch.Tensor, rows: list[Row]) -> list[int]:
+    """Row by row, on the whole vocabulary sorted with its permutation: what `sample` computes."""
+    logits = penalize(logits, rows)
+    tokens = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.temperature == 0:
+            tokens.append(int(logits[i].argmax()))
+            continue
+        values, order = (logits[i] / p.temperature).sort(descending=True)
+        k = p.top_k if p.top_k > 0 else len(values)
+        probs = values.masked_fill(torch.arange(len(values)) >= k, float("-inf")).softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p if p.top_p < 1 else torch.zeros_like(probs, dtype=torch.bool)
+        drop |= probs < p.min_p * probs[0]
+        cdf = probs.masked_fill(drop, 0.0).double().cumsum(-1)
+        u = seeded_uniforms([p.seed], [len(row.token_ids) - row.num_prompt_tokens], torch.device("cpu"))
+        rank = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(values) - 1)
+        tokens.append(int(order[rank]))
+    return tokens
+
+
+# float32 on the CPU goes through numpy, sorted whole or partitioned first (over 512 columns); float64 takes the
+# torch path that CUDA tensors take
+@pytest.mark.parametrize("vocab, dtype", [(40, torch.float32), (512, torch.float32), (3000, torch.float32),
+                                          (512, torch.float64)])
+def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(vocab, dtype):
+    rng = random.Random(vocab)
+    for _ in range(30):
+        rows = [Row(SamplingParams(8, temperature=rng.choice([0.0, 0.7, 1.0, 1.5]),
+                                   top_k=rng.choice([0, 1, 7, 50, vocab + 5]), top_p=rng.choice([1.0, 0.95, 0.5]),
+                                   min_p=rng.choice([0.0, 0.1]), repetition_penalty=rng.choice([1.0, 1.3]),
+                                   seed=rng.randrange(2**63)), rng.randrange(20))
+                for _ in range(rng.randint(1, 12))]
+        logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(rng.randrange(1000))) * 3
+        logits = logits.to(dtype)
+        assert sample(logits.clone(), rows) == sample_from_scratch(logits.clone(), rows)
