@@ -77,7 +77,8 @@ class LLMEngine:
             full = plan.windows.index(0)
             dense = DenseDecodeKV(caches[full], full, plan.max_blocks[full] * plan.block_bytes[full],
                                   self.max_model_len, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, dense)
+        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, dense,
+                                 self.blocks.rows)
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
         self._tokens_generated = 0

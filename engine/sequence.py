@@ -26,7 +26,8 @@ class Sequence:
         # samples when it reaches the end, so prefill, chunked prefill, decode and recompute after pre-emption
         # are one code path.
         self.num_computed = 0
-        self.block_tables: list[list[int]] = [[] for _ in range(num_pools)]  # one per KV pool
+        self.block_tables: list[list[int]] = [[] for _ in range(num_pools)]  # one per KV pool, of one length
+        self.table_row = -1  # its row of the block manager's `TableRows` while it holds blocks
         self.block_keys: list[BlockKey] = []  # content keys of the full blocks of `token_ids`, as needed
         self.num_indexed = 0  # leading blocks of the first table already offered to the prefix cache
         self.status = Status.WAITING

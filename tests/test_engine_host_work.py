@@ -1,18 +1,28 @@
 """The engine's per-step host work done incrementally gives what doing it from scratch gives: stop strings
-found on an output's tail, seeded draws that depend only on (seed, draw), sampling through sorted values only."""
+found on an output's tail, seeded draws that depend only on (seed, draw), sampling through sorted values only,
+block tables kept as rows of host arrays."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from engine.block_manager import table_tensor
 from engine.interface import Request, SamplingParams
 from engine.sampler import penalize, sample, seeded_uniforms
 from engine.text import cut_at_stop, may_end_stop, stop_window, stops_hit
-from tests.engine_helpers import greedy, make_engine, run_all, single_thread  # noqa: F401 (autouse)
+from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+    greedy,
+    kv_block_bytes,
+    make_engine,
+    prompts,
+    run_all,
+    single_thread,
+)
 
 PIECES = ["Grüße aus ", "東京", " und 終わり", "ST", "OP", " — café ", "naïve ", "🙂 ok", "\n\n", "<|im_end|>", "x"]
 STOPS = ["STOP", "終わり", "東京 und", " — c", "🙂", "é n"]
@@ -166,3 +176,62 @@ def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(v
         logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(rng.randrange(1000))) * 3
         logits = logits.to(dtype)
         assert sample(logits.clone(), rows) == sample_from_scratch(logits.clone(), rows)
+
+
+# --- block tables kept as host arrays -----------------------------------------------------------------------------
+
+def check_table_rows(engine) -> None:
+    """Every sequence holding blocks has its own row, equal to its tables; every other entry is -1."""
+    seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
+    holding = [s for s in seqs if s.block_tables[0]]
+    assert all(s.table_row == -1 for s in seqs if not s.block_tables[0])
+    assert len({s.table_row for s in holding}) == len(holding) and all(s.table_row >= 0 for s in holding)
+    for p, array in enumerate(engine.blocks.rows.arrays):
+        expected = np.full_like(array, -1)
+        for s in holding:
+            expected[s.table_row, :len(s.block_tables[p])] = s.block_tables[p]
+        assert np.array_equal(array, expected)
+
+
+def packed_from_scratch(step, block_size: int, pools: int) -> dict[str, list]:
+    """A packed step's inputs rebuilt from the sequences' lists, as packing did before the tables were kept."""
+    rows = list(zip(step.seqs, step.counts, strict=True))
+    positions = [p for seq, n in rows for p in range(seq.num_computed, seq.num_computed + n)]
+    tables = [table_tensor([seq.block_tables[p] for seq in step.seqs]) for p in range(pools)]
+    where = [(i, p) for i, (seq, n) in enumerate(rows) for p in range(seq.num_computed, seq.num_computed + n)]
+    return {
+        "input_ids": [t for seq, n in rows for t in seq.token_ids[seq.num_computed:seq.num_computed + n]],
+        "positions": positions,
+        "seq_lens": [seq.num_computed + n for seq, n in rows],
+        "cu_seqlens": [sum(step.counts[:i]) for i in range(len(rows) + 1)],
+        "tables": [t.tolist() for t in tables],
+        "slots": [[int(t[i, p // block_size]) * block_size + p % block_size for i, p in where] for t in tables],
+    }
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])  # prefix cache and one pool; two pools, rings recycled
+def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_models, preset):
+    path = tiny_models[preset]
+    engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=4, prefill_chunk_size=64)
+    pack, packed = engine.runner.pack, []
+
+    def checked_pack(batch):
+        step = pack(batch)
+        expected = packed_from_scratch(step, engine.config.block_size, len(engine.blocks.pools))
+        assert step.input_ids.tolist() == expected["input_ids"] and step.positions.tolist() == expected["positions"]
+        assert step.seq_lens.tolist() == expected["seq_lens"] and step.cu_seqlens.tolist() == expected["cu_seqlens"]
+        assert [t.tolist() for t in step.tables] == expected["tables"]
+        assert [s.tolist() for s in step.slots] == expected["slots"]
+        packed.append(len(step.seqs))
+        return step
+
+    engine.runner.pack = checked_pack
+    shared = prompts(1, 64, 64, seed=5)[0]  # a prefix several prompts start with: their blocks are reused
+    ids = [shared + tail if i % 2 else tail for i, tail in enumerate(prompts(14, 40, 200, seed=6))]
+    requests = [Request(str(i), p, greedy(40)) for i, p in enumerate(ids)]
+    done = run_all(engine, requests, check_table_rows)
+    assert sorted(done) == sorted(r.request_id for r in requests) and max(packed) > 1
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0 if preset == "tiny" else len(engine.blocks.pools) == 2
+    assert all((array == -1).all() for array in engine.blocks.rows.arrays)  # every row given back
