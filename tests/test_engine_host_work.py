@@ -1,6 +1,6 @@
 """The engine's per-step host work done incrementally gives what doing it from scratch gives: stop strings
 found on an output's tail, seeded draws that depend only on (seed, draw), sampling through sorted values only,
-block tables kept as rows of host arrays."""
+block tables kept as rows of host arrays, decodes planned in one go."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from engine.interface import Request, SamplingParams
 from engine.sampler import penalize, sample, seeded_uniforms
 from engine.text import cut_at_stop, may_end_stop, stop_window, stops_hit
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+    FakeCost,
     greedy,
     kv_block_bytes,
     make_engine,
@@ -235,3 +236,36 @@ def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_
     assert stats["preemptions"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0 if preset == "tiny" else len(engine.blocks.pools) == 2
     assert all((array == -1).all() for array in engine.blocks.rows.arrays)  # every row given back
+
+
+# --- decodes planned in one go ------------------------------------------------------------------------------------
+
+def plan_row_by_row(scheduler):
+    """The scheduler's plan with every decode going through `_run` in its usual order."""
+    def run_decodes(decodes, plan):
+        for seq in sorted(decodes, key=lambda s: (s.last_step < scheduler._step - 1, s.last_step, s.admitted)):
+            scheduler._run(seq, 1, plan)
+    return run_decodes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
+def test_decodes_planned_in_one_go_are_the_row_by_row_plan(tiny_models, preset):
+    path = tiny_models[preset]
+    runs = []
+    for one_go in (True, False):
+        engine = make_engine(path, kv_cache_memory=40 * kv_block_bytes(path), initial_blocks=4, max_num_seqs=12)
+        engine.scheduler.cost = FakeCost()
+        if not one_go:
+            engine.scheduler._run_decodes = plan_row_by_row(engine.scheduler)
+        schedule, steps = engine.scheduler.schedule, []
+
+        def recorded(now, schedule=schedule, steps=steps):
+            batch = schedule(now)
+            steps.append(sorted((seq.request_id, n) for seq, n in batch))
+            return batch
+
+        engine.scheduler.schedule = recorded
+        requests = [Request(str(i), p, greedy(30)) for i, p in enumerate(prompts(20, 20, 150, seed=3))]
+        done = run_all(engine, requests)
+        runs.append((steps, {k: c.token_ids for k, c in done.items()}, engine.stats()["preemptions"]))
+    assert runs[0] == runs[1] and runs[0][2] > 0
