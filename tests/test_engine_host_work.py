@@ -1,6 +1,6 @@
 """The engine's per-step host work done incrementally gives what doing it from scratch gives: stop strings
 found on an output's tail, seeded draws that depend only on (seed, draw), sampling through sorted values only,
-block tables kept as rows of host arrays, decodes planned in one go."""
+block tables kept as rows of host arrays, decodes planned in one go, finish reasons checked in the step loop."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from engine.block_manager import table_tensor
 from engine.interface import Request, SamplingParams
 from engine.sampler import penalize, sample, seeded_uniforms
-from engine.text import cut_at_stop, may_end_stop, stop_window, stops_hit
+from engine.text import cut_at_stop, finish_text, may_end_stop, stop_ends, stop_window, stops_hit
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,
@@ -179,6 +179,22 @@ def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(v
         assert sample(logits.clone(), rows) == sample_from_scratch(logits.clone(), rows)
 
 
+# --- stop strings -----------------------------------------------------------------------------------------------
+
+def test_the_step_loops_stop_check_is_may_end_stop(tokenizer):
+    texts = [tokenizer.decode([i], skip_special_tokens=True) for i in range(0, len(tokenizer), 97)]
+    texts += [t for piece in PIECES for t in (piece, piece[-1:], "\ufffd")]
+    for stops in [[], [""], ["STOP"], ["終わり"], ["é n", "🙂"], STOPS, ["x", ""]]:
+        ends = stop_ends(stops)
+        assert all((not ends.isdisjoint(text)) == may_end_stop(text, stops) for text in texts), stops
+
+
+def test_an_ascii_stop_is_not_decoded_for_a_split_character(tokenizer):
+    # a lone byte of a multi-byte character decodes to U+FFFD
+    text = next(t for t in (tokenizer.decode([i]) for i in range(1000)) if t == "\ufffd")
+    assert "\ufffd" in text and not may_end_stop(text, ["STOP"]) and may_end_stop(text, ["終わり"])
+
+
 # --- block tables kept as host arrays -----------------------------------------------------------------------------
 
 def check_table_rows(engine) -> None:
@@ -269,3 +285,46 @@ def test_decodes_planned_in_one_go_are_the_row_by_row_plan(tiny_models, preset):
         done = run_all(engine, requests)
         runs.append((steps, {k: c.token_ids for k, c in done.items()}, engine.stats()["preemptions"]))
     assert runs[0] == runs[1] and runs[0][2] > 0
+
+
+# --- finish reasons -----------------------------------------------------------------------------------------------
+
+def finished_from_scratch(tokenizer, stream: list[int], params: SamplingParams, prompt_len: int,
+                          max_model_len: int, eos_ids: set[int]) -> tuple[list[int], str]:
+    """Token by token, the whole output decoded each time: where a request with `params` ends, and why."""
+    for n in range(1, len(stream) + 1):
+        eos_hit = stream[n - 1] in eos_ids and not params.ignore_eos
+        if eos_hit or cut_at_stop(tokenizer.decode(stream[:n], skip_special_tokens=True), params.stop)[1]:
+            reason = "stop"
+        elif n >= params.max_new_tokens or prompt_len + n >= max_model_len:
+            reason = "length"
+        else:
+            continue
+        eos = set() if params.ignore_eos else eos_ids
+        return finish_text(tokenizer, stream[:n], params.stop, eos)[0], reason
+    raise AssertionError("the stream ran out")
+
+
+def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_model, tokenizer):
+    engine = make_engine(qwen3_model, max_model_len=96)
+    eos = sorted(engine.eos_ids)
+    rng = random.Random(4)
+    streams, requests = {}, []
+    for i in range(24):
+        # scripted outputs: pieces that straddle tokens, with an EOS now and then
+        stream = [t for _ in range(40) for t in (tokenizer.encode(rng.choice(PIECES)) if rng.random() > 0.05
+                                                 else [rng.choice(eos)])]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.3,
+                                stop=tuple(rng.sample(STOPS, rng.randint(0, 2))))
+        prompt = prompts(1, 10, 80, seed=i)[0]
+        streams[str(i)] = stream
+        requests.append((Request(str(i), prompt, params), stream))
+    run = engine.runner.run
+    engine.runner.run = lambda batch: {seq: streams[seq.request_id][len(seq.output_ids)] for seq in run(batch)}
+    done = run_all(engine, [r for r, _ in requests])
+    for request, stream in requests:
+        expected = finished_from_scratch(tokenizer, stream, request.sampling, len(request.prompt_ids),
+                                         engine.max_model_len, engine.eos_ids)
+        got = done[request.request_id]
+        assert (got.token_ids, got.finish_reason) == expected, request.request_id
+    assert {c.finish_reason for c in done.values()} == {"stop", "length"}
