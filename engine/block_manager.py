@@ -9,6 +9,10 @@ Blocks carry reference counts rather than an owner, so full blocks can be shared
 full computed block of a full-attention pool is indexed by content, a new sequence starts from the longest
 cached prefix of its tokens, and a block whose last reference goes stays cached until the pool needs room.
 Prefix caching is only used for models without sliding-window layers (ring blocks are recycled mid-sequence).
+
+Each sequence's tables are Python lists, and `TableRows` mirrors them as rows of one host array per pool,
+written where blocks come and go, so packing a step gathers its rows instead of rebuilding tables from lists.
+Every table of a sequence has the same length (logical indices; a ring's recycled entries stay, as -1).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
 import torch
 
 from engine.block_key import extend_keys
@@ -81,6 +86,52 @@ class BlockPool:
         self.free.extend(range(old, new))
 
 
+class TableRows:
+    """The block tables of the sequences holding blocks, as rows of one int32 array per pool, -1 where no block
+    is (past a table's end, and recycled ring entries). A sequence takes a row (`Sequence.table_row`) with its
+    first block and gives it back with its last; both grow (doubling) when short."""
+
+    def __init__(self, num_pools: int, rows: int = 16, width: int = 16) -> None:
+        self.arrays = [np.full((rows, width), -1, dtype=np.int32) for _ in range(num_pools)]
+        self.free_rows = list(range(rows - 1, -1, -1))  # popped from the end: low rows first
+
+    def write(self, seq: Sequence, pool: int, start: int, blocks: list[int]) -> None:
+        """`blocks` at `seq`'s table entries `start ...` of `pool`."""
+        if seq.table_row < 0:
+            if not self.free_rows:
+                self._grow(rows=2 * self.arrays[0].shape[0])
+            seq.table_row = self.free_rows.pop()
+        end = start + len(blocks)
+        if end > self.arrays[0].shape[1]:
+            self._grow(width=max(end, 2 * self.arrays[0].shape[1]))
+        self.arrays[pool][seq.table_row, start:end] = blocks
+
+    def clear(self, seq: Sequence, pool: int, index: int) -> None:
+        self.arrays[pool][seq.table_row, index] = -1
+
+    def release(self, seq: Sequence, length: int) -> None:
+        """`seq`'s row back, its first `length` entries (all it wrote) reset."""
+        if seq.table_row < 0:
+            return
+        for array in self.arrays:
+            array[seq.table_row, :length] = -1
+        self.free_rows.append(seq.table_row)
+        seq.table_row = -1
+
+    def gather(self, rows: np.ndarray, width: int) -> list[torch.Tensor]:
+        """Per pool, the first `width` entries of `rows` (sequences' `table_row`): `[len(rows), width]`."""
+        return [torch.from_numpy(array[rows, :width]) for array in self.arrays]
+
+    def _grow(self, rows: int = 0, width: int = 0) -> None:
+        old_rows, old_width = self.arrays[0].shape
+        rows, width = max(rows, old_rows), max(width, old_width)
+        for i, array in enumerate(self.arrays):
+            grown = np.full((rows, width), -1, dtype=np.int32)
+            grown[:old_rows, :old_width] = array
+            self.arrays[i] = grown
+        self.free_rows[:0] = range(rows - 1, old_rows - 1, -1)
+
+
 class BlockManager:
     def __init__(self, pools: list[BlockPool], windows: list[int], block_size: int) -> None:
         self.pools = pools
@@ -88,6 +139,7 @@ class BlockManager:
         self.windowed = any(windows)
         self.block_size = block_size
         self.prefix = pools[0].prefix  # the engine gives one only to a lone full-attention pool
+        self.rows = TableRows(len(pools))
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq`'s tokens start with; the last token is never covered, since the step that
@@ -108,6 +160,8 @@ class BlockManager:
         brought back from the host tier)."""
         blocks = self.cached_prefix(seq)
         from_host = sum(self.pools[0].share(block) for block in blocks)
+        if blocks:
+            self.rows.write(seq, 0, len(seq.block_tables[0]), blocks)
         seq.block_tables[0].extend(blocks)
         seq.num_indexed = len(blocks)
         seq.num_computed = len(blocks) * self.block_size
@@ -142,7 +196,7 @@ class BlockManager:
 
     def recycle(self, seq: Sequence) -> None:
         """Free the ring blocks no query from `seq.num_computed` on can see (only `windowed` pools have any)."""
-        for pool, window, table in zip(self.pools, self.windows, seq.block_tables, strict=True):
+        for p, (pool, window, table) in enumerate(zip(self.pools, self.windows, seq.block_tables, strict=True)):
             if window == 0:
                 continue
             # the next query sits at num_computed and sees keys after num_computed - window (Qwen3 has no sinks)
@@ -150,24 +204,29 @@ class BlockManager:
             while b >= 0 and table[b] >= 0:
                 pool.release(table[b])
                 table[b] = -1
+                self.rows.clear(seq, p, b)
                 b -= 1
 
     def try_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` the blocks its next `num_tokens` tokens need (after `recycle`); False, and nothing taken,
         when some pool cannot."""
         needed = -(-(seq.num_computed + num_tokens) // self.block_size)
-        if all(len(table) >= needed for table in seq.block_tables):  # most decode steps
+        held = len(seq.block_tables[0])  # every table has the same length
+        if held >= needed:  # most decode steps
             return True
-        missing = [needed - len(table) for table in seq.block_tables]
-        if not all(pool.can_allocate(n) for pool, n in zip(self.pools, missing, strict=True)):
+        missing = needed - held
+        if not all(pool.can_allocate(missing) for pool in self.pools):
             return False
-        for pool, table, n in zip(self.pools, seq.block_tables, missing, strict=True):
-            table.extend(pool.allocate() for _ in range(n))
+        for p, (pool, table) in enumerate(zip(self.pools, seq.block_tables, strict=True)):
+            blocks = [pool.allocate() for _ in range(missing)]
+            self.rows.write(seq, p, held, blocks)
+            table.extend(blocks)
         return True
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; its computed full blocks (prompt and output alike) stay cached."""
         self.index(seq)
+        self.rows.release(seq, len(seq.block_tables[0]))
         for pool, table in zip(self.pools, seq.block_tables, strict=True):
             # tail first, so the LRU evicts a chain's tail before the head that others are likelier to share
             for block in reversed(table):

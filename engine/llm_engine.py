@@ -23,7 +23,7 @@ from engine.prefix_cache import PrefixCache
 from engine.profile import largest_step
 from engine.scheduler import Scheduler, work_of
 from engine.sequence import Sequence
-from engine.text import finish_text, may_end_stop, stops_hit, think_ids
+from engine.text import finish_text, stops_hit, think_ids
 from kernels.dispatch import select_ops
 
 
@@ -77,7 +77,8 @@ class LLMEngine:
             full = plan.windows.index(0)
             dense = DenseDecodeKV(caches[full], full, plan.max_blocks[full] * plan.block_bytes[full],
                                   self.max_model_len, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, dense)
+        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, dense,
+                                 self.blocks.rows)
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
         self._tokens_generated = 0
@@ -103,7 +104,7 @@ class LLMEngine:
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
-        seq = Sequence(request, len(self.blocks.pools))
+        seq = Sequence(request, len(self.blocks.pools), self.max_model_len)
         self._seqs[request.request_id] = seq
         self.blocks.prefetch(seq)
         self.scheduler.add(seq)
@@ -134,33 +135,53 @@ class LLMEngine:
         sampled = self.runner.run(batch)
         end = time.monotonic()
         self._steps += 1
-        done, stopping = [], []
+        self._account(batch, start, end)
+        done = self._take(sampled, end) if sampled else []
+        # the whole step, planning and bookkeeping included: what an interactive request waits per token
+        self.scheduler.cost.observe(work, time.monotonic() - start)
+        return done
+
+    def _account(self, batch: list[tuple[Sequence, int]], start: float, end: float) -> None:
+        """The tokens each sequence of the step computed, its timings, and the blocks it filled (indexed in the
+        prefix cache). One plain loop: it runs for every row of every step."""
+        size, block_size = len(batch), self.config.block_size
+        indexing = self.blocks.prefix is not None
         for seq, n in batch:
-            seq.record_step(self._steps, start, end, len(batch), prefilled=n > 1 or seq.num_computed == 0)
+            if n > 1 or seq.num_computed == 0 or seq.first_scheduled is None:  # a prefill, or its first step
+                seq.record_step(self._steps, start, end, size, prefilled=n > 1 or seq.num_computed == 0)
+            elif seq.timings.batch_size < size:  # a decode: only the largest batch can change
+                seq.timings.batch_size = size
             seq.num_computed += n
-            self.blocks.index(seq)
+            if indexing and seq.num_computed >= (seq.num_indexed + 1) * block_size:  # a block filled up
+                self.blocks.index(seq)
             self._tokens_computed += n
-            token = sampled.get(seq)
-            if token is None:
-                continue
-            if seq.params.max_thinking_tokens is not None:
+
+    def _take(self, sampled: dict[Sequence, int], end: float) -> list[Completion]:
+        """Append each sampled token to its sequence and finish those it ends: EOS, a stop string (its tail
+        decoded only after a token that can complete one, every such row in one call), or the length."""
+        done, stopping = [], []
+        eos_ids = self.eos_ids
+        for seq, token in sampled.items():
+            if seq.thinking:
                 token = self._within_thinking_budget(seq, token)
-            seq.append_token(token, end)
-            self._tokens_generated += 1
-            if token in self.eos_ids and not seq.params.ignore_eos:
+            seq.token_ids.append(token)
+            seq.last_token = end
+            if seq.first_token is None:
+                seq.first_token = end
+                seq.timings.ttft_ms = (end - seq.request.arrival) * 1e3
+            if token in eos_ids and not seq.params.ignore_eos:
                 self._finish(seq, "stop", done)
-            elif seq.params.stop and may_end_stop(self._token_text(token), seq.params.stop):
+            elif seq.stop_ends and not seq.stop_ends.isdisjoint(self._token_text(token)):
                 stopping.append(seq)  # decoded together below
-            elif self._at_length(seq):
+            elif len(seq.token_ids) >= seq.max_tokens:
                 self._finish(seq, "length", done)
+        self._tokens_generated += len(sampled)
         if stopping:
             outputs = [(seq.output_tail(seq.stop_window), seq.params.stop) for seq in stopping]
             hits = stops_hit(self.tokenizer, outputs)
             for seq, hit in zip(stopping, hits, strict=True):
-                if hit or self._at_length(seq):
+                if hit or len(seq.token_ids) >= seq.max_tokens:
                     self._finish(seq, "stop" if hit else "length", done)
-        # the whole step, planning and bookkeeping included: what an interactive request waits per token
-        self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
 
     def _within_thinking_budget(self, seq: Sequence, token: int) -> int:
@@ -183,9 +204,6 @@ class LLMEngine:
             text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=True)
         return text
 
-    def _at_length(self, seq: Sequence) -> bool:
-        return seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len
-
     def _finish(self, seq: Sequence, reason: str, done: list[Completion]) -> None:
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
@@ -194,7 +212,7 @@ class LLMEngine:
     def _completion(self, seq: Sequence, reason: str) -> Completion:
         eos = set() if seq.params.ignore_eos else self.eos_ids
         ids, text, _ = finish_text(self.tokenizer, seq.output_ids, seq.params.stop, eos)
-        return Completion(seq.request_id, ids, text, seq.num_prompt_tokens, reason, None, seq.timings)
+        return Completion(seq.request_id, ids, text, seq.num_prompt_tokens, reason, None, seq.final_timings())
 
     def stats(self) -> dict[str, float]:
         pools = self.blocks.pools

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBatch, BatchPart, LayerSlot
-from engine.block_manager import table_tensor
+from engine.block_manager import TableRows
 from engine.cuda_graphs import DecodeGraphs
 from engine.dense_decode import DenseDecodeKV
 from engine.kv_cache import KVCache
@@ -35,8 +36,10 @@ class Step:
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, caches: list[KVCache], layer_slots: list[LayerSlot],
-                 ops: Ops, block_size: int, graphs: DecodeGraphs | None, dense: DenseDecodeKV | None) -> None:
+                 ops: Ops, block_size: int, graphs: DecodeGraphs | None, dense: DenseDecodeKV | None,
+                 tables: TableRows) -> None:
         self.model = model
+        self.tables = tables  # the block manager's: every sequence's block tables, one row each
         self.caches = caches
         self.layer_slots = layer_slots
         self.ops = ops
@@ -54,7 +57,7 @@ class ModelRunner:
                 if seq.num_computed + n == seq.num_tokens]
         if not ends:
             return {}
-        last = (step.cu_seqlens[1:][ends] - 1).to(self.device)
+        last = torch.from_numpy(step.cu_seqlens.numpy()[1:][ends] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last])
         seqs = [step.seqs[i] for i in ends]
         tokens = sample(logits, seqs)
@@ -62,31 +65,38 @@ class ModelRunner:
 
     def pack(self, batch: list[tuple[Sequence, int]]) -> Step:
         """The step's inputs on the host: single-query sequences first (the backend takes them in one call, in
-        the dense rows' order when those serve them), then prefill chunks by length."""
+        the dense rows' order when those serve them), then prefill chunks by length. Lists of per-row numbers
+        become tensors through numpy (`torch.tensor` of a list is several times slower), and the block tables
+        are gathered from the block manager's `TableRows`."""
         decodes = [seq for seq, n in batch if n == 1]
         ordered = self.dense.sync(decodes, len(batch)) if self.dense is not None and decodes else None
-        batch = [(seq, 1) for seq in ordered or decodes] + sorted(((s, n) for s, n in batch if n > 1),
-                                                                  key=lambda item: item[1])
-        seqs = [seq for seq, _ in batch]
-        counts = [n for _, n in batch]
-        computed = [seq.num_computed for seq in seqs]
-        d = len(decodes)
+        prefills = sorted(((s, n) for s, n in batch if n > 1), key=lambda item: item[1])
+        seqs = (ordered or decodes) + [seq for seq, _ in prefills]
+        d, rows = len(decodes), len(seqs)
+        computed = np.fromiter((seq.num_computed for seq in seqs), np.int64, rows)
         # a decode's one new token is the one at `num_computed`: no slice per row
-        input_ids = [seq.token_ids[c] for seq, c in zip(seqs[:d], computed[:d], strict=True)]
-        input_ids += [t for seq, n in batch[d:] for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
-        counts_t = torch.tensor(counts)
-        seq_lens = torch.tensor(computed) + counts_t
-        cu_seqlens = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(counts_t, 0, out=cu_seqlens[1:])
-        if d == len(seqs):  # decodes only: one token per row, at the row's context length
-            row, positions = torch.arange(d), seq_lens - 1
+        input_ids = [seq.token_ids[seq.num_computed] for seq in seqs[:d]]
+        if d == rows:  # decodes only: one token per row, at the row's context length
+            counts = np.ones(rows, np.int64)
+            row, positions = np.arange(rows), computed
         else:
-            row = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
-            positions = torch.arange(len(input_ids)) - cu_seqlens[row] + seq_lens[row] - counts_t[row]
-        tables = [table_tensor([seq.block_tables[p] for seq in seqs]) for p in range(len(self.caches))]
-        slots = [t[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
+            input_ids += [t for seq, n in prefills for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
+            counts = np.array([1] * d + [n for _, n in prefills], np.int64)
+            row = np.repeat(np.arange(rows), counts)
+            # each token's position: its row's first new position plus its offset into the row's chunk
+            starts = np.cumsum(counts) - counts
+            positions = computed[row] + np.arange(len(input_ids)) - starts[row]
+        seq_lens = computed + counts
+        cu_seqlens = np.zeros(rows + 1, np.int64)
+        np.cumsum(counts, out=cu_seqlens[1:])
+        table_rows = np.fromiter((seq.table_row for seq in seqs), np.intp, rows)
+        width = max(1, -(-int(seq_lens.max()) // self.block_size))  # the blocks the longest row needs
+        tables = self.tables.gather(table_rows, width)
+        slot_of = (positions // self.block_size, positions % self.block_size)
+        slots = [torch.from_numpy(t.numpy()[row, slot_of[0]].astype(np.int64) * self.block_size + slot_of[1])
                  for t in tables]
-        return Step(seqs, counts, len(decodes), torch.tensor(input_ids), positions, cu_seqlens, seq_lens, tables,
+        return Step(seqs, counts.tolist(), d, torch.from_numpy(np.array(input_ids, np.int64)),
+                    torch.from_numpy(positions), torch.from_numpy(cu_seqlens), torch.from_numpy(seq_lens), tables,
                     slots, dense=ordered is not None)
 
     @torch.inference_mode()

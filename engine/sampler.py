@@ -2,21 +2,31 @@
 
 Penalties come first: transformers' repetition penalty over the prompt and the output, OpenAI's presence
 penalty over the output. Greedy rows then take the argmax. Sampled rows are divided by their temperature and
-filtered on one sort of their logits by top-k, top-p and min-p, in that order (transformers' warpers), and
-all drawn in one call by inverting their cumulative distribution at one uniform number per row. A row with a
-seed takes its number from a counter-based hash of (seed, tokens it has drawn so far), so its draws never
-depend on its batch-mates, on pre-emptions or on the device, and no row needs a generator of its own.
+filtered on their logits sorted in descending order by top-k, top-p and min-p, in that order (transformers'
+warpers), and all drawn in one call by inverting their cumulative distribution at one uniform number per row.
+A row with a seed takes its number from a counter-based hash of (seed, tokens it has drawn so far), so its
+draws never depend on its batch-mates, on pre-emptions or on the device, and no row needs a generator of its
+own.
+
+Only the sorted values are needed, not the permutation: the drawn rank's value is looked up in the row (the
+first column holding it). On the CPU the sorting, selecting and argmax go through numpy, whose vectorized
+kernels take a fraction of the time torch's take on rows this short (256 x 512: topk 1.2 ms, numpy's sort
+0.08 ms; argmax 0.09 ms against 0.01 ms).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.interface import SamplingParams
 
 MASK32 = 0xFFFFFFFF
+# numpy sorts rows up to about this long faster than it selects their top values; longer rows are partitioned
+# first, and only the part kept is sorted
+SORT_WHOLE_ROW = 512
 
 
 class Row(Protocol):
@@ -25,6 +35,39 @@ class Row(Protocol):
     params: SamplingParams
     token_ids: list[int]  # prompt, then output so far
     num_prompt_tokens: int
+
+
+def _on_host(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _column(values: list, device: torch.device, dtype=np.float32) -> torch.Tensor:
+    """`[len(values), 1]` tensor of per-row numbers (through numpy: `torch.tensor` of a list is several times
+    slower)."""
+    return torch.from_numpy(np.array(values, dtype=dtype)).to(device)[:, None]
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Column of each row's largest value (the first one on ties)."""
+    return torch.from_numpy(x.numpy().argmax(1)) if _on_host(x) else x.argmax(1)
+
+
+def descending(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` largest values of each row of `x`, largest first, `[rows, k]`."""
+    vocab = x.shape[1]
+    if not _on_host(x):
+        return x.topk(k).values if k < vocab else x.sort(dim=-1, descending=True).values
+    a = x.numpy()
+    if k < vocab and vocab > SORT_WHOLE_ROW:
+        a = np.partition(a, vocab - k, axis=1)[:, vocab - k:]
+    return torch.from_numpy(np.sort(a, axis=1)[:, ::-1][:, :k].copy())
+
+
+def first_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """For each row of `x`, the first column holding `values[row, 0]` (which the row holds)."""
+    if _on_host(x):
+        return torch.from_numpy((x.numpy() == values.numpy()).argmax(1))
+    return (x == values).int().argmax(1)
 
 
 def _seen(rows: list[Row], vocab: int, device: torch.device, output_only: bool) -> torch.Tensor:
@@ -54,59 +97,74 @@ def penalize(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities after temperature, top-k, top-p and min-p, each row in descending order of its logits,
-    `[rows, ranks]` (ranks: the largest top-k, or the whole vocabulary), and the vocabulary id at each rank."""
-    device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-    widest = max(p.top_k if 0 < p.top_k < vocab else vocab for p in params)
-    # when every row has a top-k, only the best `widest` ever survive: a partial sort is enough
-    scaled = logits / temperature
-    sorted_logits, order = scaled.topk(widest) if widest < vocab else scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(widest, device=device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    # a token goes when the ones before it already cover top_p; the most likely always stays
-    drop = probs.cumsum(-1) - probs >= top_p
-    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
-    drop |= probs < min_p * probs[:, :1]
-    return probs.masked_fill(drop, 0.0), order
+def _filtered_probs(ranked: torch.Tensor, params: list[SamplingParams], top_k: list[int]) -> torch.Tensor:
+    """Probabilities after top-k, top-p and min-p of `ranked [rows, ranks]`, each row's scaled logits in
+    descending order (ranks: the largest top-k, or the whole vocabulary); `top_k` per row, at most `ranks`.
+    A filter no row uses is skipped (a top-p of 1 keeps everything, as transformers does not apply it)."""
+    device = ranked.device
+    if min(top_k) < ranked.shape[1]:
+        rank = torch.arange(ranked.shape[1], device=device)[None, :]
+        ranked = ranked.masked_fill(rank >= _column(top_k, device, np.int64), float("-inf"))
+    probs = ranked.softmax(-1)
+    drop = torch.zeros_like(probs, dtype=torch.bool)
+    if any(p.top_p < 1 for p in params):
+        # a token goes when the ones before it already cover top_p; the most likely always stays
+        drop |= probs.cumsum(-1) - probs >= _column([p.top_p for p in params], device)
+    if any(p.min_p > 0 for p in params):
+        drop |= probs < _column([p.min_p for p in params], device) * probs[:, :1]
+    return probs.masked_fill(drop, 0.0)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wang/Mueller), on int64 tensors holding values below 2**32: no product overflows."""
+def _mix32(x):
+    """A 32-bit integer hash (Wang/Mueller), on int64 values below 2**32: no product overflows."""
     x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     return (x >> 16) ^ x
 
 
 def seeded_uniforms(seeds: list[int], counters: list[int], device: torch.device) -> torch.Tensor:
-    """One number in [0, 1) per (seed, counter), the same wherever and with whatever else it is computed."""
-    low = torch.tensor([s & MASK32 for s in seeds], dtype=torch.int64, device=device)
-    high = torch.tensor([(s >> 32) & MASK32 for s in seeds], dtype=torch.int64, device=device)
-    counter = torch.tensor(counters, dtype=torch.int64, device=device)
+    """One number in [0, 1) per (seed, counter), the same wherever and with whatever else it is computed
+    (worked out on the host: a handful of integer operations on a few hundred numbers)."""
+    low = np.array([s & MASK32 for s in seeds], dtype=np.int64)
+    high = np.array([(s >> 32) & MASK32 for s in seeds], dtype=np.int64)
+    counter = np.array(counters, dtype=np.int64)
     x = _mix32(_mix32(low ^ _mix32(high)) ^ (counter & MASK32))
     x = _mix32(x ^ (counter >> 32))
-    return x.double() / 2.0 ** 32
+    return torch.from_numpy(x.astype(np.float64) / 2.0 ** 32).to(device)
+
+
+def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """One token per row of `logits`, every row sampled (temperature > 0)."""
+    params = [r.params for r in rows]
+    vocab = logits.shape[1]
+    scaled = logits / _column([p.temperature for p in params], logits.device)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    # when every row has a top-k, only the best `widest` ever survive: a partial sort is enough
+    ranked = descending(scaled, max(top_k))
+    probs = _filtered_probs(ranked, params, top_k)
+    uniforms = torch.rand(len(rows), dtype=torch.float64, device=logits.device)
+    seeded = [j for j, p in enumerate(params) if p.seed is not None]
+    if seeded:
+        draws = [len(rows[j].token_ids) - rows[j].num_prompt_tokens for j in seeded]
+        values = seeded_uniforms([params[j].seed for j in seeded], draws, logits.device)
+        if len(seeded) == len(rows):
+            uniforms = values
+        else:
+            uniforms[seeded] = values
+    cdf = probs.double().cumsum(-1)
+    # the first rank whose cumulative mass exceeds the draw; clamped for rounding at the very top
+    ranks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
+    return first_equal(scaled, ranked.gather(1, ranks))
 
 
 def sample(logits: torch.Tensor, rows: list[Row]) -> list[int]:
     """One token per row of `logits [rows, vocab]` (fp32)."""
     logits = penalize(logits, rows)
-    tokens = logits.argmax(-1)
     sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
-    if sampled:
-        params = [rows[i].params for i in sampled]
-        probs, order = _filtered_probs(logits[sampled], params)
-        uniforms = torch.rand(len(sampled), dtype=torch.float64, device=logits.device)
-        seeded = [j for j, p in enumerate(params) if p.seed is not None]
-        if seeded:
-            draws = [len(rows[sampled[j]].token_ids) - rows[sampled[j]].num_prompt_tokens for j in seeded]
-            uniforms[seeded] = seeded_uniforms([params[j].seed for j in seeded], draws, logits.device)
-        cdf = probs.double().cumsum(-1)
-        # the first rank whose cumulative mass exceeds the draw; clamped for rounding at the very top
-        ranks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
-        tokens[sampled] = order.gather(1, ranks)[:, 0]
+    if not sampled:
+        return argmax(logits).tolist()
+    if len(sampled) == len(rows):
+        return _draw(logits, rows).tolist()
+    tokens = argmax(logits)
+    tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled]).to(tokens.device)
     return tokens.tolist()

@@ -67,6 +67,14 @@ class StepPlan:
         else:
             self.prefill_tokens += n
 
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        """`add(seq, 1)` for each of `seqs`, none of them planned yet."""
+        if seqs:
+            self.scheduled.update(dict.fromkeys(seqs, 1))
+            self.tokens_left -= len(seqs)
+            self.decode_rows += len(seqs)
+            self.decode_longest = max(self.decode_longest, max(seq.num_computed for seq in seqs) + 1)
+
     def remove(self, seq: Sequence) -> None:
         """(A row taken out leaves the longest context as it was: an estimate on the safe side.)"""
         n = self.scheduled.pop(seq, 0)
@@ -136,15 +144,20 @@ class Scheduler:
         # 2. bulk work, up to the step's time limit
         limit = self._time_limit(plan, now)
         self.num_limited_steps += limit < math.inf
-        bulk = [s for s in self.running if not s.interactive]
-        decodes = sorted((s for s in bulk if s.num_uncomputed == 1),
-                         key=lambda s: (s.last_step < self._step - 1, s.last_step, s.admitted))
-        for i, seq in enumerate(decodes):
-            if plan.tokens_left < 1 or (limit < math.inf and self.cost.predict(plus(plan.work, seq, 1)) > limit):
-                self.num_rows_deferred += len(decodes) - i  # the rest would not fit either
-                break
-            self._run(seq, 1, plan)
-        for seq in sorted((s for s in bulk if s.num_uncomputed > 1), key=lambda s: s.admitted):
+        decodes, prefills = [], []
+        for seq in self.running:
+            if not seq.interactive:
+                (decodes if seq.num_uncomputed == 1 else prefills).append(seq)
+        if limit == math.inf and len(decodes) <= plan.tokens_left:  # every one runs: no order to keep
+            self._run_decodes(decodes, plan)
+        else:
+            decodes.sort(key=lambda s: (s.last_step < self._step - 1, s.last_step, s.admitted))
+            for i, seq in enumerate(decodes):
+                if plan.tokens_left < 1 or (limit < math.inf and self.cost.predict(plus(plan.work, seq, 1)) > limit):
+                    self.num_rows_deferred += len(decodes) - i  # the rest would not fit either
+                    break
+                self._run(seq, 1, plan)
+        for seq in sorted(prefills, key=lambda s: s.admitted):
             if seq.status is Status.RUNNING:
                 self._run(seq, self._chunk(seq, plan, limit), plan)
         if min(plan.tokens_left, self._spare_tokens(plan, limit)) > 0:  # else ordering the backlog is wasted
@@ -195,6 +208,25 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             plan.add(seq, n)
             self._mark_computing(seq, n, plan.computing)
+
+    def _run_decodes(self, decodes: list[Sequence], plan: StepPlan) -> None:
+        """`_run(seq, 1, plan)` for each of `decodes` (running bulk sequences that all fit in the step, so their
+        order does not change which run). Most have room for the token in their last block and leave
+        `_mark_computing` nothing to mark (their block has no content key yet): those go into the plan in one
+        go. The others (a block to take, maybe a pre-emption) go one by one, in admission order; with
+        sliding-window pools every row does (its ring blocks are recycled first)."""
+        size = self.blocks.block_size
+        plain, rest = [], []
+        if self.blocks.windowed:
+            rest = decodes
+        else:
+            for seq in decodes:
+                at = seq.num_computed
+                has_room = at < len(seq.block_tables[0]) * size
+                (plain if has_room and at // size >= len(seq.block_keys) else rest).append(seq)
+        plan.add_decodes(plain)
+        for seq in sorted(rest, key=lambda s: s.admitted):
+            self._run(seq, 1, plan)
 
     def _admission_order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
         """`seqs` (waiting, of one class) in the order they are to be admitted."""

@@ -6,7 +6,7 @@ from enum import Enum, auto
 
 from engine.block_key import BlockKey
 from engine.interface import Request, Timings
-from engine.text import stop_window
+from engine.text import stop_ends, stop_window
 
 
 class Status(Enum):
@@ -16,17 +16,22 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, request: Request, num_pools: int) -> None:
+    def __init__(self, request: Request, num_pools: int, max_model_len: int) -> None:
         self.request = request
         self.params = request.sampling
         self.token_ids = list(request.prompt_ids)
         self.num_prompt_tokens = len(request.prompt_ids)
+        # it finishes by length once it holds this many tokens (prompt included)
+        self.max_tokens = min(self.num_prompt_tokens + self.params.max_new_tokens, max_model_len)
         self.stop_window = stop_window(self.params.stop)  # output tokens a stop string can span
+        self.stop_ends = stop_ends(self.params.stop)  # characters a token completing a stop string holds
+        self.thinking = self.params.max_thinking_tokens is not None  # its reasoning has a budget
         # Tokens whose K/V is in the cache. A step computes `token_ids[num_computed:]` (or a chunk of it) and
         # samples when it reaches the end, so prefill, chunked prefill, decode and recompute after pre-emption
         # are one code path.
         self.num_computed = 0
-        self.block_tables: list[list[int]] = [[] for _ in range(num_pools)]  # one per KV pool
+        self.block_tables: list[list[int]] = [[] for _ in range(num_pools)]  # one per KV pool, of one length
+        self.table_row = -1  # its row of the block manager's `TableRows` while it holds blocks
         self.block_keys: list[BlockKey] = []  # content keys of the full blocks of `token_ids`, as needed
         self.num_indexed = 0  # leading blocks of the first table already offered to the prefix cache
         self.status = Status.WAITING
@@ -77,10 +82,8 @@ class Sequence:
             t.prefill_ms += (end - start) * 1e3
         t.batch_size = max(t.batch_size, batch_size)
 
-    def append_token(self, token_id: int, now: float) -> None:
-        self.token_ids.append(token_id)
-        if self.first_token is None:
-            self.first_token = now
-            self.timings.ttft_ms = (now - self.request.arrival) * 1e3
-        self.last_token = now
-        self.timings.decode_ms = (now - self.first_token) * 1e3
+    def final_timings(self) -> Timings:
+        """`timings` with what is derived only once the request ends (the engine stores just the times)."""
+        if self.first_token is not None:
+            self.timings.decode_ms = (self.last_token - self.first_token) * 1e3
+        return self.timings

@@ -19,9 +19,19 @@ def stop_window(stops: Sequence[str]) -> int:
 
 def may_end_stop(token_text: str, stops: Sequence[str]) -> bool:
     """Whether a token whose own text is `token_text` can be the one that completes a stop string: it must
-    bring the stop's last character, or bytes of a character split over tokens (which alone decode to
-    U+FFFD). A token with no text (a special token, skipped) completes nothing."""
-    return "\ufffd" in token_text or any(s and s[-1] in token_text for s in stops)
+    bring the stop's last character, or, where that character is not ASCII, bytes of a character split over
+    tokens (which alone decode to U+FFFD; an ASCII byte always decodes to itself). A token with no text (a
+    special token, skipped) completes nothing."""
+    return any(s and (s[-1] in token_text or ("\ufffd" in token_text and not s[-1].isascii())) for s in stops)
+
+
+def stop_ends(stops: Sequence[str]) -> frozenset[str]:
+    """The characters of which a token's text must hold one for `may_end_stop`: the stops' last characters,
+    and U+FFFD when one of those is not ASCII. `not stop_ends(stops).isdisjoint(token_text)` is
+    `may_end_stop(token_text, stops)` without a call per row of a step."""
+    ends = {s[-1] for s in stops if s}
+    split = {"\ufffd"} if any(not c.isascii() for c in ends) else set()
+    return frozenset(ends | split)
 
 
 def stops_hit(tokenizer, tails: list[tuple[list[int], Sequence[str]]]) -> list[bool]:

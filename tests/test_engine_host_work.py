@@ -1,18 +1,29 @@
 """The engine's per-step host work done incrementally gives what doing it from scratch gives: stop strings
-found on an output's tail, seeded draws that depend only on (seed, draw)."""
+found on an output's tail, seeded draws that depend only on (seed, draw), sampling through sorted values only,
+block tables kept as rows of host arrays, decodes planned in one go, finish reasons checked in the step loop."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from engine.block_manager import table_tensor
 from engine.interface import Request, SamplingParams
-from engine.sampler import sample, seeded_uniforms
-from engine.text import cut_at_stop, may_end_stop, stop_window, stops_hit
-from tests.engine_helpers import greedy, make_engine, run_all, single_thread  # noqa: F401 (autouse)
+from engine.sampler import penalize, sample, seeded_uniforms
+from engine.text import cut_at_stop, finish_text, may_end_stop, stop_ends, stop_window, stops_hit
+from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+    FakeCost,
+    greedy,
+    kv_block_bytes,
+    make_engine,
+    prompts,
+    run_all,
+    single_thread,
+)
 
 PIECES = ["Grüße aus ", "東京", " und 終わり", "ST", "OP", " — café ", "naïve ", "🙂 ok", "\n\n", "<|im_end|>", "x"]
 STOPS = ["STOP", "終わり", "東京 und", " — c", "🙂", "é n"]
@@ -126,3 +137,194 @@ def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
     moved = split_copy(tensors, torch.device("cpu"), pin=False)
     assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape
                for a, b in zip(tensors, moved, strict=True))
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+
+def sample_from_scratch(logits: torch.Tensor, rows: list[Row]) -> list[int]:
+    """Row by row, on the whole vocabulary sorted with its permutation: what `sample` computes."""
+    logits = penalize(logits, rows)
+    tokens = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.temperature == 0:
+            tokens.append(int(logits[i].argmax()))
+            continue
+        values, order = (logits[i] / p.temperature).sort(descending=True)
+        k = p.top_k if p.top_k > 0 else len(values)
+        probs = values.masked_fill(torch.arange(len(values)) >= k, float("-inf")).softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p if p.top_p < 1 else torch.zeros_like(probs, dtype=torch.bool)
+        drop |= probs < p.min_p * probs[0]
+        cdf = probs.masked_fill(drop, 0.0).double().cumsum(-1)
+        u = seeded_uniforms([p.seed], [len(row.token_ids) - row.num_prompt_tokens], torch.device("cpu"))
+        rank = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(values) - 1)
+        tokens.append(int(order[rank]))
+    return tokens
+
+
+# float32 on the CPU goes through numpy, sorted whole or partitioned first (over 512 columns); float64 takes the
+# torch path that CUDA tensors take
+@pytest.mark.parametrize("vocab, dtype", [(40, torch.float32), (512, torch.float32), (3000, torch.float32),
+                                          (512, torch.float64)])
+def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(vocab, dtype):
+    rng = random.Random(vocab)
+    for _ in range(30):
+        rows = [Row(SamplingParams(8, temperature=rng.choice([0.0, 0.7, 1.0, 1.5]),
+                                   top_k=rng.choice([0, 1, 7, 50, vocab + 5]), top_p=rng.choice([1.0, 0.95, 0.5]),
+                                   min_p=rng.choice([0.0, 0.1]), repetition_penalty=rng.choice([1.0, 1.3]),
+                                   seed=rng.randrange(2**63)), rng.randrange(20))
+                for _ in range(rng.randint(1, 12))]
+        logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(rng.randrange(1000))) * 3
+        logits = logits.to(dtype)
+        assert sample(logits.clone(), rows) == sample_from_scratch(logits.clone(), rows)
+
+
+# --- stop strings -----------------------------------------------------------------------------------------------
+
+def test_the_step_loops_stop_check_is_may_end_stop(tokenizer):
+    texts = [tokenizer.decode([i], skip_special_tokens=True) for i in range(0, len(tokenizer), 97)]
+    texts += [t for piece in PIECES for t in (piece, piece[-1:], "\ufffd")]
+    for stops in [[], [""], ["STOP"], ["終わり"], ["é n", "🙂"], STOPS, ["x", ""]]:
+        ends = stop_ends(stops)
+        assert all((not ends.isdisjoint(text)) == may_end_stop(text, stops) for text in texts), stops
+
+
+def test_an_ascii_stop_is_not_decoded_for_a_split_character(tokenizer):
+    # a lone byte of a multi-byte character decodes to U+FFFD
+    text = next(t for t in (tokenizer.decode([i]) for i in range(1000)) if t == "\ufffd")
+    assert "\ufffd" in text and not may_end_stop(text, ["STOP"]) and may_end_stop(text, ["終わり"])
+
+
+# --- block tables kept as host arrays -----------------------------------------------------------------------------
+
+def check_table_rows(engine) -> None:
+    """Every sequence holding blocks has its own row, equal to its tables; every other entry is -1."""
+    seqs = [*engine.scheduler.running, *engine.scheduler.waiting]
+    holding = [s for s in seqs if s.block_tables[0]]
+    assert all(s.table_row == -1 for s in seqs if not s.block_tables[0])
+    assert len({s.table_row for s in holding}) == len(holding) and all(s.table_row >= 0 for s in holding)
+    for p, array in enumerate(engine.blocks.rows.arrays):
+        expected = np.full_like(array, -1)
+        for s in holding:
+            expected[s.table_row, :len(s.block_tables[p])] = s.block_tables[p]
+        assert np.array_equal(array, expected)
+
+
+def packed_from_scratch(step, block_size: int, pools: int) -> dict[str, list]:
+    """A packed step's inputs rebuilt from the sequences' lists, as packing did before the tables were kept."""
+    rows = list(zip(step.seqs, step.counts, strict=True))
+    positions = [p for seq, n in rows for p in range(seq.num_computed, seq.num_computed + n)]
+    tables = [table_tensor([seq.block_tables[p] for seq in step.seqs]) for p in range(pools)]
+    where = [(i, p) for i, (seq, n) in enumerate(rows) for p in range(seq.num_computed, seq.num_computed + n)]
+    return {
+        "input_ids": [t for seq, n in rows for t in seq.token_ids[seq.num_computed:seq.num_computed + n]],
+        "positions": positions,
+        "seq_lens": [seq.num_computed + n for seq, n in rows],
+        "cu_seqlens": [sum(step.counts[:i]) for i in range(len(rows) + 1)],
+        "tables": [t.tolist() for t in tables],
+        "slots": [[int(t[i, p // block_size]) * block_size + p % block_size for i, p in where] for t in tables],
+    }
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])  # prefix cache and one pool; two pools, rings recycled
+def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_models, preset):
+    path = tiny_models[preset]
+    engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=4, prefill_chunk_size=64)
+    pack, packed = engine.runner.pack, []
+
+    def checked_pack(batch):
+        step = pack(batch)
+        expected = packed_from_scratch(step, engine.config.block_size, len(engine.blocks.pools))
+        assert step.input_ids.tolist() == expected["input_ids"] and step.positions.tolist() == expected["positions"]
+        assert step.seq_lens.tolist() == expected["seq_lens"] and step.cu_seqlens.tolist() == expected["cu_seqlens"]
+        assert [t.tolist() for t in step.tables] == expected["tables"]
+        assert [s.tolist() for s in step.slots] == expected["slots"]
+        packed.append(len(step.seqs))
+        return step
+
+    engine.runner.pack = checked_pack
+    shared = prompts(1, 64, 64, seed=5)[0]  # a prefix several prompts start with: their blocks are reused
+    ids = [shared + tail if i % 2 else tail for i, tail in enumerate(prompts(14, 40, 200, seed=6))]
+    requests = [Request(str(i), p, greedy(40)) for i, p in enumerate(ids)]
+    done = run_all(engine, requests, check_table_rows)
+    assert sorted(done) == sorted(r.request_id for r in requests) and max(packed) > 1
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0 if preset == "tiny" else len(engine.blocks.pools) == 2
+    assert all((array == -1).all() for array in engine.blocks.rows.arrays)  # every row given back
+
+
+# --- decodes planned in one go ------------------------------------------------------------------------------------
+
+def plan_row_by_row(scheduler):
+    """The scheduler's plan with every decode going through `_run` in its usual order."""
+    def run_decodes(decodes, plan):
+        for seq in sorted(decodes, key=lambda s: (s.last_step < scheduler._step - 1, s.last_step, s.admitted)):
+            scheduler._run(seq, 1, plan)
+    return run_decodes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
+def test_decodes_planned_in_one_go_are_the_row_by_row_plan(tiny_models, preset):
+    path = tiny_models[preset]
+    runs = []
+    for one_go in (True, False):
+        engine = make_engine(path, kv_cache_memory=40 * kv_block_bytes(path), initial_blocks=4, max_num_seqs=12)
+        engine.scheduler.cost = FakeCost()
+        if not one_go:
+            engine.scheduler._run_decodes = plan_row_by_row(engine.scheduler)
+        schedule, steps = engine.scheduler.schedule, []
+
+        def recorded(now, schedule=schedule, steps=steps):
+            batch = schedule(now)
+            steps.append(sorted((seq.request_id, n) for seq, n in batch))
+            return batch
+
+        engine.scheduler.schedule = recorded
+        requests = [Request(str(i), p, greedy(30)) for i, p in enumerate(prompts(20, 20, 150, seed=3))]
+        done = run_all(engine, requests)
+        runs.append((steps, {k: c.token_ids for k, c in done.items()}, engine.stats()["preemptions"]))
+    assert runs[0] == runs[1] and runs[0][2] > 0
+
+
+# --- finish reasons -----------------------------------------------------------------------------------------------
+
+def finished_from_scratch(tokenizer, stream: list[int], params: SamplingParams, prompt_len: int,
+                          max_model_len: int, eos_ids: set[int]) -> tuple[list[int], str]:
+    """Token by token, the whole output decoded each time: where a request with `params` ends, and why."""
+    for n in range(1, len(stream) + 1):
+        eos_hit = stream[n - 1] in eos_ids and not params.ignore_eos
+        if eos_hit or cut_at_stop(tokenizer.decode(stream[:n], skip_special_tokens=True), params.stop)[1]:
+            reason = "stop"
+        elif n >= params.max_new_tokens or prompt_len + n >= max_model_len:
+            reason = "length"
+        else:
+            continue
+        eos = set() if params.ignore_eos else eos_ids
+        return finish_text(tokenizer, stream[:n], params.stop, eos)[0], reason
+    raise AssertionError("the stream ran out")
+
+
+def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_model, tokenizer):
+    engine = make_engine(qwen3_model, max_model_len=96)
+    eos = sorted(engine.eos_ids)
+    rng = random.Random(4)
+    streams, requests = {}, []
+    for i in range(24):
+        # scripted outputs: pieces that straddle tokens, with an EOS now and then
+        stream = [t for _ in range(40) for t in (tokenizer.encode(rng.choice(PIECES)) if rng.random() > 0.05
+                                                 else [rng.choice(eos)])]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.3,
+                                stop=tuple(rng.sample(STOPS, rng.randint(0, 2))))
+        prompt = prompts(1, 10, 80, seed=i)[0]
+        streams[str(i)] = stream
+        requests.append((Request(str(i), prompt, params), stream))
+    run = engine.runner.run
+    engine.runner.run = lambda batch: {seq: streams[seq.request_id][len(seq.output_ids)] for seq in run(batch)}
+    done = run_all(engine, [r for r, _ in requests])
+    for request, stream in requests:
+        expected = finished_from_scratch(tokenizer, stream, request.sampling, len(request.prompt_ids),
+                                         engine.max_model_len, engine.eos_ids)
+        got = done[request.request_id]
+        assert (got.token_ids, got.finish_reason) == expected, request.request_id
+    assert {c.finish_reason for c in done.values()} == {"stop", "length"}
