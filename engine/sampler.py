@@ -8,10 +8,12 @@ A row with a seed takes its number from a counter-based hash of (seed, tokens it
 draws never depend on its batch-mates, on pre-emptions or on the device, and no row needs a generator of its
 own.
 
-Only the sorted values are needed, not the permutation: the drawn rank's value is looked up in the row (the
-first column holding it). On the CPU the sorting, selecting and argmax go through numpy, whose vectorized
-kernels take a fraction of the time torch's take on rows this short (256 x 512: topk 1.2 ms, numpy's sort
-0.08 ms; argmax 0.09 ms against 0.01 ms).
+On the CPU the sorting, selecting and argmax go through numpy, whose vectorized kernels take a fraction of
+the time torch's take on rows this short (256 x 512: topk 1.2 ms, numpy's sort 0.08 ms; argmax 0.09 ms
+against 0.01 ms). There only the sorted values are computed (sorting values is 4x cheaper than sorting
+indices), and the drawn rank's column is looked up afterwards. Tied logits (common in bf16) keep a rank each,
+as a sort that breaks ties by column would give them: among the columns holding the drawn value, the one the
+rank falls on. On a device `topk` gives the columns with the values, at no extra cost.
 """
 
 from __future__ import annotations
@@ -52,22 +54,30 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(x.numpy().argmax(1)) if _on_host(x) else x.argmax(1)
 
 
-def descending(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The `k` largest values of each row of `x`, largest first, `[rows, k]`."""
+def descending(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The `k` largest values of each row of `x`, largest first, `[rows, k]`, and on a device their columns
+    (None on the host: `column_at` finds them)."""
     vocab = x.shape[1]
     if not _on_host(x):
-        return x.topk(k).values if k < vocab else x.sort(dim=-1, descending=True).values
+        return x.topk(k) if k < vocab else x.sort(dim=-1, descending=True)
     a = x.numpy()
     if k < vocab and vocab > SORT_WHOLE_ROW:
         a = np.partition(a, vocab - k, axis=1)[:, vocab - k:]
-    return torch.from_numpy(np.sort(a, axis=1)[:, ::-1][:, :k].copy())
+    return torch.from_numpy(np.sort(a, axis=1)[:, ::-1][:, :k].copy()), None
 
 
-def first_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """For each row of `x`, the first column holding `values[row, 0]` (which the row holds)."""
-    if _on_host(x):
-        return torch.from_numpy((x.numpy() == values.numpy()).argmax(1))
-    return (x == values).int().argmax(1)
+def column_at(x: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor | None, ranks: torch.Tensor) -> torch.Tensor:
+    """For each row of `x`, the column of its `ranks[row, 0]`-th largest value. Without the `order` of
+    `descending`: the value is looked up, and among the columns holding it (a tie), the one its rank falls on
+    counting from the first rank holding that value."""
+    if order is not None:
+        return order.gather(1, ranks)[:, 0]
+    values = ranked.gather(1, ranks).numpy()
+    equal = x.numpy() == values
+    nth = ranks.numpy()[:, 0] - (ranked.numpy() > values).sum(1)  # which of the equal columns
+    if not nth.any():  # no tie reached past its first column: the first equal column
+        return torch.from_numpy(equal.argmax(1))
+    return torch.from_numpy((np.cumsum(equal, 1) > nth[:, None]).argmax(1))
 
 
 def _seen(rows: list[Row], vocab: int, device: torch.device, output_only: bool) -> torch.Tensor:
@@ -140,7 +150,7 @@ def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     scaled = logits / _column([p.temperature for p in params], logits.device)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     # when every row has a top-k, only the best `widest` ever survive: a partial sort is enough
-    ranked = descending(scaled, max(top_k))
+    ranked, order = descending(scaled, max(top_k))
     probs = _filtered_probs(ranked, params, top_k)
     uniforms = torch.rand(len(rows), dtype=torch.float64, device=logits.device)
     seeded = [j for j, p in enumerate(params) if p.seed is not None]
@@ -154,7 +164,7 @@ def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     cdf = probs.double().cumsum(-1)
     # the first rank whose cumulative mass exceeds the draw; clamped for rounding at the very top
     ranks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
-    return first_equal(scaled, ranked.gather(1, ranks))
+    return column_at(scaled, ranked, order, ranks)
 
 
 def sample(logits: torch.Tensor, rows: list[Row]) -> list[int]:

@@ -5,6 +5,7 @@ block tables kept as rows of host arrays, decodes planned in one go, finish reas
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -142,7 +143,8 @@ def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
 # --- sampling ---------------------------------------------------------------------------------------------------
 
 def sample_from_scratch(logits: torch.Tensor, rows: list[Row]) -> list[int]:
-    """Row by row, on the whole vocabulary sorted with its permutation: what `sample` computes."""
+    """Row by row, on the whole vocabulary sorted with its permutation (ties by column): what `sample`
+    computes."""
     logits = penalize(logits, rows)
     tokens = []
     for i, row in enumerate(rows):
@@ -150,7 +152,7 @@ def sample_from_scratch(logits: torch.Tensor, rows: list[Row]) -> list[int]:
         if p.temperature == 0:
             tokens.append(int(logits[i].argmax()))
             continue
-        values, order = (logits[i] / p.temperature).sort(descending=True)
+        values, order = (logits[i] / p.temperature).sort(descending=True, stable=True)
         k = p.top_k if p.top_k > 0 else len(values)
         probs = values.masked_fill(torch.arange(len(values)) >= k, float("-inf")).softmax(-1)
         drop = probs.cumsum(-1) - probs >= p.top_p if p.top_p < 1 else torch.zeros_like(probs, dtype=torch.bool)
@@ -163,10 +165,12 @@ def sample_from_scratch(logits: torch.Tensor, rows: list[Row]) -> list[int]:
 
 
 # float32 on the CPU goes through numpy, sorted whole or partitioned first (over 512 columns); float64 takes the
-# torch path that CUDA tensors take
-@pytest.mark.parametrize("vocab, dtype", [(40, torch.float32), (512, torch.float32), (3000, torch.float32),
-                                          (512, torch.float64)])
-def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(vocab, dtype):
+# torch path that CUDA tensors take. Rounded logits tie often, as bf16 ones do (topk orders ties as it likes:
+# the torch path is checked without them).
+@pytest.mark.parametrize("vocab, dtype, step", [(40, torch.float32, 0), (512, torch.float32, 0),
+                                                (3000, torch.float32, 0), (512, torch.float64, 0),
+                                                (40, torch.float32, 0.5), (3000, torch.float32, 0.25)])
+def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(vocab, dtype, step):
     rng = random.Random(vocab)
     for _ in range(30):
         rows = [Row(SamplingParams(8, temperature=rng.choice([0.0, 0.7, 1.0, 1.5]),
@@ -175,8 +179,19 @@ def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(v
                                    seed=rng.randrange(2**63)), rng.randrange(20))
                 for _ in range(rng.randint(1, 12))]
         logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(rng.randrange(1000))) * 3
+        logits = (logits / step).round() * step if step else logits
         logits = logits.to(dtype)
         assert sample(logits.clone(), rows) == sample_from_scratch(logits.clone(), rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tied_logits_share_their_mass(dtype):
+    logits = torch.full((1, 600), -5.0, dtype=dtype)
+    logits[0, [3, 250, 599]] = 2.0  # three tokens tie for the top
+    drawn = [sample(logits.clone(), [Row(SamplingParams(1, temperature=1.0, top_k=3, seed=seed), 0)])[0]
+             for seed in range(300)]
+    counts = Counter(drawn)
+    assert set(counts) == {3, 250, 599} and min(counts.values()) > 60, counts
 
 
 # --- stop strings -----------------------------------------------------------------------------------------------
