@@ -8,8 +8,8 @@ and its step loop live in a spawned process (a fresh interpreter: no CUDA contex
 engine core.
 
 Inside the child an `EngineThread` runs the loop (so request isolation, deadlines and progress reports are the
-same code in both modes) and the child's main thread reads the pipe. Messages are plain tuples, pickled by
-the pipe:
+same code in both modes), the child's main thread reads the pipe and an `Outbox` thread writes to it. Messages
+are plain tuples, pickled by the pipe; the child's go in lists, all that queued up since its last write:
 
     parent -> child   ("submit", Request, watch)   ("cancel", request id, reason)   ("stats", n)   ("close",)
     child -> parent   ("ready", max_model_len)     ("failed", traceback)             ("done", Completion)
@@ -31,6 +31,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import traceback
@@ -63,7 +64,7 @@ class EngineProcess:
             self._process.kill()
             raise RuntimeError(f"the engine process did not load its engine within {start_timeout:.0f}s")
         try:
-            kind, value = self._conn.recv()
+            [(kind, value)] = self._conn.recv()
         except EOFError:
             self._process.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self._process.exitcode})"
@@ -137,19 +138,19 @@ class EngineProcess:
         reason = "the engine process exited"
         try:
             while True:
-                message = self._conn.recv()
-                kind = message[0]
-                if kind == "done":
-                    self._resolve(message[1])
-                elif kind == "tokens":
-                    self._progress(message[1], message[2])
-                elif kind == "stats":
-                    with self._lock:
-                        future = self._stats.pop(message[1], None)
-                    if future is not None:
-                        future.set_result(message[2])
-                elif kind == "dead":
-                    reason = f"the engine failed: {message[1]}"
+                for message in self._conn.recv():
+                    kind = message[0]
+                    if kind == "done":
+                        self._resolve(message[1])
+                    elif kind == "tokens":
+                        self._progress(message[1], message[2])
+                    elif kind == "stats":
+                        with self._lock:
+                            future = self._stats.pop(message[1], None)
+                        if future is not None:
+                            future.set_result(message[2])
+                    elif kind == "dead":
+                        reason = f"the engine failed: {message[1]}"
         except (EOFError, OSError):
             pass
         finally:
@@ -201,55 +202,89 @@ def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int) -
     try:
         engine = factory()
     except BaseException:
-        conn.send(("failed", traceback.format_exc()))
+        conn.send([("failed", traceback.format_exc())])
         return
-    send_lock = threading.Lock()  # the engine thread sends results while this thread answers stats
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
-
+    outbox = Outbox(conn)
     thread = EngineThread(engine)
+
+    def die(error: BaseException) -> None:
+        # the engine thread died: its state is unknown. Say why, and go: the parent sees the pipe close.
+        outbox.put(("dead", repr(error)))
+        outbox.close()
+        os._exit(3)
 
     def finished(future: Future[Completion]) -> None:
         if future.exception() is None:
-            send(("done", future.result()))
+            outbox.put(("done", future.result()))
         elif thread.error is not None:
-            # the engine thread died: its state is unknown. Say why, and go: the parent sees the pipe close.
-            send(("dead", repr(thread.error)))
-            os._exit(3)
+            die(thread.error)
 
-    send(("ready", engine.max_model_len))
+    outbox.put(("ready", engine.max_model_len))
     try:
         while True:
             message = conn.recv()
             kind = message[0]
             if kind == "submit":
                 _, request, watch = message
-                future = thread.submit(request, _delta_sender(send, request.request_id) if watch else None)
+                future = thread.submit(request, _delta_sender(outbox, request.request_id) if watch else None)
                 future.add_done_callback(finished)
             elif kind == "cancel":
                 thread.cancel(message[1], message[2])
             elif kind == "stats":
-                send(("stats", message[1], thread.stats()))
+                outbox.put(("stats", message[1], thread.stats()))
             elif kind == "close":
                 break
     except EOFError:  # the parent is gone
         pass
     except EngineDead as exc:  # a submit after the engine thread died
-        send(("dead", repr(exc)))
-        os._exit(3)
+        die(exc)
     finally:
         thread.close()
+        outbox.close()
 
 
-def _delta_sender(send: Callable[[tuple], None], request_id: str) -> TokensCallback:
+class Outbox:
+    """The child's messages to its parent, sent by a thread of their own: the step loop only queues them, and
+    whatever queued up while a message was being sent goes in the next single write. Pickling and writing
+    completions and progress then overlap the next step (the forward releases the interpreter lock) instead of
+    adding to the gap before it."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, message: tuple) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while batch[-1] is not None and not self._queue.empty():  # one reader: not empty means a get won't wait
+                batch.append(self._queue.get())
+            closing = batch[-1] is None
+            if closing:
+                batch.pop()
+            if batch:
+                with contextlib.suppress(OSError):  # the parent is gone; the main thread sees the pipe close too
+                    self._conn.send(batch)
+            if closing:
+                return
+
+
+def _delta_sender(outbox: Outbox, request_id: str) -> TokensCallback:
     """An `on_tokens` for the child's engine thread that sends only the tokens added since its last call."""
     sent = 0
 
     def on_tokens(tokens: list[int]) -> None:
         nonlocal sent
-        send(("tokens", request_id, tokens[sent:]))
+        outbox.put(("tokens", request_id, tokens[sent:]))
         sent = len(tokens)
 
     return on_tokens
