@@ -190,10 +190,12 @@ class Scheduler:
         spare = limit - self.cost.predict(plan.work)
         return max(0, int(1000 * spare / max(per_token, 1e-9)))
 
-    def _chunk(self, seq: Sequence, plan: StepPlan, limit: float) -> int:
-        """Tokens of `seq`'s prompt to prefill in this step, within the token budget and the time limit; 0 when
-        the time limit leaves only a sliver (less than a block), not worth a pass."""
-        n = min(seq.num_uncomputed, self.config.prefill_chunk_size, plan.tokens_left)
+    def _chunk(self, seq: Sequence, plan: StepPlan, limit: float, uncomputed: int | None = None) -> int:
+        """Tokens of `seq`'s prompt (of its `uncomputed` ones, when given) to prefill in this step, within the
+        token budget and the time limit; 0 when the time limit leaves only a sliver (less than a block), not
+        worth a pass."""
+        n = min(seq.num_uncomputed if uncomputed is None else uncomputed, self.config.prefill_chunk_size,
+                plan.tokens_left)
         timed = min(n, self._spare_tokens(plan, limit))
         return timed if timed == n or timed >= self.blocks.block_size else 0
 
@@ -263,7 +265,9 @@ class Scheduler:
         """Give `seq` a slot, its cached prefix and the blocks of its first chunk: True when admitted, False when
         the step has no time left for it, None (nothing taken) when slots or blocks are short."""
         if len(self.running) >= self.config.max_num_seqs:
-            return None
+            # a slot is made by pre-empting someone: first make sure the step has time for this one's chunk
+            cached = len(self.blocks.cached_prefix(seq)) * self.blocks.block_size
+            return None if self._chunk(seq, plan, limit, seq.num_tokens - cached) else False
         reused, from_host = self.blocks.reuse(seq)
         n = self._chunk(seq, plan, limit)
         if n == 0 or not self.blocks.try_append(seq, n):

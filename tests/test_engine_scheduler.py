@@ -202,6 +202,20 @@ def test_an_urgent_request_takes_a_slot_from_bulk_but_never_the_reverse(tiny_mod
     assert running == {"urgent", "bulk-high"} and engine.stats()["preemptions"] == 2
 
 
+def test_no_bulk_sequence_is_preempted_for_a_newcomer_the_step_has_no_time_for(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=2)
+    # an interactive decode leaves the step time for fewer prompt tokens than a block holds
+    engine.scheduler.cost = FakeCost(per_token=2e-4)
+    engine.add_request(Request("bulk", prompts(1, 40, 40)[0], greedy(30), priority=1))
+    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(20), priority=9))
+    engine.step()
+    engine.add_request(Request("bulk-high", prompts(1, 30, 30, seed=8)[0], greedy(5), priority=6))
+    for _ in range(3):
+        engine.step()
+        assert {s.request_id for s in engine.scheduler.running} == {"urgent", "bulk"}
+    assert engine.stats()["preemptions"] == 0
+
+
 def test_a_bulk_sequence_is_not_preempted_again_and_again(tiny_model):
     engine = make_engine(tiny_model, max_num_seqs=1, max_preemptions=2)
     engine.add_request(Request("bulk", prompts(1, 50, 50)[0], greedy(30), priority=1))
