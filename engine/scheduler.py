@@ -255,19 +255,23 @@ class Scheduler:
                 continue
             while (admitted := self._try_admit(seq, plan, limit)) is None:
                 victim = self._victim(seq, for_room=False)
-                if victim is None or not self._may_preempt(seq, victim, now):
+                if victim is None or not self._may_preempt(seq, victim, now) or not self._has_time(seq, plan, limit):
                     return
                 self._preempt(victim, plan)
             if not admitted:  # the step has no time left for another chunk
                 return
 
+    def _has_time(self, seq: Sequence, plan: StepPlan, limit: float) -> bool:
+        """Whether the step has time for a chunk of waiting `seq` (its cached prefix aside): asked before
+        someone is pre-empted to make room for it."""
+        cached = len(self.blocks.cached_prefix(seq)) * self.blocks.block_size
+        return self._chunk(seq, plan, limit, seq.num_tokens - cached) > 0
+
     def _try_admit(self, seq: Sequence, plan: StepPlan, limit: float) -> bool | None:
         """Give `seq` a slot, its cached prefix and the blocks of its first chunk: True when admitted, False when
         the step has no time left for it, None (nothing taken) when slots or blocks are short."""
         if len(self.running) >= self.config.max_num_seqs:
-            # a slot is made by pre-empting someone: first make sure the step has time for this one's chunk
-            cached = len(self.blocks.cached_prefix(seq)) * self.blocks.block_size
-            return None if self._chunk(seq, plan, limit, seq.num_tokens - cached) else False
+            return None
         reused, from_host = self.blocks.reuse(seq)
         n = self._chunk(seq, plan, limit)
         if n == 0 or not self.blocks.try_append(seq, n):
