@@ -12,6 +12,9 @@ the pipeline keeps the engine busy. Broker and database come from CONVOQ_BROKER_
 `loop_gap_p95_ms` is the engine loop's idle time between two back-to-back steps while the pipeline runs, read
 from the worker's metrics when the batch completed (`engine_loop_gap_p95_ms`: the same with the engine
 alone): on a GPU, where a step takes milliseconds, that gap is the device waiting on the worker's Python.
+The service runs twice, side by side: with the engine in a process of its own (the default) and as a thread
+of the worker (`CONVOQ_ENGINE_PROCESS=false`, the `thread_` figures), which shares the interpreter lock with
+the worker's Celery threads.
 """
 
 from __future__ import annotations
@@ -63,11 +66,13 @@ def loop_gap_ms(metrics_url: str) -> float:
     raise RuntimeError("the worker reports no engine loop gap")
 
 
-def through_service(lines: list[dict], settings: Settings, model: Path) -> tuple[float, int, float]:
+def through_service(lines: list[dict], settings: Settings, model: Path, engine_process: bool = True
+                    ) -> tuple[float, int, float]:
     metrics_port = free_port()
     env = {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
            "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
-           "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_WORKER_METRICS_PORT": str(metrics_port)}
+           "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_WORKER_METRICS_PORT": str(metrics_port),
+           "CONVOQ_ENGINE_PROCESS": str(engine_process).lower()}
     with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-bulk-"))) as stack:
         stack.start_api()
         stack.start_worker()
@@ -126,6 +131,7 @@ def main() -> None:
     lines = workload(args.transcripts, args.max_new_tokens)
     engine_s, engine_tokens, engine_gap_ms = through_engine(lines, settings, model, threads=settings.worker_concurrency)
     service_s, service_tokens, gap_ms = through_service(lines, settings, model)
+    thread_s, _, thread_gap_ms = through_service(lines, settings, model, engine_process=False)
     result = {
         "transcripts": len(lines),
         "backend": settings.backend,
@@ -136,6 +142,9 @@ def main() -> None:
         "pipeline_vs_engine": round(engine_s / service_s, 3),
         "loop_gap_p95_ms": round(gap_ms, 3),
         "engine_loop_gap_p95_ms": round(engine_gap_ms, 3),
+        "thread_transcripts_per_s": round(len(lines) / thread_s, 2),
+        "thread_pipeline_vs_engine": round(engine_s / thread_s, 3),
+        "thread_loop_gap_p95_ms": round(thread_gap_ms, 3),
     }
     report(result, args.json)
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 ROOT = 0  # the parent key of a sequence's first block
 
 
-@dataclass(frozen=True)
-class BlockKey:
-    key: int
+class BlockKey(NamedTuple):  # a named tuple: a long prompt makes hundreds of them, and a frozen dataclass's
+    key: int                 # constructor costs several times a tuple's
     parent: int
     tokens: tuple[int, ...]
 

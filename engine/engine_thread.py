@@ -56,7 +56,11 @@ class EngineThread:
         self.engine = engine
         self.progress_every = progress_every
         self.error: BaseException | None = None
-        self._inbox: deque[tuple[Request, Future, TokensCallback | None]] = deque()
+        # A backend may offer `prepare(request)`: checks and set-up that read nothing a step changes, done here on
+        # the submitting thread, so that a burst of new requests never widens the gap between two steps; what
+        # it returns goes to `add_request`.
+        self._prepare = getattr(engine, "prepare", None)
+        self._inbox: deque[tuple[Request, object, Future, TokensCallback | None]] = deque()
         self._cancels: deque[tuple[str, str]] = deque()  # (request id, finish reason)
         self._futures: dict[str, Future] = {}
         self._requests: dict[str, Request] = {}
@@ -82,10 +86,18 @@ class EngineThread:
 
     def submit(self, request: Request, on_tokens: TokensCallback | None = None) -> Future:
         future: Future = Future()
+        prepared = None
+        if self._prepare is not None:
+            try:
+                prepared = self._prepare(request)
+            except RequestError as exc:
+                future.set_result(Completion(request.request_id, [], "", len(request.prompt_ids), "error",
+                                             str(exc), Timings()))
+                return future
         with self._cv:
             if not self.alive:
                 raise EngineDead(f"engine thread is dead: {self.error!r}")
-            self._inbox.append((request, future, on_tokens))
+            self._inbox.append((request, prepared, future, on_tokens))
             self._cv.notify()
         return future
 
@@ -116,8 +128,8 @@ class EngineThread:
                         break
                     new, self._inbox = list(self._inbox), deque()
                     cancels, self._cancels = list(self._cancels), deque()
-                for request, future, on_tokens in new:
-                    self._add(request, future, on_tokens)
+                for request, prepared, future, on_tokens in new:
+                    self._add(request, prepared, future, on_tokens)
                 for request_id, reason in cancels:
                     self._stop(request_id, reason)
                 self._expire(time.monotonic())
@@ -164,13 +176,16 @@ class EngineThread:
                                          f"engine error on this request alone: {type(exc).__name__}: {exc}",
                                          Timings(), retryable=True))
 
-    def _add(self, request: Request, future: Future, on_tokens: TokensCallback | None) -> None:
+    def _add(self, request: Request, prepared: object, future: Future, on_tokens: TokensCallback | None) -> None:
         rid, n = request.request_id, len(request.prompt_ids)
         if request.deadline is not None and request.deadline <= time.monotonic():
             future.set_result(Completion(rid, [], "", n, "expired", None, Timings()))
             return
         try:
-            self.engine.add_request(request)
+            if prepared is None:
+                self.engine.add_request(request)
+            else:
+                self.engine.add_request(request, prepared)
         except RequestError as exc:
             future.set_result(Completion(rid, [], "", n, "error", str(exc), Timings()))
             return
@@ -214,7 +229,7 @@ class EngineThread:
 
     def _fail_pending(self) -> None:
         with self._cv:
-            pending = [f for _, f, _ in self._inbox] + list(self._futures.values())
+            pending = [f for _, _, f, _ in self._inbox] + list(self._futures.values())
             self._inbox.clear()
             self._futures.clear()
             self._requests.clear()

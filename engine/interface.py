@@ -85,7 +85,9 @@ class StepEngine(Protocol):
     max_model_len: int
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; raises `RequestError` if it can never run."""
+        """Queue a request; raises `RequestError` if it can never run. A backend may also offer
+        `prepare(request)`, work on a request that reads nothing a step changes, which the runner then does
+        on the submitting thread and hands to `add_request(request, prepared)` (see `LLMEngine.prepare`)."""
 
     def abort_request(self, request_id: str) -> Completion | None:
         """Drop a request wherever it is; returns its `cancelled` completion if it was known."""

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from transformers import AutoTokenizer
 
+from engine.block_key import extend_keys
 from engine.block_manager import BlockManager, BlockPool
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -86,14 +87,15 @@ class LLMEngine:
         self._peak_blocks = 0  # most KV blocks in use after any step's scheduling
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for stop strings
 
-    def add_request(self, request: Request) -> None:
+    def prepare(self, request: Request) -> Sequence:
+        """Check `request` and build its sequence, with the content keys of its prompt's blocks: work that reads
+        nothing a step changes, so the engine's runner does it on the submitting thread, where it never widens
+        the gap between two steps. Raises `RequestError` for a request that can never run."""
         n, p = len(request.prompt_ids), request.sampling
         if n == 0:
             raise RequestError("the prompt is empty")
         if n >= self.max_model_len:
             raise RequestError(f"prompt has {n} tokens; the model's context is {self.max_model_len}")
-        if request.request_id in self._seqs:
-            raise RequestError(f"request {request.request_id!r} is already running")
         if (p.max_new_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p < 1
                 or p.repetition_penalty <= 0):
             raise RequestError(f"invalid sampling parameters {p}")
@@ -105,6 +107,15 @@ class LLMEngine:
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
         seq = Sequence(request, len(self.blocks.pools), self.max_model_len)
+        if self.blocks.prefix is not None:  # what admission looks the prompt up by
+            extend_keys(seq.block_keys, seq.token_ids, self.config.block_size)
+        return seq
+
+    def add_request(self, request: Request, prepared: Sequence | None = None) -> None:
+        """Queue `request`; `prepared` is what `prepare(request)` returned, if the caller called it."""
+        if request.request_id in self._seqs:
+            raise RequestError(f"request {request.request_id!r} is already running")
+        seq = prepared or self.prepare(request)
         self._seqs[request.request_id] = seq
         self.blocks.prefetch(seq)
         self.scheduler.add(seq)
