@@ -214,11 +214,15 @@ def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int) -
         os._exit(3)
 
     def finished(future: Future[Completion]) -> None:
-        if future.exception() is None:
+        if future.exception() is None:  # else the engine thread died: `watch` ends this process
             outbox.put(("done", future.result()))
-        elif thread.error is not None:
+
+    def watch() -> None:
+        thread.join()
+        if thread.error is not None:
             die(thread.error)
 
+    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
     outbox.put(("ready", engine.max_model_len))
     try:
         while True:

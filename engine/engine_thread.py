@@ -61,6 +61,7 @@ class EngineThread:
         # it returns goes to `add_request`.
         self._prepare = getattr(engine, "prepare", None)
         self._inbox: deque[tuple[Request, object, Future, TokensCallback | None]] = deque()
+        self._adding: deque[tuple[Request, object, Future, TokensCallback | None]] = deque()  # taken from the inbox
         self._cancels: deque[tuple[str, str]] = deque()  # (request id, finish reason)
         self._futures: dict[str, Future] = {}
         self._requests: dict[str, Request] = {}
@@ -117,6 +118,10 @@ class EngineThread:
             self._cv.notify()
         self._thread.join(timeout)
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the loop ends: closed, or crashed (then `error` says why)."""
+        self._thread.join(timeout)
+
     def _loop(self) -> None:
         try:
             while True:
@@ -126,10 +131,11 @@ class EngineThread:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    new, self._inbox = list(self._inbox), deque()
+                    self._adding, self._inbox = self._inbox, deque()
                     cancels, self._cancels = list(self._cancels), deque()
-                for request, prepared, future, on_tokens in new:
-                    self._add(request, prepared, future, on_tokens)
+                while self._adding:  # each leaves only once added: one that crashes the loop fails with the rest
+                    self._add(*self._adding[0])
+                    self._adding.popleft()
                 for request_id, reason in cancels:
                     self._stop(request_id, reason)
                 self._expire(time.monotonic())
@@ -229,7 +235,8 @@ class EngineThread:
 
     def _fail_pending(self) -> None:
         with self._cv:
-            pending = [f for _, _, f, _ in self._inbox] + list(self._futures.values())
+            pending = [f for _, _, f, _ in [*self._adding, *self._inbox]] + list(self._futures.values())
+            self._adding.clear()
             self._inbox.clear()
             self._futures.clear()
             self._requests.clear()

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from engine.interface import Completion, Request
 from engine.llm_engine import LLMEngine
+from engine.sequence import Sequence
 from jobs.settings import Settings
 from worker.backend import engine_config
 
@@ -15,9 +16,9 @@ STEP_S = 0.03
 
 
 class PacedEngine(LLMEngine):
-    def add_request(self, request: Request) -> None:
-        request.sampling = replace(request.sampling, ignore_eos=True)
-        super().add_request(request)
+    def prepare(self, request: Request) -> Sequence:
+        request.sampling = replace(request.sampling, ignore_eos=True)  # where every request's sequence is made
+        return super().prepare(request)
 
     def step(self) -> list[Completion]:
         time.sleep(STEP_S)

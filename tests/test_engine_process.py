@@ -28,6 +28,26 @@ def broken_factory():
     raise ValueError("no such weights")
 
 
+class CrashOnAdd:
+    """An engine whose loop crashes on the first request it takes in (a bug, not a bad request)."""
+
+    tokenizer = None
+    max_model_len = 64
+
+    def add_request(self, request: Request) -> None:
+        raise TypeError("a bug in add_request")
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def crash_on_add_factory() -> CrashOnAdd:
+    return CrashOnAdd()
+
+
 def requests(n: int, max_new_tokens: int = 12) -> list[Request]:
     return [Request(f"r{i}", [1 + i, 7, 3 + 2 * i, 9], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
             for i in range(n)]
@@ -95,6 +115,21 @@ def test_a_killed_engine_fails_what_is_pending_at_once(tiny_model):
         assert len(deaths) == 1 and not runner.alive
         with pytest.raises(EngineDead):
             runner.submit(requests(1)[0])
+    finally:
+        runner.close()
+
+
+def test_a_loop_that_crashes_taking_a_request_in_fails_it_instead_of_losing_it(tiny_model):
+    thread = EngineThread(CrashOnAdd())
+    with pytest.raises(EngineDead, match="a bug in add_request"):
+        thread.submit(requests(1)[0]).result(10)
+    assert not thread.alive
+    runner = EngineProcess(crash_on_add_factory, AutoTokenizer.from_pretrained(tiny_model))
+    try:
+        # the engine process ends itself (its state is unknown), saying why
+        with pytest.raises(EngineDead, match=r"a bug in add_request.*\(exit code 3\)"):
+            runner.submit(requests(1)[0]).result(10)
+        assert not runner.alive
     finally:
         runner.close()
 
