@@ -5,8 +5,8 @@
 The service run uploads one batch through the API and times it from the upload to the moment the batch
 completed in the database, its last result stored (API -> Postgres + Redis -> worker -> engine -> Postgres);
 the client polls its status only every half second, to stay out of the way on a small machine. The engine
-run feeds the same jobs to the worker's own bridge in this process (same prompts, same map-reduce), with
-nothing around it. The ratio says how well
+run feeds the same jobs to the worker's own bridge in this process (same prompts, same map-reduce, the engine
+in a process of its own as in a worker), with nothing around it. The ratio says how well
 the pipeline keeps the engine busy. Broker and database come from CONVOQ_BROKER_URL / CONVOQ_DATABASE_URL.
 
 `loop_gap_p95_ms` is the engine loop's idle time between two back-to-back steps while the pipeline runs, read

@@ -11,7 +11,7 @@ Inside the child an `EngineThread` runs the loop (so request isolation, deadline
 same code in both modes), the child's main thread reads the pipe and an `Outbox` thread writes to it. Messages
 are plain tuples, pickled by the pipe; the child's go in lists, all that queued up since its last write:
 
-    parent -> child   ("submit", Request, watch)   ("cancel", request id, reason)   ("stats", n)   ("close",)
+    parent -> child   ("submit", Request, streams)   ("cancel", request id, reason)   ("stats", n)   ("close",)
     child -> parent   ("ready", max_model_len)     ("failed", traceback)             ("done", Completion)
                       ("tokens", request id, new token ids)   ("stats", n, dict)     ("dead", error)
 
@@ -229,8 +229,8 @@ def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int) -
             message = conn.recv()
             kind = message[0]
             if kind == "submit":
-                _, request, watch = message
-                future = thread.submit(request, _delta_sender(outbox, request.request_id) if watch else None)
+                _, request, streams = message
+                future = thread.submit(request, _delta_sender(outbox, request.request_id) if streams else None)
                 future.add_done_callback(finished)
             elif kind == "cancel":
                 thread.cancel(message[1], message[2])

@@ -115,7 +115,7 @@ class LLMEngine:
         """Queue `request`; `prepared` is what `prepare(request)` returned, if the caller called it."""
         if request.request_id in self._seqs:
             raise RequestError(f"request {request.request_id!r} is already running")
-        seq = prepared or self.prepare(request)
+        seq = self.prepare(request) if prepared is None else prepared
         self._seqs[request.request_id] = seq
         self.blocks.prefetch(seq)
         self.scheduler.add(seq)
