@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from tqdm import tqdm
 
 from api.client import Client
 from bench.common import report, tiny_model
+from bench.engine_alone import through_engine
 from cli.batch import follow
 from cli.demo import SAMPLES
 from cli.servers import free_port
@@ -42,10 +39,6 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, as_utc
 from migrations.apply import upgrade
-from worker.backend import start_engine
-from worker.bridge import Bridge
-from worker.outcome import Outcome
-from worker.summarize import summarize
 
 KEY = "bench-key-not-a-secret"
 
@@ -93,32 +86,6 @@ def through_service(lines: list[dict], settings: Settings, model: Path, engine_p
     return (as_utc(completed) - start).total_seconds(), int(tokens), gap_ms
 
 
-def through_engine(lines: list[dict], settings: Settings, model: Path, threads: int) -> tuple[float, int, float]:
-    settings = settings.model_copy(update={"model": str(model)})
-    bridge = Bridge.for_settings(start_engine(settings), settings)
-    jobs = [JobIn(kind="summarize", priority=1, messages=x["transcript"],
-                  sampling={"max_new_tokens": x["max_new_tokens"]}) for x in lines]
-    try:
-        start = time.monotonic()
-        with ThreadPoolExecutor(threads) as pool, tqdm(total=len(lines), desc="engine", file=sys.stderr) as bar:
-            outcomes = []
-            created = datetime.now(UTC)
-            def run(x: dict, job: JobIn) -> Outcome:
-                with bridge.run(x["custom_id"], job, created) as job_run:
-                    return summarize(job_run)
-
-            for outcome in pool.map(run, lines, jobs):
-                outcomes.append(outcome)
-                bar.update()
-        elapsed = time.monotonic() - start
-        gap_ms = bridge.stats()["loop_gap_p95_ms"]
-    finally:
-        bridge.close()
-    if not all(o.completion.ok for o in outcomes):
-        raise RuntimeError("the engine run failed some transcripts")
-    return elapsed, sum(len(o.completion.token_ids) for o in outcomes), gap_ms
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transcripts", type=int, default=500)
@@ -129,7 +96,11 @@ def main() -> None:
     model = tiny_model()
     upgrade(settings.database_url.get_secret_value())
     lines = workload(args.transcripts, args.max_new_tokens)
-    engine_s, engine_tokens, engine_gap_ms = through_engine(lines, settings, model, threads=settings.worker_concurrency)
+    jobs = [JobIn(kind="summarize", priority=1, messages=x["transcript"], sampling={"max_new_tokens": x["max_new_tokens"]})
+            for x in lines]
+    engine_s, outcomes, engine_gap_ms = through_engine(jobs, settings.model_copy(update={"model": str(model)}),
+                                                       threads=settings.worker_concurrency)
+    engine_tokens = sum(len(o.completion.token_ids) for o in outcomes)
     service_s, service_tokens, gap_ms = through_service(lines, settings, model)
     thread_s, _, thread_gap_ms = through_service(lines, settings, model, engine_process=False)
     result = {

@@ -12,6 +12,12 @@ The same run also pushes as many no-op tasks through a bare Celery worker (`benc
 broker, convoq's Celery settings, a task that only counts itself) in one burst, once the service has stopped.
 A machine's speed varies with the hour, so the figure to judge is `capacity_ratio`: jobs/s of the service
 over tasks/s of bare Celery.
+
+Two more figures say where a job's cost goes. `engine_alone_jobs_per_s` runs the same jobs through the
+worker's bridge and engine process with no broker and no database (`bench.engine_alone`): the most the
+service could reach on this machine, whatever it spends around the engine. `cpu_ms_per_job` is the CPU time
+each process spent during the burst divided by the jobs (`bench.cpu`: API, worker, engine, PostgreSQL, Redis
+and this process, the client), and `bare_celery_cpu_ms_per_task` the same for the no-op burst.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from tqdm import tqdm
 
 from api.client import AsyncClient
 from bench.common import percentile, report, tiny_model
+from bench.cpu import CpuMeter, per_item_ms, service_parts, shared_parts
+from bench.engine_alone import through_engine
 from cli.stack import Stack
 from jobs.broker import create_celery
 from jobs.schemas import TERMINAL, JobIn, JobStatus
@@ -80,8 +88,10 @@ def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> datetime:
             time.sleep(0.2)
 
 
-def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path, timeout: float = 300) -> float:
-    """Tasks per second of a burst of `n_tasks` no-ops through a bare Celery worker, sent from here."""
+def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path,
+                timeout: float = 300) -> tuple[float, dict[str, float]]:
+    """Tasks per second of a burst of `n_tasks` no-ops through a bare Celery worker, sent from here, and the
+    CPU ms per task of each part (the worker, Redis, this process)."""
     queue = f"bench-noop-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(), "CONVOQ_INTERACTIVE_QUEUE": queue,
            "CONVOQ_BULK_QUEUE": f"{queue}-bulk"}
@@ -112,16 +122,19 @@ def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path
             return time.monotonic() - start
 
         burst(8)  # warm-up: connections, the threads' first fetches
-        return n_tasks / burst(n_tasks)
+        meter = CpuMeter({"worker": lambda p: p.pid == proc.pid, **shared_parts()})
+        meter.start()
+        per_s = n_tasks / burst(n_tasks)
+        return per_s, per_item_ms(meter.stop(), n_tasks)
     finally:
         proc.terminate()
         proc.wait(30)
         redis.delete(counter)
 
 
-def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float) -> dict:
+def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset: str = "tiny") -> dict:
     settings = Settings()
-    model = tiny_model()
+    model = tiny_model(preset)
     upgrade(settings.database_url.get_secret_value())
     db = sa.create_engine(settings.database_url.get_secret_value())
     env = {
@@ -138,10 +151,13 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float) -> dict
         stack.start_worker()
         # warm-up: the first batch and the connection pools, outside the measurement
         wait_done(db, asyncio.run(submit_all(stack.api_url, jobs[:8], concurrency)), 120)
+        meter = CpuMeter(service_parts(stack.api.pid, stack.workers[0].pid))
+        meter.start()
         start = datetime.now(UTC)
         ids = asyncio.run(submit_all(stack.api_url, jobs, concurrency, rate))
         submitted = datetime.now(UTC)
         end = wait_done(db, ids, 600)
+        cpu = per_item_ms(meter.stop(), n_jobs)
     mine = [uuid.UUID(i) for i in ids]
     with db.connect() as conn:
         succeeded = conn.execute(
@@ -151,21 +167,26 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float) -> dict
             sa.select(Timing.queue_wait_ms, Timing.end_to_end_ms, Timing.engine_ms).where(Timing.job_id.in_(mine))
         ).all()
     db.dispose()
-    noop_per_s = bare_celery(settings, n_jobs, settings.worker_concurrency, logdir)
+    noop_per_s, noop_cpu = bare_celery(settings, n_jobs, settings.worker_concurrency, logdir)
+    engine_s, _, _ = through_engine(jobs, settings.model_copy(update={"model": str(model)}), settings.worker_concurrency)
     jobs_per_s = n_jobs / (end - start).total_seconds()
     waits = [t.queue_wait_ms for t in timings]
     overhead = [t.end_to_end_ms - t.engine_ms for t in timings]
     return {
+        "model": preset,
         "jobs": n_jobs,
         "succeeded": succeeded,
         "jobs_per_s": round(jobs_per_s, 1),
         "bare_celery_tasks_per_s": round(noop_per_s, 1),
         "capacity_ratio": round(jobs_per_s / noop_per_s, 3),
+        "engine_alone_jobs_per_s": round(n_jobs / engine_s, 1),
         "submit_per_s": round(n_jobs / (submitted - start).total_seconds(), 1),
         "queue_wait_p50_ms": round(percentile(waits, 0.5), 1),
         "queue_wait_p95_ms": round(percentile(waits, 0.95), 1),
         "overhead_p50_ms": round(statistics.median(overhead), 1),
         "overhead_p95_ms": round(percentile(overhead, 0.95), 1),
+        "cpu_ms_per_job": cpu,
+        "bare_celery_cpu_ms_per_task": noop_cpu,
     }
 
 
@@ -176,9 +197,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight while submitting")
     parser.add_argument("--rate", type=float, default=0.0,
                         help="jobs per second to submit at (default: all at once, a burst)")
+    parser.add_argument("--model", default="tiny", help="a cli.tiny_model preset (micro: the engine's compute "
+                                                            "all but out of the way)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
-    result = run(args.jobs, args.max_new_tokens, args.concurrency, args.rate)
+    result = run(args.jobs, args.max_new_tokens, args.concurrency, args.rate, args.model)
     report(result, args.json)
 
 

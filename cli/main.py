@@ -28,7 +28,10 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     """Run the producer API (it never loads a model)."""
     import uvicorn
 
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
+    # httptools and uvloop, not the pure-Python h11 parser and asyncio's loop: on a small machine the API's
+    # share of a job's CPU is mostly the HTTP round trip (bench.pipeline's cpu_ms_per_job)
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
+                http="httptools", loop="uvloop")
 
 
 @app.command()

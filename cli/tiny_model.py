@@ -28,10 +28,13 @@ CHAT_TEMPLATE = (
 )
 
 # Shapes: `tiny` is the demo/benchmark model; the others exercise loader paths (untied head, sliding window);
-# `0.6b` has Qwen3-0.6B's shapes (vocab included) with this tokenizer.
+# `micro` is the cheapest model that still runs every part of the engine, for benchmarks of what is around
+# it (bench.pipeline --model micro); `0.6b` has Qwen3-0.6B's shapes (vocab included) with this tokenizer.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True),
+    "micro": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True),
     "tiny-untied": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=4, head_dim=48, max_position_embeddings=1024,
                         tie_word_embeddings=False, rope_theta=10000.0),

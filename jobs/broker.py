@@ -77,6 +77,10 @@ def create_celery(settings: Settings) -> Celery:
         # Results and timings go to Postgres; Celery's result backend would be a second copy.
         task_ignore_result=True,
         task_store_errors_even_if_ignored=False,
+        # With no result backend the (disabled) backend object holds no state, so the threads can share it.
+        # Otherwise Celery builds one per pool thread on that thread's first task, by scanning every
+        # installed package's entry points: tens of ms each, for each of the 256 threads.
+        result_backend_thread_safe=True,
         # At-least-once: ack only after the result is stored; a killed worker's jobs come back.
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -48,3 +48,18 @@ def test_connection_urls_never_show_their_passwords(caplog):
     assert redact(s.database_url.get_secret_value()) == "postgresql+psycopg://convoq:***@db:5432/convoq"
     assert redact(s.broker_url.get_secret_value()) == "redis://:***@redis:6379/0"
     assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_the_celery_pool_threads_share_one_result_backend():
+    # Celery otherwise builds a backend per thread on its first task, scanning every package's entry points:
+    # tens of ms for each of the worker's 256 threads, in the middle of a burst
+    import threading
+
+    from jobs.broker import create_celery
+
+    app = create_celery(Settings())
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(app.backend))
+    thread.start()
+    thread.join()
+    assert seen == [app.backend]
