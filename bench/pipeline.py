@@ -43,6 +43,7 @@ from bench.common import percentile, report, tiny_model
 from bench.cpu import CpuMeter, per_item_ms, service_parts, shared_parts
 from bench.engine_alone import through_engine
 from cli.stack import Stack
+from cli.tiny_model import PRESETS
 from jobs.broker import create_celery
 from jobs.schemas import TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
@@ -197,8 +198,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight while submitting")
     parser.add_argument("--rate", type=float, default=0.0,
                         help="jobs per second to submit at (default: all at once, a burst)")
-    parser.add_argument("--model", default="tiny", help="a cli.tiny_model preset (micro: the engine's compute "
-                                                            "all but out of the way)")
+    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS),
+                        help="the tiny-model preset to run (micro: the engine's compute all but out of the way)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     result = run(args.jobs, args.max_new_tokens, args.concurrency, args.rate, args.model)
