@@ -135,20 +135,21 @@ def test_broker_killed_mid_run(service_env, database, tmp_path):
     clean(database, ids)
 
 
-def test_database_stopped_for_a_minute(service_env, tmp_path):
-    """Longer than CONVOQ_DEAD_AFTER_S (30 s): every lease expires during the outage."""
+def test_database_stopped_for_longer_than_a_lease(service_env, tmp_path):
+    """Stopped for 2.5 times CONVOQ_DEAD_AFTER_S: every lease expires during the outage."""
     pg = PostgresServer().start()
     try:
         upgrade(pg.url)
         env = {**service_env, "CONVOQ_DATABASE_URL": pg.url, "CONVOQ_MAX_BATCH_SIZE": "4",
-               "CONVOQ_WORKER_CONCURRENCY": "8", "CONVOQ_SWEEP_EVERY_S": "1"}
+               "CONVOQ_WORKER_CONCURRENCY": "8", "CONVOQ_SWEEP_EVERY_S": "1",
+               "CONVOQ_HEARTBEAT_S": "2", "CONVOQ_DEAD_AFTER_S": "8"}
         with Stack(env, tmp_path / "logs") as stack:
             stack.start_api()
             ids = submit_all(stack, 60)
             stack.start_worker()
             wait_for(pg.url, lambda c: c.get("succeeded", 0) >= 8, 120, "8 done")
             pg.stop(remove=False, immediate=True)
-            time.sleep(60)
+            time.sleep(20)
             pg.start()
             wait_for(pg.url, lambda c: c.get("succeeded", 0) + c.get("failed", 0) >= 60, 300, "all 60")
             assert stack.workers[-1].poll() is None
