@@ -158,9 +158,10 @@ class LLMEngine:
         size, block_size = len(batch), self.config.block_size
         indexing = self.blocks.prefix is not None
         for seq, n in batch:
-            if n > 1 or seq.num_computed == 0 or seq.first_scheduled is None:  # a prefill, or its first step
-                seq.record_step(self._steps, start, end, size, prefilled=n > 1 or seq.num_computed == 0)
-            elif seq.timings.batch_size < size:  # a decode: only the largest batch can change
+            prefilled = n > 1 or seq.num_computed == 0
+            if prefilled or seq.first_scheduled is None:
+                seq.record_step(self._steps, start, end, size, prefilled)
+            elif seq.timings.batch_size < size:  # a later decode: of `record_step` only the largest batch can change
                 seq.timings.batch_size = size
             seq.num_computed += n
             if indexing and seq.num_computed >= (seq.num_indexed + 1) * block_size:  # a block filled up

@@ -17,18 +17,11 @@ def stop_window(stops: Sequence[str]) -> int:
     return max((len(s.encode()) for s in stops if s), default=1)
 
 
-def may_end_stop(token_text: str, stops: Sequence[str]) -> bool:
-    """Whether a token whose own text is `token_text` can be the one that completes a stop string: it must
-    bring the stop's last character, or, where that character is not ASCII, bytes of a character split over
-    tokens (which alone decode to U+FFFD; an ASCII byte always decodes to itself). A token with no text (a
-    special token, skipped) completes nothing."""
-    return any(s and (s[-1] in token_text or ("\ufffd" in token_text and not s[-1].isascii())) for s in stops)
-
-
 def stop_ends(stops: Sequence[str]) -> frozenset[str]:
-    """The characters of which a token's text must hold one for `may_end_stop`: the stops' last characters,
-    and U+FFFD when one of those is not ASCII. `not stop_ends(stops).isdisjoint(token_text)` is
-    `may_end_stop(token_text, stops)` without a call per row of a step."""
+    """The characters of which a token's text must hold one if that token can complete a stop string (the step
+    loop asks `not stop_ends(stops).isdisjoint(token_text)`): a stop's last character, or, where that character
+    is not ASCII, U+FFFD, which bytes of a character split over tokens decode to alone (an ASCII byte always
+    decodes to itself). A token with no text (a special token, skipped) completes nothing."""
     ends = {s[-1] for s in stops if s}
     split = {"\ufffd"} if any(not c.isascii() for c in ends) else set()
     return frozenset(ends | split)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from engine.block_manager import table_tensor
 from engine.interface import Request, SamplingParams
 from engine.sampler import penalize, sample, seeded_uniforms
-from engine.text import cut_at_stop, finish_text, may_end_stop, stop_ends, stop_window, stops_hit
+from engine.text import cut_at_stop, finish_text, stop_ends, stop_window, stops_hit
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,
@@ -42,12 +42,19 @@ def first_hit_from_scratch(tokenizer, ids: list[int], stops: list[str]) -> int |
     return None
 
 
+def may_end_stop(token_text: str, stops: list[str]) -> bool:
+    """The rule `stop_ends` serves, stated plainly: a token can complete a stop string when its text brings the
+    stop's last character or, where that character is not ASCII, bytes of a character split over tokens
+    (U+FFFD alone)."""
+    return any(s and (s[-1] in token_text or ("\ufffd" in token_text and not s[-1].isascii())) for s in stops)
+
+
 def first_hit_on_tails(tokenizer, ids: list[int], stops: list[str]) -> int | None:
     """As the engine does it: only after a token that may end a stop, only the tail decoded."""
-    window = stop_window(stops)
+    window, ends = stop_window(stops), stop_ends(stops)
     for n in range(1, len(ids) + 1):
         own = tokenizer.decode(ids[n - 1:n], skip_special_tokens=True)
-        if may_end_stop(own, stops) and stops_hit(tokenizer, [(ids[max(0, n - window):n], stops)])[0]:
+        if not ends.isdisjoint(own) and stops_hit(tokenizer, [(ids[max(0, n - window):n], stops)])[0]:
             return n
     return None
 

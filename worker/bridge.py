@@ -123,7 +123,7 @@ class Bridge:
         return cls(runner, settings.interactive_priority, settings.default_thinking, defaults)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> object:
         return self.runner.tokenizer
 
     @property
