@@ -13,9 +13,11 @@ is rewritten after every part, so a run cut short still leaves what it measured:
 3. `decode_floor`: decode ms/token at batch 1 for Qwen3-8B and -32B shapes (random bf16 weights built in
    memory), against the floor that the measured copy bandwidth sets: weight bytes / bandwidth (target <= 1.5x).
 4. `mixed`: `bench.mixed` on the GPU (fewer requests): an urgent chat's latency under a bulk backlog.
-5. `graphs_identity`: greedy tokens with CUDA graphs on and off, 0.6B shapes, bf16: identical, token for token.
+5. `graphs_identity`: greedy tokens with CUDA graphs on and off, 0.6B shapes, bf16: identical, token for token,
+   with arrivals staggered so that mixed steps replay piece graphs and decode steps whole-step graphs.
 6. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
-   memory against weights + KV budget + the activations the profiling step held back, and the device.
+   memory against weights + KV budget + the activations the profiling step held back + the graphs' memory,
+   and the device.
 
 The last line printed is a JSON summary: each part's verdict.
 """
@@ -35,6 +37,7 @@ import torch
 
 from bench import engine_vs_hf, gpu_e2e, gpu_kernels
 from engine.config import EngineConfig, model_dtype
+from engine.cuda_graphs import PieceGraphs
 from engine.hf_backend import HFEngine
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -161,30 +164,43 @@ def mixed_load(check: Check) -> dict:
     return mixed.run_engine(chats=10, chat_rate=2.0, bulk=128, repeat=1, seed=0, device=check.device)
 
 
-def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[int]]) -> tuple[list[list[int]], bool]:
-    """Each prompt's greedy tokens, and whether CUDA graphs were in use."""
+def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    """Each prompt's greedy tokens, and how many steps each CUDA graph path ran. Half the prompts come first,
+    then one more at every step, so that steps mix prefill chunks with decodes. In a dry run "graphs on" means
+    the pieces run as plain calls (`PieceGraphs` on a CPU)."""
     engine = LLMEngine(EngineConfig(model=str(path), device=check.device, dtype=check.dtype, cuda_graphs=graphs,
                                     initial_blocks=1 << 30))
+    runner = engine.runner
+    if graphs and check.dry:
+        runner.pieces = PieceGraphs(engine.model, engine.config.max_num_batched_tokens)
     requests = [Request(str(i), p, SamplingParams(max_new_tokens=32, ignore_eos=True)) for i, p in enumerate(prompts)]
-    for r in requests:
+    waiting = requests[len(requests) // 2:]
+    for r in requests[:len(requests) // 2]:
         engine.add_request(r)
     done = {}
-    while engine.has_unfinished():
+    while engine.has_unfinished() or waiting:
+        if waiting:
+            engine.add_request(waiting.pop(0))
         done.update((c.request_id, c.token_ids) for c in engine.step())
-    captured = engine.runner.graphs is not None
-    del engine
+    steps = {"steps": engine.stats()["steps"],
+             "decode_graph_steps": runner.graphs.steps if runner.graphs is not None else 0,
+             "piece_graph_steps": runner.pieces.steps if runner.pieces is not None else 0}
+    del engine, runner
     check.release()
-    return [done[r.request_id] for r in requests], captured
+    return [done[r.request_id] for r in requests], steps
 
 
 def graphs_identity(check: Check) -> dict:
     path = engine_vs_hf.model_folder(check.preset)
     prompts = [r.prompt_ids for r in engine_vs_hf.make_requests(check.preset, 4096, 11, "g", 6 if check.dry else 24)]
-    with_graphs, captured = _greedy_tokens(path, check, True, prompts)
+    with_graphs, steps = _greedy_tokens(path, check, True, prompts)
     without, _ = _greedy_tokens(path, check, False, prompts)
     differing = [i for i, (a, b) in enumerate(zip(with_graphs, without, strict=True)) if a != b]
-    return {"requests": len(prompts), "graphs_captured": captured, "differing_requests": differing,
-            "ok": not differing}
+    # where each differing request first parts ways: late (near-tied logits of random weights) or at once
+    first = [next(j for j, (a, b) in enumerate(zip(with_graphs[i], without[i], strict=True)) if a != b)
+             for i in differing]
+    return {"requests": len(prompts), **steps, "differing_requests": differing, "first_differing_token": first,
+            "ok": not differing and steps["piece_graph_steps"] > 0}
 
 
 def memory(check: Check) -> dict:
@@ -203,7 +219,7 @@ def memory(check: Check) -> dict:
     gpu_e2e.drive(engine, prompts, 16, "memory")
     after = engine.memory_report()
     result = {"weights_bytes": report["weights_bytes"], "kv_budget_bytes": report["kv_budget_bytes"],
-              "activation_bytes": report["activation_bytes"],
+              "activation_bytes": report["activation_bytes"], "graph_bytes": report["graph_bytes"],
               "pool_bytes_start": report["pool_bytes"], "pool_bytes_end": after["pool_bytes"],
               "pool_blocks_end": after["pool_blocks"], "pool_blocks_max": after["pool_blocks_max"],
               "pool_at_ceiling": after["pool_blocks"] == after["pool_blocks_max"],
@@ -216,9 +232,10 @@ def memory(check: Check) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory
     check.release()
     result.update({"peak_allocated_bytes": peak, "device_bytes": total,
-                   # the pool, the weights and what the profiling step held back: all the engine should take
+                   # the pool, the weights, what the profiling step held back and the graphs' memory: all the
+                   # engine should take
                    "peak_over_planned": peak / (report["weights_bytes"] + report["kv_budget_bytes"]
-                                                + report["activation_bytes"]),
+                                                + report["activation_bytes"] + report["graph_bytes"]),
                    "ok": result["pool_within_budget"] and peak < total})
     return result
 

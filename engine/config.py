@@ -67,7 +67,9 @@ class EngineConfig:
     # CPU: decoding sequences also keep dense K/V rows (up to the KV budget again), so decode attention
     # reads views instead of gathering every block at every layer (see engine.dense_decode)
     dense_decode: bool = True
-    cuda_graphs: bool = True  # capture decode steps on CUDA (needs a backend that does not sync the host)
+    # CUDA: replay steps of up to 512 tokens from CUDA graphs (engine.cuda_graphs); whole decode steps, attention
+    # included, need a backend that does not sync the host
+    cuda_graphs: bool = True
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # Reuse the KV of full blocks across requests with the same prefix (turns of a conversation, shared system
     # prompts); models with sliding-window layers never use it.

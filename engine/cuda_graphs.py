@@ -1,8 +1,20 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs.
 
-On a GPU a decode step of a small batch is bound by kernel launches, so each batch-size bucket is captured
-once (on first use) and replayed with its inputs copied into static buffers; padded rows write nothing
-(slot -1) and attend to one key of block 0. Growing a KV pool moves its tensor, which makes every graph stale.
+On a GPU a step of a few hundred tokens is bound by kernel launches, not by its arithmetic, so its kernels are
+captured once per size bucket (on first use) and replayed with the step's inputs copied into static buffers.
+
+- `DecodeGraphs`: whole decode steps, attention included. Padded rows write nothing (slot -1) and attend to
+  one key of block 0. Growing a KV pool moves its tensor, which makes every such graph stale.
+- `PieceGraphs`: every other step up to 512 tokens (prefill chunks, mixed steps, a windowed model's decodes).
+  Each piece of the model between two attentions (`Qwen3Model.piece`) is replayed from a graph captured at the
+  step's token count rounded up to a multiple of 16; attention, whose work depends on the sequences and not
+  only on the token count, runs as usual between them on the real tokens only. Padded rows compute row by row
+  on what their buffers hold, so they never reach a real row, and they write no K/V. These graphs never touch
+  the KV pools, so growing one leaves them valid.
+
+Both share one memory pool: graphs replay one at a time and every output is copied into a buffer outside it,
+so later captures reuse what earlier ones freed. The largest pieces are captured before the KV pool is sized,
+so the pool's share of free memory already leaves theirs.
 """
 
 from __future__ import annotations
@@ -11,13 +23,17 @@ import torch
 
 from engine.attention import AttentionBatch, BatchPart, LayerSlot
 from engine.kv_cache import KVCache
-from engine.model import Qwen3ForCausalLM
+from engine.model import Qwen3ForCausalLM, Rope
 from kernels.dispatch import Ops
+
+# the largest step `PieceGraphs` takes: beyond it a step's arithmetic outweighs its launches
+MAX_PIECE_TOKENS = 512
 
 
 class DecodeGraphs:
     def __init__(self, model: Qwen3ForCausalLM, ops: Ops, caches: list[KVCache],
-                 layer_slots: list[LayerSlot], max_batch: int, table_widths: list[int]) -> None:
+                 layer_slots: list[LayerSlot], max_batch: int, table_widths: list[int], mempool=None) -> None:
+        """`mempool`: the graph memory pool to share (`PieceGraphs.mempool`), if any."""
         self.model, self.ops, self.caches, self.layer_slots = model, ops, caches, layer_slots
         self.sizes = sorted({*(s for s in (1, 2, 4, 8, *range(16, max_batch, 16)) if s < max_batch), max_batch})
         n, device = max_batch, next(model.parameters()).device
@@ -29,8 +45,9 @@ class DecodeGraphs:
         self.tables = [torch.zeros(n, w, dtype=torch.int32, device=device) for w in table_widths]
         self.hidden = torch.zeros(n, model.shape.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mempool = None
+        self.mempool = mempool
         self.versions: list[int] = []
+        self.steps = 0  # replayed
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
@@ -55,6 +72,7 @@ class DecodeGraphs:
             buf[:b, : t.shape[1]].copy_(t)
         graph = self.graphs.get(size) or self._capture(size)
         graph.replay()
+        self.steps += 1
         return self.hidden[:b]
 
     def _capture(self, size: int) -> torch.cuda.CUDAGraph:
@@ -73,3 +91,89 @@ class DecodeGraphs:
         self.mempool = graph.pool()
         self.graphs[size] = graph
         return graph
+
+
+class PieceGraphs:
+    def __init__(self, model: Qwen3ForCausalLM, max_tokens: int) -> None:
+        """Steps of up to `max_tokens` (at most `MAX_PIECE_TOKENS`). On a CPU the pieces run as plain calls
+        instead of replays: the same buckets, buffers and padding, so tests check them without a GPU."""
+        self.model = model
+        top = min(max_tokens, MAX_PIECE_TOKENS)
+        self.sizes = sorted({s for s in (8, *range(16, top + 1, 16)) if s <= top} | {top})
+        shape, n = model.shape, self.sizes[-1]
+        self.device, dtype = next(model.parameters()).device, model.lm_head.weight.dtype
+        self.ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+
+        def rows(*dims: int) -> torch.Tensor:
+            return torch.zeros(n, *dims, dtype=dtype, device=self.device)
+
+        self.q = rows(shape.num_heads, shape.head_dim)
+        self.k, self.v = rows(shape.num_kv_heads, shape.head_dim), rows(shape.num_kv_heads, shape.head_dim)
+        self.attention = rows(shape.num_heads, shape.head_dim)  # the output of the attention between pieces
+        self.residual, self.hidden = rows(shape.hidden_size), rows(shape.hidden_size)
+        self.graphs: dict[int, list] = {}  # size -> per piece, its replay (a plain call on a CPU)
+        self.mempool = None
+        self.steps = 0  # run in pieces
+        self.nbytes = 0  # the largest size's graphs and these buffers, once `capture` measured them (CUDA)
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Final hidden states of the step's `len(input_ids)` tokens, as `Qwen3Model.forward` computes them."""
+        t = len(input_ids)
+        size = next(s for s in self.sizes if s >= t)
+        pieces = self.graphs.get(size) or self._capture(size)
+        # padded rows keep earlier steps' ids and positions: valid indexes, and no real row reads them
+        self.ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        layers = self.model.model.layers
+        for i, piece in enumerate(pieces):
+            piece()
+            if i < len(layers):
+                out = batch.attend(i, self.q[:t], self.k[:t], self.v[:t], layers[i].self_attn.scale)
+                self.attention[:t].copy_(out)
+        self.steps += 1
+        return self.hidden[:t]
+
+    def capture(self) -> None:
+        """Captures the largest size now (the smaller ones on first use reuse its memory) and measures what
+        the graphs and buffers take."""
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        self._capture(self.sizes[-1])
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            buffers = [self.ids, self.positions, self.q, self.k, self.v, self.attention, self.residual, self.hidden]
+            self.nbytes = torch.cuda.memory_reserved(self.device) - before + sum(b.nbytes for b in buffers)
+
+    def _capture(self, size: int) -> list:
+        model = self.model.model
+        last = len(model.layers)
+        rope = Rope(self.model.rope_cos, self.model.rope_sin, self.positions[:size])
+
+        def piece(i: int):
+            def body() -> None:
+                x = self.ids[:size] if i == 0 else self.attention[:size]
+                out = model.piece(i, x, self.residual[:size] if i else None, rope)
+                if i == last:
+                    self.hidden[:size].copy_(out)
+                    return
+                for buf, t in zip((self.q, self.k, self.v, self.residual), out, strict=True):
+                    buf[:size].copy_(t)
+            return body
+
+        with torch.inference_mode():
+            self.graphs[size] = [self._record(piece(i)) for i in range(last + 1)]
+        return self.graphs[size]
+
+    def _record(self, body):
+        if self.device.type != "cuda":
+            return body
+        body()  # compiles and autotunes the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            body()
+        self.mempool = graph.pool()
+        return graph.replay

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from engine.block_key import extend_keys
 from engine.block_manager import BlockManager, BlockPool
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.dense_decode import DenseDecodeKV
 from engine.host_cache import HostCache
 from engine.interface import Completion, Request, RequestError
@@ -50,6 +50,11 @@ class LLMEngine:
         self.activation_bytes = 0
         if self.device.type == "cuda" and config.kv_cache_memory <= 1:
             self.activation_bytes = largest_step(self.model, ops, plan, config, cache_dtype)
+        pieces = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            pieces = PieceGraphs(self.model, config.max_num_batched_tokens)
+            pieces.capture()  # before the pool is sized: free memory then no longer counts the graphs' own
+        if self.activation_bytes:
             plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device, self.activation_bytes)
         self.plan = plan
         self.windows = plan.windows
@@ -69,7 +74,8 @@ class LLMEngine:
         # the Triton decode path syncs with the host only to plan windowed tiles
         if self.device.type == "cuda" and config.cuda_graphs and ops.backend == "triton" and plan.dense_only:
             per_seq = plan.blocks_per_seq(config.block_size, self.max_model_len)
-            graphs = DecodeGraphs(self.model, ops, caches, plan.layer_slots, config.max_num_seqs, per_seq)
+            graphs = DecodeGraphs(self.model, ops, caches, plan.layer_slots, config.max_num_seqs, per_seq,
+                                  pieces.mempool)
         dense = None
         # the dense rows stand in for the fast CPU ops' attention over a full-attention pool of plain, unscaled K/V
         full_dense = 0 in plan.windows and all(s.policy.window == 0 for s in plan.layer_slots
@@ -78,8 +84,8 @@ class LLMEngine:
             full = plan.windows.index(0)
             dense = DenseDecodeKV(caches[full], full, plan.max_blocks[full] * plan.block_bytes[full],
                                   self.max_model_len, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, dense,
-                                 self.blocks.rows)
+        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, pieces,
+                                  dense, self.blocks.rows)
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
         self._tokens_generated = 0
@@ -281,6 +287,7 @@ class LLMEngine:
         return {
             "weights_bytes": weights_bytes(self.model),
             "activation_bytes": self.activation_bytes,  # held back from a fractional budget (CUDA only)
+            "graph_bytes": self.runner.pieces.nbytes if self.runner.pieces is not None else 0,
             "kv_bytes_per_token": self.plan.kv_bytes_per_token,
             "kv_budget_bytes": self.plan.budget_bytes,
             "block_size": self.config.block_size,

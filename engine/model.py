@@ -3,7 +3,8 @@
 Every forward takes the new tokens of all sequences back to back (`[num_tokens]`, no padding) with their
 positions; attention reads and writes the paged KV cache through an `AttentionBatch`. Projections that read
 the same input are fused (q/k/v, gate/up) so each layer is a handful of matrix multiplies; the loader fills
-the fused weights shard by shard from the checkpoint's separate tensors.
+the fused weights shard by shard from the checkpoint's separate tensors. The forward is a chain of pieces,
+each everything between two attentions, so that CUDA graphs can replay the pieces (engine.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ class Rope(NamedTuple):
     positions: torch.Tensor
 
 
+class QKV(NamedTuple):
+    """What a layer's attention takes: `[tokens, heads, head_dim]` q, k, v, and the residual stream it skips."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    residual: torch.Tensor
+
+
 class Linear(nn.Module):
     """`x @ W.T` without bias. Parameters start empty: the checkpoint fills them, so none is initialised.
     `weight` shares an existing parameter instead (tied embeddings)."""
@@ -87,9 +97,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, layer: int, ops: Ops) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops) -> None:
         super().__init__()
-        self.layer, self.ops = layer, ops
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim ** -0.5
@@ -100,14 +110,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops)
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops)
 
-    def forward(self, x: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[tokens, heads, head_dim]` queries, keys and values, q and k normed and rotated."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.ops.qk_norm_rope(q.view(-1, self.num_heads, self.head_dim),
                                      k.view(-1, self.num_kv_heads, self.head_dim),
                                      self.q_norm.weight, self.k_norm.weight, rope.cos, rope.sin, rope.positions, self.eps)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = batch.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.flatten(1))
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -122,19 +131,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, layer: int, ops: Ops) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.self_attn = Attention(shape, layer, ops)
+        self.self_attn = Attention(shape, ops)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.mlp = MLP(shape, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
-                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual adds are deferred into the next norm (one fused kernel on GPU): returns (out, residual)."""
+    # A layer is split at its attention, whose work depends on the batch's sequences and not only on its token
+    # count; the rest is row by row. Residual adds are deferred into the next norm (one fused kernel on GPU).
+
+    def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope) -> QKV:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return QKV(*self.self_attn.qkv(x, rope), residual)
+
+    def post_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`out`: the attention's `[tokens, heads, head_dim]`; returns (the layer's output, residual)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(out.flatten(1)), residual)
         return self.mlp(x), residual
 
 
@@ -151,14 +164,28 @@ class Qwen3Model(nn.Module):
     def __init__(self, shape: ModelShape, ops: Ops) -> None:
         super().__init__()
         self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, i, ops) for i in range(shape.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(shape, ops) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, batch)
-        return self.norm(x, residual)[0]
+        """Piece 0, attention 0, piece 1, ..., attention L-1, piece L (see `piece`)."""
+        out = self.piece(0, input_ids, None, rope)
+        for i, layer in enumerate(self.layers):
+            attention = batch.attend(i, out.q, out.k, out.v, layer.self_attn.scale)
+            out = self.piece(i + 1, attention, out.residual, rope)
+        return out
+
+    def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope) -> QKV | torch.Tensor:
+        """Everything between attention i-1 and attention i: from the token ids (i = 0) or attention i-1's
+        output with its residual, to layer i's q/k/v with the residual, or the final hidden states (i = L).
+        A piece's work depends only on its token count, so CUDA graphs can capture it (engine.cuda_graphs)."""
+        if i == 0:
+            x = self.embed_tokens(x)
+        else:
+            x, residual = self.layers[i - 1].post_attention(x, residual)
+        if i == len(self.layers):
+            return self.norm(x, residual)[0]
+        return self.layers[i].pre_attention(x, residual, rope)
 
 
 class Qwen3ForCausalLM(nn.Module):

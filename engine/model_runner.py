@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import AttentionBatch, BatchPart, LayerSlot
 from engine.block_manager import TableRows
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.dense_decode import DenseDecodeKV
 from engine.kv_cache import KVCache
 from engine.model import Qwen3ForCausalLM
@@ -36,8 +36,8 @@ class Step:
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, caches: list[KVCache], layer_slots: list[LayerSlot],
-                 ops: Ops, block_size: int, graphs: DecodeGraphs | None, dense: DenseDecodeKV | None,
-                 tables: TableRows) -> None:
+                 ops: Ops, block_size: int, graphs: DecodeGraphs | None, pieces: PieceGraphs | None,
+                 dense: DenseDecodeKV | None, tables: TableRows) -> None:
         self.model = model
         self.tables = tables  # the block manager's: every sequence's block tables, one row each
         self.caches = caches
@@ -45,6 +45,7 @@ class ModelRunner:
         self.ops = ops
         self.block_size = block_size
         self.graphs = graphs
+        self.pieces = pieces
         self.dense = dense
         self.device = next(model.parameters()).device
 
@@ -115,6 +116,8 @@ class ModelRunner:
         if d < len(step.seqs):
             parts.append(BatchPart(d, len(step.input_ids), cu_seqlens[d:] - d, seq_lens[d:], [t[d:] for t in tables]))
         attn = AttentionBatch(self.ops, self.caches, self.layer_slots, slots, parts)
+        if self.pieces is not None and self.pieces.fits(len(input_ids)):
+            return self.pieces.run(input_ids, positions, attn)
         return self.model(input_ids, positions, attn)
 
 

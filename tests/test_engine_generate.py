@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.cuda_graphs import PieceGraphs
 from engine.engine_thread import EngineThread
 from engine.interface import Request, RequestError, SamplingParams
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
@@ -74,6 +75,23 @@ def test_greedy_matches_transformers_while_latency_targets_cut_bulk_work(tiny_mo
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny"]
     stats = engine.stats()
     assert stats["bulk_rows_deferred"] > 0 and stats["limited_steps"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
+def test_greedy_matches_transformers_through_the_graph_pieces(tiny_models, hf_outputs, preset):
+    """Every step as `PieceGraphs` runs it on a GPU, here as plain calls instead of replays: the token count
+    padded up to a bucket, each piece between two attentions on the static buffers. Steps of at most 96 tokens
+    under pre-emption: prefill chunks, mixed steps and decodes (a windowed model's too) all go through them."""
+    path = tiny_models[preset]
+    engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=8,
+                         max_num_batched_tokens=96, prefill_chunk_size=64, max_num_seqs=32)
+    engine.runner.pieces = PieceGraphs(engine.model, 96)
+    requests = [Request(str(i), ids, greedy(n, ignore_eos=False))
+                for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
+    done = run_all(engine, requests)
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs[preset]
+    stats = engine.stats()
+    assert engine.runner.pieces.steps == stats["steps"] and stats["preemptions"] > 0
 
 
 def test_dense_decode_rows_follow_preemption(tiny_models, hf_outputs):

@@ -17,7 +17,9 @@ def test_dry_run_writes_one_report_with_every_part(tmp_path):
     assert "skipped" in parts["kernels"]
     for shape in ("8b", "32b"):
         assert parts["decode_floor"][shape]["ms_per_token"] > 0 and parts["decode_floor"][shape]["weights_bytes"] > 0
-    assert parts["graphs_identity"]["ok"] and parts["graphs_identity"]["requests"] == 6
+    identity = parts["graphs_identity"]
+    assert identity["ok"] and identity["requests"] == 6 and identity["differing_requests"] == []
+    assert 0 < identity["piece_graph_steps"] <= identity["steps"]  # the dry run's pieces are plain calls
     memory = parts["memory"]
     assert memory["pool_bytes_end"] > memory["pool_bytes_start"]  # the load made the pool grow
     assert memory["ok"] and memory["pool_bytes_end"] <= memory["kv_budget_bytes"]
