@@ -1,20 +1,22 @@
 """Steps replayed from CUDA graphs.
 
 On a GPU a step of a few hundred tokens is bound by kernel launches, not by its arithmetic, so its kernels are
-captured once per size bucket (on first use) and replayed with the step's inputs copied into static buffers.
+captured once per size bucket and replayed with the step's inputs copied into static buffers.
 
-- `DecodeGraphs`: whole decode steps, attention included. Padded rows write nothing (slot -1) and attend to
-  one key of block 0. Growing a KV pool moves its tensor, which makes every such graph stale.
+- `DecodeGraphs`: whole decode steps, attention included, each size captured on first use. Padded rows write
+  nothing (slot -1) and attend to one key of block 0. Growing a KV pool moves its tensor, which makes every
+  such graph stale.
 - `PieceGraphs`: every other step up to 512 tokens (prefill chunks, mixed steps, a windowed model's decodes).
   Each piece of the model between two attentions (`Qwen3Model.piece`) is replayed from a graph captured at the
   step's token count rounded up to a multiple of 16; attention, whose work depends on the sequences and not
   only on the token count, runs as usual between them on the real tokens only. Padded rows compute row by row
   on what their buffers hold, so they never reach a real row, and they write no K/V. These graphs never touch
-  the KV pools, so growing one leaves them valid.
+  the KV pools, so growing one leaves them valid, and all sizes are captured when the engine starts, before
+  the KV pool is sized: the pool's share of free memory then already leaves theirs, and no step waits on a
+  capture.
 
 Both share one memory pool: graphs replay one at a time and every output is copied into a buffer outside it,
-so later captures reuse what earlier ones freed. The largest pieces are captured before the KV pool is sized,
-so the pool's share of free memory already leaves theirs.
+so each capture reuses what the earlier ones freed (the largest pieces are captured first).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class PieceGraphs:
         self.graphs: dict[int, list] = {}  # size -> per piece, its replay (a plain call on a CPU)
         self.mempool = None
         self.steps = 0  # run in pieces
-        self.nbytes = 0  # the largest size's graphs and these buffers, once `capture` measured them (CUDA)
+        self.nbytes = 0  # the graphs and these buffers, once `capture` measured them (CUDA)
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
@@ -138,11 +140,12 @@ class PieceGraphs:
         return self.hidden[:t]
 
     def capture(self) -> None:
-        """Captures the largest size now (the smaller ones on first use reuse its memory) and measures what
-        the graphs and buffers take."""
+        """Captures every size, the largest first (the others reuse its memory), and measures what the graphs
+        and buffers take."""
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if cuda else 0
-        self._capture(self.sizes[-1])
+        for size in reversed(self.sizes):
+            self._capture(size)
         if cuda:
             torch.cuda.synchronize(self.device)
             buffers = [self.ids, self.positions, self.q, self.k, self.v, self.attention, self.residual, self.hidden]
