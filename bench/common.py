@@ -7,11 +7,13 @@ import statistics
 from pathlib import Path
 
 from cli.tiny_model import build_tiny_model
-from jobs.settings import DATA_DIR
 
 
 def tiny_model(preset: str = "tiny") -> Path:
     """The preset's checkpoint under the data folder, built on first use."""
+    # imported here: the GPU check imports this module on machines that have only the engine's dependencies
+    from jobs.settings import DATA_DIR
+
     path = DATA_DIR / "models" / preset
     if not (path / "config.json").exists():
         build_tiny_model(path, preset=preset)

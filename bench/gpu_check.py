@@ -12,10 +12,12 @@ is rewritten after every part, so a run cut short still leaves what it measured:
    (transformers' continuous batching, paged attention) on a uniform one (target >= 1.5x).
 3. `decode_floor`: decode ms/token at batch 1 for Qwen3-8B and -32B shapes (random bf16 weights built in
    memory), against the floor that the measured copy bandwidth sets: weight bytes / bandwidth (target <= 1.5x).
-4. `mixed`: `bench.mixed` on the GPU (fewer requests): an urgent chat's latency under a bulk backlog.
-5. `graphs_identity`: greedy tokens with CUDA graphs on and off, 0.6B shapes, bf16: identical, token for token,
+4. `step_overhead`: `bench.step_overhead` with its stub's tensors and the sampling on the GPU: the host's
+   work per step at 256 decoding sequences (target <= 1 ms), which the forward does not overlap.
+5. `mixed`: `bench.mixed` on the GPU (fewer requests): an urgent chat's latency under a bulk backlog.
+6. `graphs_identity`: greedy tokens with CUDA graphs on and off, 0.6B shapes, bf16: identical, token for token,
    with arrivals staggered so that mixed steps replay piece graphs and decode steps whole-step graphs.
-6. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
+7. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
    memory against weights + KV budget + the activations the profiling step held back + the graphs' memory,
    and the device.
 
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_vs_hf, gpu_e2e, gpu_kernels
+from bench import engine_vs_hf, gpu_e2e, gpu_kernels, step_overhead
 from engine.config import EngineConfig, model_dtype
 from engine.cuda_graphs import PieceGraphs
 from engine.hf_backend import HFEngine
@@ -49,7 +51,7 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
 DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
                  vocab_size=4096, rope_theta=1000000.0)
-TARGETS = {"vs_generate": 10.0, "vs_generate_batch": 1.5, "decode_vs_floor": 1.5}
+TARGETS = {"vs_generate": 10.0, "vs_generate_batch": 1.5, "decode_vs_floor": 1.5, "host_ms_per_step": 1.0}
 
 
 class Check:
@@ -154,6 +156,15 @@ def decode_floor(check: Check) -> dict:
     return result
 
 
+def host_overhead(check: Check) -> dict:
+    if check.dry:
+        return step_overhead.run(engine_vs_hf.model_folder("tiny"), seqs=32, warmup=8, steps=5, device=check.device)
+    result = step_overhead.run(engine_vs_hf.model_folder("tiny"), device=check.device)
+    check.release()
+    result["ok"] = result["host_ms_per_step"] <= TARGETS["host_ms_per_step"]
+    return result
+
+
 def mixed_load(check: Check) -> dict:
     # imported here: it reads the service's settings (pydantic-settings), which a bare GPU machine may lack,
     # and that must cost only this part
@@ -242,7 +253,7 @@ def memory(check: Check) -> dict:
 
 PARTS: dict[str, Callable[[Check], dict]] = {
     "kernels": kernels, "engine_vs_hf": engine_vs_transformers, "decode_floor": decode_floor,
-    "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
+    "step_overhead": host_overhead, "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
 }
 
 

@@ -1,13 +1,15 @@
 """Host work per engine step: everything but the model, for N sequences decoding together.
 
-    python -m bench.step_overhead --json [--seqs 256]
+    python -m bench.step_overhead --json [--seqs 256] [--device cuda]
 
 The engine runs its real scheduler, input packing, sampling and bookkeeping on the tiny checkpoint, with the
 model forward replaced by a stub that hands back fixed hidden states and fixed logits. What is left is the
 work the host does per step while, on a GPU, the device would be running the forward: the figure the step
 loop must keep under a millisecond so that the GPU never waits on Python. Two workloads run one after the
 other: all rows greedy, and all rows sampled (temperature, top-k, top-p, each with its own seed); every row
-also carries a stop string that never matches, so stop detection is paid for every token.
+also carries a stop string that never matches, so stop detection is paid for every token. On a GPU
+(`--device cuda`, and a part of `bench.gpu_check`) the stub's tensors and the sampling are on the device: the
+figure to set against a step's forward, which the host's work does not overlap.
 
 The stub's vocabulary is small (`--vocab`) so that the arithmetic of sampling, which a GPU does in
 microseconds, does not hide the per-row Python work this measures. Parts: `schedule` (the scheduler's plan
@@ -22,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -56,9 +59,9 @@ class Timers:
 @contextmanager
 def stubbed(engine: LLMEngine, vocab: int, timers: Timers):
     """The engine with its forward and logits replaced by fixed tensors, and its parts timed."""
-    rows = engine.config.max_num_batched_tokens
-    hidden = torch.zeros(rows, engine.model.shape.hidden_size)
-    logits = torch.randn(engine.config.max_num_seqs, vocab, generator=torch.Generator().manual_seed(0))
+    rows, device = engine.config.max_num_batched_tokens, engine.device
+    hidden = torch.zeros(rows, engine.model.shape.hidden_size, device=device)
+    logits = torch.randn(engine.config.max_num_seqs, vocab, generator=torch.Generator().manual_seed(0)).to(device)
     runner, model, scheduler = engine.runner, engine.model, engine.scheduler
     saved = (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample)
     runner.forward = timers.wrap("stub", lambda step: hidden[:len(step.input_ids)])
@@ -99,6 +102,29 @@ def measure(engine: LLMEngine, timers: Timers, params: SamplingParams, seqs: int
     return result
 
 
+def run(model: Path, seqs: int = 256, prompt: int = 64, warmup: int = 40, steps: int = 50, vocab: int = 512,
+        device: str = "cpu") -> dict:
+    """Both workloads' host ms per step (and per part) with `seqs` sequences decoding, on the `model` folder
+    (the tiny checkpoint: its forward is stubbed, only its shapes matter)."""
+    config = EngineConfig(model=str(model), device=device, max_num_seqs=seqs,
+                          max_num_batched_tokens=max(4096, seqs), dense_decode=False, kv_cache_memory=1 << 30)
+    engine = LLMEngine(config)
+    timers = Timers()
+    new = warmup + steps + 8
+    workloads = {
+        "greedy": SamplingParams(max_new_tokens=new, ignore_eos=True, stop=["<never>"]),
+        "sampled": SamplingParams(max_new_tokens=new, temperature=0.8, top_p=0.9, top_k=50, seed=1,
+                                  ignore_eos=True, stop=["<never>"]),
+    }
+    result: dict = {"seqs": seqs, "vocab": vocab, "steps": steps, "device": device}
+    with stubbed(engine, vocab, timers):
+        for name, params in workloads.items():
+            figures = measure(engine, timers, params, seqs, prompt, warmup, steps, name)
+            result.update({f"{name}_{k}": v for k, v in figures.items()})
+    result["host_ms_per_step"] = max(result["greedy_host_ms_per_step"], result["sampled_host_ms_per_step"])
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, default=256, help="sequences decoding in every step")
@@ -106,28 +132,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=40, help="steps before measuring (prefills included)")
     parser.add_argument("--steps", type=int, default=50, help="steps measured per workload")
     parser.add_argument("--vocab", type=int, default=512, help="columns of the stub's logits")
+    parser.add_argument("--device", default="cpu", help="where the stub's tensors and the sampling are")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args()
-
     torch.set_num_threads(1)  # what one engine loop gets of a busy machine
-    config = EngineConfig(model=str(tiny_model()), max_num_seqs=args.seqs,
-                          max_num_batched_tokens=max(4096, args.seqs), dense_decode=False,
-                          kv_cache_memory=1 << 30)
-    engine = LLMEngine(config)
-    timers = Timers()
-    new = args.warmup + args.steps + 8
-    workloads = {
-        "greedy": SamplingParams(max_new_tokens=new, ignore_eos=True, stop=["<never>"]),
-        "sampled": SamplingParams(max_new_tokens=new, temperature=0.8, top_p=0.9, top_k=50, seed=1,
-                                  ignore_eos=True, stop=["<never>"]),
-    }
-    result: dict = {"seqs": args.seqs, "vocab": args.vocab, "steps": args.steps}
-    with stubbed(engine, args.vocab, timers):
-        for name, params in workloads.items():
-            figures = measure(engine, timers, params, args.seqs, args.prompt, args.warmup, args.steps, name)
-            result.update({f"{name}_{k}": v for k, v in figures.items()})
-    result["host_ms_per_step"] = max(result["greedy_host_ms_per_step"], result["sampled_host_ms_per_step"])
-    report(result, args.json)
+    report(run(tiny_model(), args.seqs, args.prompt, args.warmup, args.steps, args.vocab, args.device), args.json)
 
 
 if __name__ == "__main__":

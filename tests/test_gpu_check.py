@@ -11,12 +11,15 @@ from tests.engine_helpers import single_thread  # noqa: F401 (autouse)
 def test_dry_run_writes_one_report_with_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     # the slow parts (transformers' generate, the mixed-load phases) run in `--dry-run` without `--parts`
-    assert gpu_check.main(["--dry-run", "--parts", "kernels,decode_floor,graphs_identity,memory", str(out)]) == 0
+    chosen = ["kernels", "decode_floor", "step_overhead", "graphs_identity", "memory"]
+    assert gpu_check.main(["--dry-run", "--parts", ",".join(chosen), str(out)]) == 0
     parts = json.loads(out.read_text())["parts"]
-    assert list(parts) == ["kernels", "decode_floor", "graphs_identity", "memory"]
+    assert list(parts) == chosen
     assert "skipped" in parts["kernels"]
     for shape in ("8b", "32b"):
         assert parts["decode_floor"][shape]["ms_per_token"] > 0 and parts["decode_floor"][shape]["weights_bytes"] > 0
+    overhead = parts["step_overhead"]
+    assert overhead["seqs"] == 32 and overhead["greedy_host_ms_per_step"] > 0 and overhead["sampled_sample_ms"] > 0
     identity = parts["graphs_identity"]
     assert identity["ok"] and identity["requests"] == 6 and identity["differing_requests"] == []
     assert 0 < identity["piece_graph_steps"] <= identity["steps"]  # the dry run's pieces are plain calls
