@@ -148,6 +148,7 @@ class PieceGraphs:
             self._capture(size)
         if cuda:
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # what the warm-up calls cached outside the graphs' pool is free memory
             buffers = [self.ids, self.positions, self.q, self.k, self.v, self.attention, self.residual, self.hidden]
             self.nbytes = torch.cuda.memory_reserved(self.device) - before + sum(b.nbytes for b in buffers)
 
