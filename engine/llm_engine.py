@@ -47,14 +47,13 @@ class LLMEngine:
 
         plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
         # a budget that is a fraction of free memory leaves room for the largest step's activations
-        self.activation_bytes = 0
-        if self.device.type == "cuda" and config.kv_cache_memory <= 1:
-            self.activation_bytes = largest_step(self.model, ops, plan, config, cache_dtype)
+        fraction = self.device.type == "cuda" and config.kv_cache_memory <= 1
+        self.activation_bytes = largest_step(self.model, ops, plan, config, cache_dtype) if fraction else 0
         pieces = None
         if self.device.type == "cuda" and config.cuda_graphs:
             pieces = PieceGraphs(self.model, config.max_num_batched_tokens)
             pieces.capture()  # before the pool is sized: free memory then no longer counts the graphs' own
-        if self.activation_bytes:
+        if fraction:
             plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device, self.activation_bytes)
         self.plan = plan
         self.windows = plan.windows
