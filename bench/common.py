@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from cli.tiny_model import build_tiny_model
 
+# The data folder's models (`jobs.settings.DATA_DIR / "models"`, where the service's default model is), not
+# imported: the GPU check runs these benchmarks where only the engine's dependencies are installed.
+MODELS_DIR = Path(".convoq") / "models"
+
 
 def tiny_model(preset: str = "tiny") -> Path:
-    """The preset's checkpoint under the data folder, built on first use."""
-    # imported here: the GPU check imports this module on machines that have only the engine's dependencies
-    from jobs.settings import DATA_DIR
-
-    path = DATA_DIR / "models" / preset
+    """The `cli.tiny_model` preset's checkpoint (random weights) under the data folder, built on first use."""
+    path = MODELS_DIR / preset
     if not (path / "config.json").exists():
+        print(f"building the {preset} checkpoint in {path}", file=sys.stderr)
         build_tiny_model(path, preset=preset)
     return path
 

@@ -15,12 +15,12 @@ import random
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from cli.tiny_model import SPECIAL_TOKENS, build_tiny_model
+from bench.common import tiny_model
+from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.hf_backend import HFEngine
 from engine.interface import Request, SamplingParams, StepEngine
@@ -28,16 +28,6 @@ from engine.llm_engine import LLMEngine
 
 # model -> (requests, prompt length range, output length range)
 WORKLOADS = {"tiny": (64, (16, 512), (16, 128)), "0.6b": (32, (16, 256), (16, 128))}
-MODELS_DIR = Path(".convoq/models")
-
-
-def model_folder(preset: str) -> Path:
-    path = MODELS_DIR / preset
-    if not (path / "config.json").exists():
-        print(f"building the {preset} checkpoint in {path}", file=sys.stderr)
-        build_tiny_model(path, preset=preset)
-    return path
-
 
 def make_requests(preset: str, vocab: int, seed: int, tag: str, count: int | None = None) -> list[Request]:
     """The preset's workload (its first `count` requests, when given)."""
@@ -96,7 +86,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    path = model_folder(args.model)
+    path = tiny_model(args.model)
 
     engine = LLMEngine(EngineConfig(model=str(path), device=args.device, dtype=args.dtype))
     vocab = len(engine.tokenizer)

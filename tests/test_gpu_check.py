@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from bench import gpu_check
+from bench.common import MODELS_DIR
+from jobs.settings import DATA_DIR
 from tests.engine_helpers import single_thread  # noqa: F401 (autouse)
 
 
@@ -38,3 +42,15 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     parts = json.loads(out.read_text())["parts"]
     assert "no such kernel" in parts["kernels"]["error"] and parts["kernels"]["ok"] is False
     assert parts["memory"]["ok"]
+
+
+def test_the_check_imports_nothing_of_the_service():
+    """A GPU machine may have only the engine's dependencies: with the service's settings hidden, the check and
+    every part's benchmark still import, and their checkpoints are where the service's default model is."""
+    hide = ("import sys; sys.modules['pydantic_settings'] = None; "
+            "import bench.gpu_check, bench.mixed, bench.step_overhead; "
+            "print(bench.gpu_check.tiny_model.__module__)")
+    done = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "bench.common"
+    assert MODELS_DIR == DATA_DIR / "models"
