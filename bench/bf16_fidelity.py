@@ -37,7 +37,7 @@ from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.model_runner import Step
+from engine.model.model_runner import Step
 
 # label -> (first side, second side)
 PAIRS = {"ours_vs_hf16": ("ours_bf16", "hf_bf16"), "ours_vs_hf32": ("ours_bf16", "hf_fp32"),

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from jobs.schemas import JobIn
 from jobs.settings import Settings
-from worker.backend import start_engine
 from worker.bridge import Bridge
+from worker.engine_factory import start_engine
 from worker.outcome import Outcome
 from worker.tasks import RUN_BY_KIND
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from engine.llm_engine import LLMEngine
 from jobs.settings import Settings
-from worker.backend import engine_config
+from worker.engine_factory import engine_config
 
 log = logging.getLogger(__name__)
 

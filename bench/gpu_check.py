@@ -40,10 +40,10 @@ import torch
 from bench import engine_vs_hf, gpu_e2e, gpu_kernels, mixed, step_overhead
 from bench.common import tiny_model
 from engine.config import EngineConfig, model_dtype
-from engine.cuda_graphs import PieceGraphs
 from engine.hf_backend import HFEngine
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.model.cuda_graphs import PieceGraphs
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,

@@ -300,7 +300,7 @@ def run(checkpoint: Path | None) -> dict:
     return {
         "device": torch.cuda.get_device_name(),
         "model": {"shape": "Qwen3-32B", **QWEN3_32B, "dtype": "bfloat16", "weights": "random N(0, 0.02)"},
-        "weights_route": "safetensors files" if checkpoint is not None else "in memory through engine.loader",
+        "weights_route": "safetensors files" if checkpoint is not None else "in memory through engine.model.loader",
         "checkpoint_write_s": write_s,
         "engine_build_s": build_s,
         "engine_config": {k: v for k, v in asdict(llm.config).items() if k != "model"},

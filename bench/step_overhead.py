@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import engine.model_runner as model_runner
+import engine.model.model_runner as model_runner
 from bench.common import report, tiny_model
 from engine.config import EngineConfig
 from engine.interface import Request, SamplingParams

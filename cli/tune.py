@@ -17,12 +17,12 @@ from datetime import UTC, datetime
 
 from tqdm import tqdm
 
-from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import DEFAULT_BATCH_PRIORITY, JobIn
 from jobs.settings import Settings
-from worker.backend import engine_config
 from worker.bridge import Bridge
+from worker.engine_factory import engine_config
 from worker.tasks import RUN_BY_KIND
 
 MEMORY_CEILING = 0.9

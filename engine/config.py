@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention_policy import parse_policy
+from engine.model.attention_policy import parse_policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -41,9 +41,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # tokens in one step, decodes and prefill chunks together
     prefill_chunk_size: int = 1024  # the most prompt tokens of one sequence prefilled in a step
     # Priority points a waiting request gains per second (counted from its arrival: the job's creation, when
-    # the worker submits it), so low-priority work is never starved forever; see engine.scheduler.
+    # the worker submits it), so low-priority work is never starved forever; see engine.core.scheduler.
     ageing_rate: float = 0.05
-    # Latency targets (engine.scheduler). Requests of at least this priority are interactive: a person waits on
+    # Latency targets (engine.core.scheduler). Requests of at least this priority are interactive: a person waits on
     # each token. A step that carries interactive work takes at most `interactive_slowdown` times what that work
     # alone would take; bulk work fills the rest. `interactive_tpot` / `interactive_ttft` (seconds, 0: off)
     # replace the slowdown with absolute targets for steps that decode / prefill interactive requests.
@@ -65,9 +65,9 @@ class EngineConfig:
     length_window: float = 30.0
     attention_backend: str = "auto"  # "auto" (triton on CUDA when available, else torch) | "torch" | "triton"
     # CPU: decoding sequences also keep dense K/V rows (up to the KV budget again), so decode attention
-    # reads views instead of gathering every block at every layer (see engine.dense_decode)
+    # reads views instead of gathering every block at every layer (see engine.model.dense_decode)
     dense_decode: bool = True
-    # CUDA: replay steps of up to 512 tokens from CUDA graphs (engine.cuda_graphs); whole decode steps, attention
+    # CUDA: replay steps of up to 512 tokens from CUDA graphs (engine.model.cuda_graphs); whole decode steps, attention
     # included, need a backend that does not sync the host
     cuda_graphs: bool = True
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
@@ -76,10 +76,10 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     host_cache_memory: int = 1 << 30  # bytes of host memory for blocks evicted from the prefix cache; 0: none
     # "auto" (the model's dtype) | "fp8" / "fp8_e4m3": half the KV bytes of bf16, with per-head scales fixed by
-    # each layer's first K/V (see engine.kv_cache)
+    # each layer's first K/V (see engine.core.kv_cache)
     kv_cache_dtype: str = "auto"
     # which keys full-attention layers see: "dense" | "sliding:W" | "streaming:W:S" | "strided:L:S"
-    # (see engine.attention_policy)
+    # (see engine.model.attention_policy)
     attention_policy: str = "dense"
 
     def __post_init__(self) -> None:

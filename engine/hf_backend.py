@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from engine.config import model_dtype
+from engine.core.output_text import finish_text, think_ids
 from engine.interface import Completion, Request, RequestError, Timings
-from engine.text import finish_text, think_ids
 
 
 class _Clock(LogitsProcessor):

@@ -1,8 +1,8 @@
 """What a backend takes in and gives back: the contract between the worker and any engine.
 
 Both backends (the `hf` reference and our own `LLMEngine`) implement `StepEngine`. An `EngineRunner` drives one
-from a loop of its own and hands out futures: `engine.engine_thread.EngineThread` (a thread of this process)
-or `engine.engine_process.EngineProcess` (a process of its own).
+from a loop of its own and hands out futures: `engine.runtime.engine_thread.EngineThread` (a thread of this process)
+or `engine.runtime.engine_process.EngineProcess` (a process of its own).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class RequestError(ValueError):
 
 
 class StepEngine(Protocol):
-    """A model plus its scheduler, driven from a single thread (see `engine.engine_thread.EngineThread`)."""
+    """A model plus its scheduler, driven from a single thread (see `engine.runtime.engine_thread.EngineThread`)."""
 
     tokenizer: object
     max_model_len: int

@@ -8,23 +8,23 @@ from collections.abc import Iterable
 import torch
 from transformers import AutoTokenizer
 
-from engine.block_key import extend_keys
-from engine.block_manager import BlockManager, BlockPool
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, PieceGraphs
-from engine.dense_decode import DenseDecodeKV
-from engine.host_cache import HostCache
+from engine.core.block_key import extend_keys
+from engine.core.block_manager import BlockManager, BlockPool
+from engine.core.host_cache import HostCache
+from engine.core.kv_cache import KVCache, growth_plan
+from engine.core.output_text import finish_text, stops_hit, think_ids
+from engine.core.prefix_cache import PrefixCache
+from engine.core.scheduler import Scheduler, work_of
+from engine.core.sequence import Sequence
 from engine.interface import Completion, Request, RequestError
-from engine.kv_cache import KVCache, growth_plan
-from engine.kv_plan import plan_kv
-from engine.loader import load_model, read_eos_ids, read_shape
-from engine.memory import weights_bytes
-from engine.model_runner import ModelRunner
-from engine.prefix_cache import PrefixCache
-from engine.profile import largest_step
-from engine.scheduler import Scheduler, work_of
-from engine.sequence import Sequence
-from engine.text import finish_text, stops_hit, think_ids
+from engine.model.activations import largest_step
+from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
+from engine.model.dense_decode import DenseDecodeKV
+from engine.model.kv_plan import plan_kv
+from engine.model.loader import load_model, read_eos_ids, read_shape
+from engine.model.memory import weights_bytes
+from engine.model.model_runner import ModelRunner
 from kernels.dispatch import select_ops
 
 
@@ -57,7 +57,7 @@ class LLMEngine:
             plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device, self.activation_bytes)
         self.plan = plan
         self.windows = plan.windows
-        # each pool's K and V per layer are its segments: growth copies one at a time (engine.kv_cache)
+        # each pool's K and V per layer are its segments: growth copies one at a time (engine.core.kv_cache)
         sizes = [growth_plan(min(config.initial_blocks, m), m, 2 * n) for n, m in zip(plan.layers, plan.max_blocks,
                                                                                       strict=True)]
         caches = [KVCache(n, s[0], config.block_size, shape.num_kv_heads, shape.head_dim, cache_dtype, self.device)

@@ -18,7 +18,7 @@ from kernels.rms_norm import rms_norm_ref
 
 @dataclass(frozen=True)
 class Yarn:
-    """YaRN context extension, its defaults already resolved from config.json (`engine.loader`)."""
+    """YaRN context extension, its defaults already resolved from config.json (`engine.model.loader`)."""
 
     factor: float
     original_max_positions: int

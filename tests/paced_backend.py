@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from engine.core.sequence import Sequence
 from engine.interface import Completion, Request
 from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence
 from jobs.settings import Settings
-from worker.backend import engine_config
+from worker.engine_factory import engine_config
 
 STEP_S = 0.03
 

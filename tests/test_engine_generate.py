@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.cuda_graphs import PieceGraphs
-from engine.engine_thread import EngineThread
 from engine.interface import Request, RequestError, SamplingParams
+from engine.model.cuda_graphs import PieceGraphs
+from engine.runtime.engine_thread import EngineThread
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,
@@ -202,8 +202,8 @@ def test_bfloat16_on_cpu(tiny_model):
 
 
 def test_dense_rows_grow_geometrically_up_to_the_context():
-    from engine.dense_decode import DenseDecodeKV
-    from engine.kv_cache import KVCache
+    from engine.core.kv_cache import KVCache
+    from engine.model.dense_decode import DenseDecodeKV
 
     cache = KVCache(2, 4, 16, 2, 8, torch.float32, torch.device("cpu"))
     per_token = 2 * 2 * 2 * 8 * 4

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.block_manager import table_tensor
+from engine.core.block_manager import table_tensor
+from engine.core.output_text import cut_at_stop, finish_text, stop_ends, stop_window, stops_hit
 from engine.interface import Request, SamplingParams
-from engine.sampler import penalize, sample, seeded_uniforms
-from engine.text import cut_at_stop, finish_text, stop_ends, stop_window, stops_hit
+from engine.model.sampler import penalize, sample, seeded_uniforms
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,
@@ -109,7 +109,7 @@ def test_a_seeded_row_draws_its_next_token_from_its_count_of_draws():
 
 
 def test_loop_gap_percentiles_come_back_within_a_bucket():
-    from engine.loop_gaps import PER_DOUBLING, LoopGaps
+    from engine.runtime.loop_gaps import PER_DOUBLING, LoopGaps
 
     gaps = LoopGaps()
     assert gaps.percentile(0.95) == 0.0
@@ -124,7 +124,7 @@ def test_loop_gap_percentiles_come_back_within_a_bucket():
 
 
 def test_the_engine_thread_measures_gaps_only_between_back_to_back_steps(tiny_model):
-    from engine.engine_thread import EngineThread
+    from engine.runtime.engine_thread import EngineThread
 
     thread = EngineThread(make_engine(tiny_model))
     try:
@@ -138,7 +138,7 @@ def test_the_engine_thread_measures_gaps_only_between_back_to_back_steps(tiny_mo
 
 
 def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
-    from engine.model_runner import split_copy
+    from engine.model.model_runner import split_copy
 
     tensors = [torch.tensor([5, 6, 7]), torch.arange(4).view(2, 2), torch.tensor([[1, -1], [2, 3]], dtype=torch.int32),
                torch.empty(0, dtype=torch.int64), torch.tensor([2**40])]

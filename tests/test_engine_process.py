@@ -13,11 +13,11 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from engine.engine_process import EngineProcess
-from engine.engine_thread import EngineDead, EngineThread
 from engine.interface import Request, SamplingParams
+from engine.runtime.engine_process import EngineProcess
+from engine.runtime.engine_thread import EngineDead, EngineThread
 from jobs.settings import Settings
-from worker.backend import load_backend
+from worker.engine_factory import load_backend
 
 
 def engine_factory(model) -> functools.partial:
@@ -142,7 +142,7 @@ def test_an_engine_that_cannot_load_says_why(tiny_model):
 PARENT = """
 import sys, time
 from transformers import AutoTokenizer
-from engine.engine_process import EngineProcess
+from engine.runtime.engine_process import EngineProcess
 from tests.test_engine_process import engine_factory
 if __name__ == "__main__":
     runner = EngineProcess(engine_factory(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[1]))

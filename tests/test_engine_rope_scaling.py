@@ -14,7 +14,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from cli.tiny_model import build_tiny_model
 from engine.interface import Request
-from engine.loader import read_shape
+from engine.model.loader import read_shape
 from kernels import qk_norm_rope, torch_ops
 from kernels.qk_norm_rope import rope_tables
 from tests.conftest import QWEN3_TOKENIZER

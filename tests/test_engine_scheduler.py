@@ -6,9 +6,9 @@ import itertools
 import math
 import time
 
+from engine.core.kv_cache import GROWTH
+from engine.core.scheduler import work_of
 from engine.interface import Request
-from engine.kv_cache import GROWTH
-from engine.scheduler import work_of
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,

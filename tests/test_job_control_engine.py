@@ -8,8 +8,8 @@ import time
 from datetime import UTC, datetime
 from itertools import pairwise
 
-from engine.engine_thread import EngineThread
 from engine.interface import Request
+from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import JobIn, Message
 from tests.engine_helpers import greedy, make_engine, prompts, single_thread  # noqa: F401
 from worker.bridge import Bridge

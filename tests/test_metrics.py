@@ -179,8 +179,8 @@ def test_workers_on_one_host_serve_their_registries_on_ports_of_their_own(monkey
 
 def test_every_engine_metric_is_a_stat_our_engine_reports(tiny_model):
     from engine.config import EngineConfig
-    from engine.engine_thread import EngineThread
     from engine.llm_engine import LLMEngine
+    from engine.runtime.engine_thread import EngineThread
     from worker.metrics import ENGINE_STATS
 
     # the worker reads them through the engine thread, which adds its own loop figures

@@ -9,12 +9,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from engine.engine_thread import EngineThread
 from engine.interface import Request, SamplingParams
+from engine.runtime.engine_thread import EngineThread
 from jobs.model_source import ModelNotFound, resolve_model
 from jobs.settings import Settings
 from tests.conftest import API_KEY
-from worker.backend import engine_config, load_backend
+from worker.engine_factory import engine_config, load_backend
 
 REPO = "Owner/Name"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

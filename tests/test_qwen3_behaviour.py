@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from api.batch_input import parse_batch
-from engine.engine_thread import EngineThread
+from engine.core.output_text import finish_text
 from engine.hf_backend import HFEngine, _ThinkingBudget
 from engine.interface import Completion, Request, SamplingParams
-from engine.sampler import penalize, sample
-from engine.text import finish_text
+from engine.model.sampler import penalize, sample
+from engine.runtime.engine_thread import EngineThread
 from jobs.chat import chat_for, encode_chat, split_reasoning, thinking_of
 from jobs.schemas import JobIn
 from jobs.settings import Settings

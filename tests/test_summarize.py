@@ -6,12 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from engine.engine_thread import EngineThread
+from engine.runtime.engine_thread import EngineThread
 from jobs.chat import chat_for
 from jobs.schemas import JobIn, Message
 from jobs.settings import Settings
-from worker.backend import load_backend
 from worker.bridge import Bridge
+from worker.engine_factory import load_backend
 from worker.outcome import Outcome
 from worker.summarize import plan_chunks, split_turn, summarize
 

@@ -6,7 +6,7 @@ from cli.tune import Trial, recommend, sweep
 from engine.llm_engine import LLMEngine
 from jobs.schemas import JobIn
 from jobs.settings import Settings
-from worker.backend import engine_config
+from worker.engine_factory import engine_config
 from worker.summarize import summarize
 from worker.tasks import RUN_BY_KIND
 

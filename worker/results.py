@@ -26,7 +26,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.interface import Completion
-from jobs.batches import settle_batch
+from jobs.batch_settle import settle_batch
 from jobs.clock import db_now
 from jobs.db import insert_ignore
 from jobs.schemas import JobIn, JobStatus

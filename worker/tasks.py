@@ -19,7 +19,7 @@ from celery.signals import worker_init, worker_shutdown
 from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.engine_thread import EngineDead
+from engine.runtime.engine_thread import EngineDead
 from jobs.broker import CANCEL_COMMAND, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
@@ -30,9 +30,9 @@ from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
 from worker import results
-from worker.backend import start_engine
 from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
+from worker.engine_factory import start_engine
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.outcome import LEASE_LOST, Outcome

@@ -27,7 +27,7 @@ from api.deps import V1_ERRORS, Caller, CeleryDep, SessionDep, SessionsDep, Sett
 from api.openai_objects import chat_completion
 from api.paging import list_of, page
 from api.prompt_check import PromptCheck
-from jobs.batches import PENDING, settle_batch
+from jobs.batch_settle import PENDING, settle_batch
 from jobs.broker import broadcast_cancel
 from jobs.db import retry_conflicts
 from jobs.publish import publish

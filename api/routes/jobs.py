@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import V1_ERRORS, Caller, CeleryDep, SessionDep, SessionsDep, SettingsDep, errors, sees
 from api.events import job_events
-from jobs.batches import settle_batch
+from jobs.batch_settle import settle_batch
 from jobs.broker import broadcast_cancel
 from jobs.publish import publish
 from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut

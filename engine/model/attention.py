@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.dense_decode import DenseDecodeKV
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
+from engine.model.dense_decode import DenseDecodeKV
 from kernels.dispatch import Ops
 from kernels.sparse import AttentionPolicy
 

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionBatch, BatchPart, LayerSlot
-from engine.block_manager import TableRows
-from engine.cuda_graphs import DecodeGraphs, PieceGraphs
-from engine.dense_decode import DenseDecodeKV
-from engine.kv_cache import KVCache
-from engine.model import Qwen3ForCausalLM
-from engine.sampler import sample
-from engine.sequence import Sequence
+from engine.core.block_manager import TableRows
+from engine.core.kv_cache import KVCache
+from engine.core.sequence import Sequence
+from engine.model.attention import AttentionBatch, BatchPart, LayerSlot
+from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
+from engine.model.dense_decode import DenseDecodeKV
+from engine.model.qwen3 import Qwen3ForCausalLM
+from engine.model.sampler import sample
 from kernels.dispatch import Ops
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.block_key import BlockKey
-from engine.host_cache import HostCache
+from engine.core.block_key import BlockKey
+from engine.core.host_cache import HostCache
 
 
 class PrefixCache:

@@ -4,7 +4,7 @@ Every forward takes the new tokens of all sequences back to back (`[num_tokens]`
 positions; attention reads and writes the paged KV cache through an `AttentionBatch`. Projections that read
 the same input are fused (q/k/v, gate/up) so each layer is a handful of matrix multiplies; the loader fills
 the fused weights shard by shard from the checkpoint's separate tensors. The forward is a chain of pieces,
-each everything between two attentions, so that CUDA graphs can replay the pieces (engine.cuda_graphs).
+each everything between two attentions, so that CUDA graphs can replay the pieces (engine.model.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBatch
+from engine.model.attention import AttentionBatch
 from kernels.dispatch import Ops
 from kernels.qk_norm_rope import Yarn, rope_tables
 
@@ -178,7 +178,7 @@ class Qwen3Model(nn.Module):
     def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope) -> QKV | torch.Tensor:
         """Everything between attention i-1 and attention i: from the token ids (i = 0) or attention i-1's
         output with its residual, to layer i's q/k/v with the residual, or the final hidden states (i = L).
-        A piece's work depends only on its token count, so CUDA graphs can capture it (engine.cuda_graphs)."""
+        A piece's work depends only on its token count, so CUDA graphs can capture it (engine.model.cuda_graphs)."""
         if i == 0:
             x = self.embed_tokens(x)
         else:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import LayerSlot
-from engine.attention_policy import layer_policies, parse_policy, ring_window
-from engine.block_manager import blocks_per_seq
 from engine.config import EngineConfig
-from engine.memory import kv_budget, split_budget
-from engine.model import ModelShape
+from engine.core.block_manager import blocks_per_seq
+from engine.model.attention import LayerSlot
+from engine.model.attention_policy import layer_policies, parse_policy, ring_window
+from engine.model.memory import kv_budget, split_budget
+from engine.model.qwen3 import ModelShape
 from kernels.sparse import AttentionPolicy
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model import MergedLinear, ModelShape, Qwen3ForCausalLM
+from engine.model.qwen3 import MergedLinear, ModelShape, Qwen3ForCausalLM
 from kernels.dispatch import Ops
 from kernels.qk_norm_rope import Yarn
 

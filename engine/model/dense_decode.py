@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from engine.block_manager import table_tensor
-from engine.kv_cache import GROWTH, KVCache
-from engine.sequence import Sequence, Status
+from engine.core.block_manager import table_tensor
+from engine.core.kv_cache import GROWTH, KVCache
+from engine.core.sequence import Sequence, Status
 from kernels.torch_ops import decode_attention, gather_blocks
 
 LENGTH_ALIGN = 64

@@ -32,7 +32,7 @@ SORT_WHOLE_ROW = 512
 
 
 class Row(Protocol):
-    """What sampling needs of a sequence (`engine.sequence.Sequence`)."""
+    """What sampling needs of a sequence (`engine.core.sequence.Sequence`)."""
 
     params: SamplingParams
     token_ids: list[int]  # prompt, then output so far

@@ -36,10 +36,10 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, Status
-from engine.step_cost import StepCost, Work
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, Status
+from engine.core.step_cost import StepCost, Work
 
 
 @dataclass

@@ -13,11 +13,11 @@ import math
 
 import torch
 
-from engine.attention import AttentionBatch, BatchPart
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.kv_plan import KVPlan
-from engine.model import Qwen3ForCausalLM
+from engine.core.kv_cache import KVCache
+from engine.model.attention import AttentionBatch, BatchPart
+from engine.model.kv_plan import KVPlan
+from engine.model.qwen3 import Qwen3ForCausalLM
 from kernels.dispatch import Ops
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBatch, BatchPart, LayerSlot
-from engine.kv_cache import KVCache
-from engine.model import Qwen3ForCausalLM, Rope
+from engine.core.kv_cache import KVCache
+from engine.model.attention import AttentionBatch, BatchPart, LayerSlot
+from engine.model.qwen3 import Qwen3ForCausalLM, Rope
 from kernels.dispatch import Ops
 
 # the largest step `PieceGraphs` takes: beyond it a step's arithmetic outweighs its launches

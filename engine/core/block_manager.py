@@ -23,10 +23,10 @@ from collections import deque
 import numpy as np
 import torch
 
-from engine.block_key import extend_keys
-from engine.kv_cache import KVCache
-from engine.prefix_cache import PrefixCache
-from engine.sequence import Sequence
+from engine.core.block_key import extend_keys
+from engine.core.kv_cache import KVCache
+from engine.core.prefix_cache import PrefixCache
+from engine.core.sequence import Sequence
 
 
 class BlockPool:

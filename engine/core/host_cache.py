@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.block_key import BlockKey
-from engine.kv_cache import KVCache
+from engine.core.block_key import BlockKey
+from engine.core.kv_cache import KVCache
 
 
 class HostCache:

@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from engine.interface import Completion, Request, RequestError, StepEngine, Timings
-from engine.loop_gaps import LoopGaps
+from engine.runtime.loop_gaps import LoopGaps
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.engine_process import EngineProcess
-from engine.engine_thread import EngineDead, EngineThread
 from engine.interface import EngineRunner, StepEngine
+from engine.runtime.engine_process import EngineProcess
+from engine.runtime.engine_thread import EngineDead, EngineThread
 from jobs.model_source import resolve_model
 from jobs.settings import Settings
 

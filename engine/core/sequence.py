@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from engine.block_key import BlockKey
+from engine.core.block_key import BlockKey
+from engine.core.output_text import stop_ends, stop_window
 from engine.interface import Request, Timings
-from engine.text import stop_ends, stop_window
 
 
 class Status(Enum):
