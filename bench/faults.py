@@ -20,8 +20,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from engine.llm_engine import LLMEngine
-from jobs.settings import Settings
-from worker.engine_factory import engine_config
+from worker.engine_factory import WorkerSettings, engine_config
 
 log = logging.getLogger(__name__)
 
@@ -45,4 +44,4 @@ def lose_replies(every: int) -> None:
 
 def lost_replies(model: str, device: str, dtype: str) -> LLMEngine:
     lose_replies(int(os.environ.get("CONVOQ_LOST_REPLY_EVERY", "5")))
-    return LLMEngine(engine_config(Settings(model=model, device=device, dtype=dtype)))
+    return LLMEngine(engine_config(WorkerSettings(model=model, device=device, dtype=dtype)))

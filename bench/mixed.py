@@ -55,7 +55,8 @@ def planned(rng: random.Random, tag: str, count: int, prompt: tuple[int, int], o
         return [rng.randrange(len(SPECIAL_TOKENS), VOCAB) for _ in range(n)]
 
     return [Planned(Request(f"{tag}{i}", ids(rng.randint(*prompt)),
-                            SamplingParams(max_new_tokens=rng.randint(*output), ignore_eos=True), priority),
+                            SamplingParams(max_new_tokens=rng.randint(*output), ignore_eos=True), priority,
+                            interactive=priority == CHAT_PRIORITY),
                     start + i * every) for i in range(count)]
 
 

@@ -44,9 +44,10 @@ def worker(
     import os
 
     from jobs.broker import worker_node_name
+    from worker.engine_factory import WorkerSettings
     from worker.tasks import worker_app
 
-    settings = get_settings()
+    settings = WorkerSettings()
     worker_app(settings).worker_main([
         "worker",
         "--pool=threads",
@@ -140,7 +141,7 @@ def report(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--since") from exc
     settings = get_settings()
-    typer.echo(str(write_report(settings.database_url.get_secret_value(), start, out, settings.interactive_priority)))
+    typer.echo(str(write_report(settings, start, out)))
 
 
 @app.command()
@@ -153,8 +154,9 @@ def tune(
 ) -> None:
     """Sweep the engine's batch limits on real jobs; print throughput, latency, memory and the settings to use."""
     from cli.tune import recommend, sample_from_database, sample_from_file, sweep
+    from worker.engine_factory import WorkerSettings
 
-    settings = get_settings()
+    settings = WorkerSettings()
     sampled = sample_from_file(str(jobs), sample) if jobs else sample_from_database(settings.database_url.get_secret_value(), sample)
     if not sampled:
         typer.echo("no jobs to replay: pass --jobs FILE or run some jobs first", err=True)

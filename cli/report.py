@@ -23,7 +23,9 @@ from sqlalchemy.orm import Session
 
 from cli.spans import parse_span
 from jobs.db import make_db_engine, make_sessions
+from jobs.queues import is_interactive
 from jobs.schemas import JobStatus
+from jobs.settings import Settings
 from jobs.tables import Job, Result, Timing, as_utc
 
 BUCKET_WIDTHS = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)  # seconds
@@ -167,21 +169,21 @@ def throughput_plot(jobs: Finished, buckets: Buckets) -> str:
     return png(fig)
 
 
-def interactive_vs_bulk_plot(jobs: Finished, buckets: Buckets, interactive_priority: int) -> str:
+def interactive_vs_bulk_plot(jobs: Finished, buckets: Buckets, settings: Settings) -> str:
     """The trade-off the scheduler makes, on one time axis: what urgent jobs wait, what bulk work gets done."""
     fig = Figure(figsize=(12, 5), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
-    urgent = jobs.priority >= interactive_priority
+    urgent = is_interactive(jobs.priority, settings)
     for q, style in ((50, "o-"), (95, "s--")):
         values = buckets.apply(jobs.end_to_end, lambda v, q=q: np.percentile(v, q), urgent)
         top.plot(buckets.centers, values, style, markersize=3, color="tab:red", label=f"p{q}")
-    top.set_ylabel(f"priority >= {interactive_priority}:\nend-to-end (s)")
+    top.set_ylabel(f"priority >= {settings.interactive_priority}:\nend-to-end (s)")
     top.set_ylim(bottom=0)
     top.legend(fontsize="small", loc="upper left")
     top.grid(alpha=0.3)
     tokens_per_s = np.nan_to_num(buckets.apply(jobs.output_tokens, np.sum, ~urgent)) / buckets.width
     bottom.plot(buckets.centers, tokens_per_s, marker="o", markersize=3, color="tab:green")
-    bottom.set_ylabel(f"priority < {interactive_priority}:\noutput tokens / s")
+    bottom.set_ylabel(f"priority < {settings.interactive_priority}:\noutput tokens / s")
     bottom.set_ylim(bottom=0)
     time_axis(bottom, buckets)
     fig.suptitle("Interactive latency against bulk throughput")
@@ -282,7 +284,7 @@ def image(data: str, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def finished_sections(jobs: Finished, interactive_priority: int) -> list[str]:
+def finished_sections(jobs: Finished, settings: Settings) -> list[str]:
     buckets = Buckets.over(jobs.at)
     header = ["priority", "succeeded", "p50 end-to-end (s)", "p95 end-to-end (s)", "p99 end-to-end (s)",
               "p50 queue wait (s)", "p50 time to first token (s)", "mean batch size", "prompt tokens reused (%)",
@@ -293,7 +295,7 @@ def finished_sections(jobs: Finished, interactive_priority: int) -> list[str]:
                 image(latency_plot(jobs, buckets), "latency percentiles by priority")),
         section("throughput", "Throughput", image(throughput_plot(jobs, buckets), "throughput")),
         section("interactive-vs-bulk", "Interactive latency against bulk throughput",
-                image(interactive_vs_bulk_plot(jobs, buckets, interactive_priority),
+                image(interactive_vs_bulk_plot(jobs, buckets, settings),
                       "interactive latency and bulk throughput over time")),
         section("wait-vs-compute", "Queue wait vs compute",
                 image(wait_vs_compute_plot(jobs), "queue wait vs compute by priority")),
@@ -303,26 +305,27 @@ def finished_sections(jobs: Finished, interactive_priority: int) -> list[str]:
 
 
 def render(statuses: dict[str, int], jobs: Finished, since: datetime, now: datetime,
-           interactive_priority: int = 7) -> str:
+           settings: Settings) -> str:
     window = f"{since:%Y-%m-%d %H:%M} to {now:%Y-%m-%d %H:%M} UTC"
     if not statuses:
         parts = [f'<p class="empty">No jobs were created from {window}: nothing to report.</p>']
     else:
         parts = [section("statuses", "Jobs by status", status_table(statuses))]
-        parts += finished_sections(jobs, interactive_priority) if len(jobs) else [NOTHING_FINISHED]
+        parts += finished_sections(jobs, settings) if len(jobs) else [NOTHING_FINISHED]
     return PAGE.format(window=window, generated=f"{now:%Y-%m-%d %H:%M:%S}", body="\n".join(parts))
 
 
-def write_report(database_url: str, since: datetime, out: Path, interactive_priority: int = 7) -> Path:
-    """The page for the jobs created since `since`; jobs of `interactive_priority` and above are interactive."""
+def write_report(settings: Settings, since: datetime, out: Path) -> Path:
+    """The page for the jobs created since `since` in the database of `settings`, which also say which jobs are
+    interactive."""
     now = datetime.now(UTC)
-    engine = make_db_engine(database_url, pool_size=1)
+    engine = make_db_engine(settings.database_url.get_secret_value(), pool_size=1)
     try:
         with make_sessions(engine)() as session:
             statuses, jobs = load(session, since)
     finally:
         engine.dispose()
-    out.write_text(render(statuses, jobs, since, now, interactive_priority), encoding="utf-8")
+    out.write_text(render(statuses, jobs, since, now, settings), encoding="utf-8")
     return out
 
 

@@ -31,7 +31,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face Qwen3 folder: config.json, *.safetensors, tokenizer files
-    device: str = "cpu"
+    device: str = "auto"  # "auto": CUDA when available, else the CPU
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "float32" | "bfloat16" | "float16"
     block_size: int = 16  # tokens per KV block
     # The KV pool's ceiling: bytes if > 1, else a fraction of the device memory free once the weights are loaded.
@@ -43,14 +43,13 @@ class EngineConfig:
     # Priority points a waiting request gains per second (counted from its arrival: the job's creation, when
     # the worker submits it), so low-priority work is never starved forever; see engine.core.scheduler.
     ageing_rate: float = 0.05
-    # Latency targets (engine.core.scheduler). Requests of at least this priority are interactive: a person waits on
-    # each token. A step that carries interactive work takes at most `interactive_slowdown` times what that work
-    # alone would take; bulk work fills the rest. `interactive_tpot` / `interactive_ttft` (seconds, 0: off)
-    # replace the slowdown with absolute targets for steps that decode / prefill interactive requests.
-    interactive_priority: int = 7
+    # Latency targets (engine.core.scheduler) for interactive requests (`Request.interactive`: a person waits on
+    # each token). A step that carries interactive work takes at most `interactive_slowdown` times what that work
+    # alone would take; bulk work fills the rest. `interactive_tpot_ms` / `interactive_ttft_ms` (0: off) replace
+    # the slowdown with absolute targets for steps that decode / prefill interactive requests.
     interactive_slowdown: float = 1.5
-    interactive_tpot: float = 0.0
-    interactive_ttft: float = 0.0
+    interactive_tpot_ms: float = 0.0
+    interactive_ttft_ms: float = 0.0
     # For `interactive_window` seconds after an interactive request arrived, steps without interactive work are
     # sized so that their fixed cost is at least `bulk_step_overhead` of them: bulk gives up about that share of
     # its throughput so that an urgent newcomer waits at most fixed cost / overhead for the step in flight.
@@ -83,16 +82,22 @@ class EngineConfig:
     attention_policy: str = "dense"
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.kv_cache_memory <= 0 or self.max_num_seqs < 1 or self.host_cache_memory < 0:
+            raise ValueError("kv_cache_memory must be positive, max_num_seqs at least 1, host_cache_memory not negative")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every running sequence can decode")
         if self.prefill_chunk_size < 1 or self.block_size < 1 or self.initial_blocks < 1:
             raise ValueError("prefill_chunk_size, block_size and initial_blocks must be positive")
-        if self.length_window <= 0 or self.host_cache_memory < 0:
-            raise ValueError("length_window must be positive and host_cache_memory not negative")
+        if self.length_window <= 0:
+            raise ValueError("length_window must be positive")
         if self.interactive_slowdown < 1 or not 0 < self.bulk_step_overhead < 1 or self.max_preemptions < 0:
             raise ValueError("interactive_slowdown must be >= 1, bulk_step_overhead in (0, 1), max_preemptions >= 0")
-        if self.interactive_tpot < 0 or self.interactive_ttft < 0 or self.interactive_window < 0:
-            raise ValueError("interactive_tpot, interactive_ttft and interactive_window must not be negative")
+        if self.interactive_tpot_ms < 0 or self.interactive_ttft_ms < 0 or self.interactive_window < 0:
+            raise ValueError("interactive_tpot_ms, interactive_ttft_ms and interactive_window must not be negative")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected 'auto' or one of {sorted(DTYPES)}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
         # both raise on a value they do not know

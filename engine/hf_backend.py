@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from engine.config import model_dtype
 from engine.core.output_text import finish_text, think_ids
-from engine.interface import Completion, Request, RequestError, Timings
+from engine.interface import Completion, Request, RequestError, Timings, token_limit
 
 
 class _Clock(LogitsProcessor):
@@ -91,7 +91,7 @@ class HFEngine:
             if request.request_id == request_id:
                 self._waiting.pop(i)
                 heapq.heapify(self._waiting)
-                return Completion(request_id, [], "", len(request.prompt_ids), "cancelled")
+                return Completion.empty(request_id, len(request.prompt_ids), "cancelled")
         return None
 
     def partial(self, request_id: str, at_least: int) -> list[int] | None:
@@ -109,7 +109,8 @@ class HFEngine:
         clock = _Clock()
         s = batch[0].sampling
         longest = max(len(r.prompt_ids) for r in batch)
-        budget = [min(r.sampling.max_new_tokens, self.max_model_len - len(r.prompt_ids)) for r in batch]
+        budget = [token_limit(len(r.prompt_ids), r.sampling.max_new_tokens, self.max_model_len) - len(r.prompt_ids)
+                  for r in batch]
         input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for i, r in enumerate(batch):

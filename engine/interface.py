@@ -30,12 +30,24 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks generate exactly max_new_tokens
 
 
+TokensCallback = Callable[[list[int]], None]  # handed a request's output so far as it grows
+
+
+def token_limit(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> int:
+    """The most tokens a request ever holds, prompt included: its output ends at `max_new_tokens` or at the
+    model's context, whichever comes first."""
+    return min(prompt_tokens + max_new_tokens, max_model_len)
+
+
 @dataclass
 class Request:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     priority: int = 0  # 0..9, 9 is the most urgent
+    # a person waits on its tokens: the engine keeps it within latency targets and lets it pre-empt bulk work
+    # (the service decides which requests are, `jobs.queues.is_interactive`)
+    interactive: bool = False
     conversation_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     # on the same clock as `arrival`: unfinished by then, the request is stopped (`expired`, its text kept);
@@ -72,6 +84,12 @@ class Completion:
     @property
     def ok(self) -> bool:
         return self.finish_reason in ("stop", "length")
+
+    @classmethod
+    def empty(cls, request_id: str, prompt_tokens: int, finish_reason: str, error: str | None = None,
+              retryable: bool = False) -> Completion:
+        """A request that ended without generating anything (refused, expired or stopped before it ran)."""
+        return cls(request_id, [], "", prompt_tokens, finish_reason, error, Timings(), retryable)
 
 
 class RequestError(ValueError):
@@ -114,7 +132,7 @@ class EngineRunner(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def submit(self, request: Request, on_tokens: Callable[[list[int]], None] | None = None) -> Future[Completion]:
+    def submit(self, request: Request, on_tokens: TokensCallback | None = None) -> Future[Completion]:
         """Queue a request; its future resolves with its completion, or fails with `EngineDead`. `on_tokens`
         is handed the output so far as it grows."""
 

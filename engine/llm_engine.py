@@ -17,7 +17,7 @@ from engine.core.output_text import finish_text, stops_hit, think_ids
 from engine.core.prefix_cache import PrefixCache
 from engine.core.scheduler import Scheduler, work_of
 from engine.core.sequence import Sequence
-from engine.interface import Completion, Request, RequestError
+from engine.interface import Completion, Request, RequestError, token_limit
 from engine.model.activations import largest_step
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.dense_decode import DenseDecodeKV
@@ -106,7 +106,7 @@ class LLMEngine:
             raise RequestError(f"invalid sampling parameters {p}")
         if p.max_thinking_tokens is not None and self.think_ids is None:
             raise RequestError("max_thinking_tokens needs a thinking model; this tokenizer has no <think> tokens")
-        longest = min(n + p.max_new_tokens, self.max_model_len)
+        longest = token_limit(n, p.max_new_tokens, self.max_model_len)
         needed = self.plan.blocks_per_seq(self.config.block_size, longest)
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:

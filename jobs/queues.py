@@ -12,7 +12,13 @@ def broker_priority(priority: int) -> int:
     return 9 - priority
 
 
+def is_interactive(priority: int, settings: Settings) -> bool:
+    """Whether a person waits on a job of this priority: the one line between interactive and bulk work, drawn
+    here for every stage (its queue, the worker's threads, the engine's latency targets, the report)."""
+    return priority >= settings.interactive_priority
+
+
 def queue_for(priority: int, settings: Settings) -> str:
-    """Interactive jobs (a person waits on them) and bulk jobs travel apart, so that a worker full of bulk work
-    still fetches the next interactive message (see `worker.bulk_gate`); the engine draws the same line."""
-    return settings.interactive_queue if priority >= settings.interactive_priority else settings.bulk_queue
+    """Interactive jobs and bulk jobs travel apart, so that a worker full of bulk work still fetches the next
+    interactive message (see `worker.bulk_gate`)."""
+    return settings.interactive_queue if is_interactive(priority, settings) else settings.bulk_queue

@@ -82,24 +82,15 @@ class Settings(BaseSettings):
     model: str = str(DATA_DIR / "models" / "tiny")
     # `engine` (ours), `hf` (transformers' generate, the reference), or `package.module:factory` for a
     # backend of your own: factory(model, device=..., dtype=...) returning a StepEngine.
+    # The engine's own knobs (device, dtype, KV memory, step limits, latency targets, ...) are `EngineConfig`
+    # fields, read as CONVOQ_<FIELD> by the worker's settings (`worker.engine_factory.WorkerSettings`).
     backend: str = Field("engine", pattern=r"^(hf|engine|[\w.]+:\w+)$")
-    device: str = "auto"  # auto = cuda when available
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = Field(16, ge=1, le=1024)  # `hf`: requests per generate call
-    # `engine`: the KV pool's ceiling (bytes if > 1, else a fraction of free device memory) and step limits
-    kv_cache_memory: float = Field(0.5, gt=0)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(4096, ge=16)
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"  # fp8 halves KV memory (per-head scales)
-    # full-attention layers: "dense" | "sliding:W" | "streaming:W:S" (W + S sink tokens) | "strided:L:S"
-    attention_policy: str = Field("dense", pattern=r"^(dense|sliding:\d+|streaming:\d+:\d+|strided:\d+:\d+)$")
-    enable_prefix_cache: bool = True
     # Sampling fields a job leaves unset: `auto` takes them from the model folder's generation_config.json (Qwen3
     # samples by default: temperature 0.6, top_p 0.95, top_k 20), `none` uses convoq's defaults (greedy).
     generation_config: Literal["auto", "none"] = "auto"
     # Chats that do not say `thinking` let a thinking model reason first (summaries never do unless asked).
     default_thinking: bool = False
-    host_cache_memory: int = Field(2**30, ge=0)  # bytes of host memory for KV blocks evicted from the device
     # The engine (model and step loop) runs in a process of its own, spawned by the worker, so the Python of
     # the worker's Celery threads never holds up a step; false runs it as a thread of the worker process.
     engine_process: bool = True
@@ -116,15 +107,9 @@ class Settings(BaseSettings):
     auth_failures_burst: int = Field(10, ge=1)
     max_request_bytes: int = Field(8 * 2**20, ge=1024)  # one JSON request body
 
-    # Jobs of at least this priority are interactive: a person waits on them. They go to the interactive queue
-    # and get latency targets in the engine; everything else is bulk.
+    # Jobs of at least this priority are interactive: a person waits on them (`jobs.queues.is_interactive`). They
+    # go to the interactive queue and get the engine's latency targets; everything else is bulk.
     interactive_priority: int = Field(7, ge=0, le=9)
-    # The engine keeps interactive work within these targets and gives bulk work the rest: a step carrying
-    # interactive work takes at most `interactive_slowdown` times what that work alone would take, or, when set
-    # (> 0), at most these milliseconds per output token / for a step that prefills an interactive prompt.
-    interactive_slowdown: float = Field(1.5, ge=1.0)
-    interactive_tpot_ms: float = Field(0.0, ge=0)
-    interactive_ttft_ms: float = Field(0.0, ge=0)
     # Bulk jobs may hold at most this share of a worker's threads: the rest stay free for interactive messages.
     bulk_share: float = Field(0.75, gt=0, le=1)
     interactive_queue: str = "convoq.interactive"

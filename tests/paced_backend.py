@@ -9,8 +9,7 @@ from dataclasses import replace
 from engine.core.sequence import Sequence
 from engine.interface import Completion, Request
 from engine.llm_engine import LLMEngine
-from jobs.settings import Settings
-from worker.engine_factory import engine_config
+from worker.engine_factory import WorkerSettings, engine_config
 
 STEP_S = 0.03
 
@@ -26,4 +25,4 @@ class PacedEngine(LLMEngine):
 
 
 def create(model: str, device: str, dtype: str) -> PacedEngine:
-    return PacedEngine(engine_config(Settings(model=model, device=device, dtype=dtype)))
+    return PacedEngine(engine_config(WorkerSettings(model=model, device=device, dtype=dtype)))

@@ -69,7 +69,8 @@ def test_greedy_matches_transformers_while_latency_targets_cut_bulk_work(tiny_mo
     part of the bulk work: bulk rows are left out of steps and prefill chunks are cut, the tokens stay the same."""
     engine = make_engine(tiny_models["tiny"], max_num_seqs=32)
     engine.scheduler.cost = FakeCost()
-    requests = [Request(str(i), ids, greedy(n, ignore_eos=False), priority=9 if i % 3 == 0 else 1)
+    requests = [Request(str(i), ids, greedy(n, ignore_eos=False), priority=9 if i % 3 == 0 else 1,
+                        interactive=i % 3 == 0)
                 for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
     done = run_all(engine, requests)
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny"]

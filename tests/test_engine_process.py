@@ -16,12 +16,11 @@ from transformers import AutoTokenizer
 from engine.interface import Request, SamplingParams
 from engine.runtime.engine_process import EngineProcess
 from engine.runtime.engine_thread import EngineDead, EngineThread
-from jobs.settings import Settings
-from worker.engine_factory import load_backend
+from worker.engine_factory import WorkerSettings, load_backend
 
 
 def engine_factory(model) -> functools.partial:
-    return functools.partial(load_backend, Settings(model=str(model), device="cpu", kv_cache_memory=2**24))
+    return functools.partial(load_backend, WorkerSettings(model=str(model), device="cpu", kv_cache_memory=2**24))
 
 
 def broken_factory():
@@ -64,7 +63,7 @@ def process(tiny_model):
 
 
 def test_completions_and_progress_match_the_engine_in_a_thread(process, tiny_model):
-    thread = EngineThread(load_backend(Settings(model=str(tiny_model), device="cpu", kv_cache_memory=2**24)))
+    thread = EngineThread(load_backend(WorkerSettings(model=str(tiny_model), device="cpu", kv_cache_memory=2**24)))
     try:
         expected = [f.result(60) for f in [thread.submit(r) for r in requests(6)]]
     finally:

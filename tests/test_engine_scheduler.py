@@ -54,7 +54,7 @@ def test_priority_request_preempts_and_finishes_first(tiny_model):
     for _ in range(3):
         assert engine.step() == []
     assert engine.stats()["running"] == 32
-    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(8), priority=9))
+    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(8), priority=9, interactive=True))
     order = list(run_all(engine, []))  # in finishing order
     assert order[0] == "urgent" and len(order) == 33
     assert engine.stats()["preemptions"] >= 1  # every slot was taken: a bulk request made room
@@ -65,7 +65,8 @@ def test_ageing_lets_old_work_go_first_within_its_class_but_never_past_interacti
         engine = make_engine(tiny_model, max_num_seqs=1, ageing_rate=ageing_rate)
         # waited 100 s at priority 0 against a fresh request
         engine.add_request(Request("old", [5] * 10, greedy(2), priority=0, arrival=time.monotonic() - 100))
-        engine.add_request(Request("new", [6] * 10, greedy(2), priority=fresh_priority))
+        engine.add_request(Request("new", [6] * 10, greedy(2), priority=fresh_priority,
+                                   interactive=fresh_priority >= 7))
         engine.step()
         return engine.scheduler.running[0].request_id
 
@@ -155,7 +156,7 @@ def test_steps_with_an_urgent_chat_keep_its_latency_target_and_bulk_fills_the_re
         engine.step()
     # no interactive traffic yet: bulk gets the whole token budget
     assert planned[0][0].prefill_tokens == engine.config.max_num_batched_tokens
-    engine.add_request(Request("chat", prompts(1, 40, 40, seed=9)[0], greedy(12), priority=9))
+    engine.add_request(Request("chat", prompts(1, 40, 40, seed=9)[0], greedy(12), priority=9, interactive=True))
     del planned[:]
     run_until(engine, "chat")
     assert len(planned) == 12  # the chat ran in every step: its prefill and first token, then 11 decodes
@@ -171,13 +172,13 @@ def test_steps_with_an_urgent_chat_keep_its_latency_target_and_bulk_fills_the_re
 
 
 def test_an_absolute_per_token_target_replaces_the_slowdown(tiny_model):
-    engine = make_engine(tiny_model, max_num_seqs=64, interactive_tpot=0.012)
+    engine = make_engine(tiny_model, max_num_seqs=64, interactive_tpot_ms=12)
     cost = engine.scheduler.cost = FakeCost()
     for i, ids in enumerate(prompts(40, 150, 300)):
         engine.add_request(Request(f"bulk{i}", ids, greedy(40), priority=1))
     for _ in range(4):
         engine.step()
-    engine.add_request(Request("chat", prompts(1, 40, 40, seed=9)[0], greedy(6), priority=9))
+    engine.add_request(Request("chat", prompts(1, 40, 40, seed=9)[0], greedy(6), priority=9, interactive=True))
     engine.step()  # its prefill
     planned = record_plans(engine)
     run_until(engine, "chat")
@@ -191,7 +192,7 @@ def test_an_urgent_request_takes_a_slot_from_bulk_but_never_the_reverse(tiny_mod
     for i, ids in enumerate(prompts(2, 40, 60)):
         engine.add_request(Request(f"bulk{i}", ids, greedy(30), priority=1))
     engine.step()
-    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(20), priority=9))
+    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(20), priority=9, interactive=True))
     engine.step()
     running = {s.request_id for s in engine.scheduler.running}
     assert "urgent" in running and len(running) == 2 and engine.stats()["preemptions"] == 1
@@ -207,7 +208,7 @@ def test_no_bulk_sequence_is_preempted_for_a_newcomer_the_step_has_no_time_for(t
     # an interactive decode leaves the step time for fewer prompt tokens than a block holds
     engine.scheduler.cost = FakeCost(per_token=2e-4)
     engine.add_request(Request("bulk", prompts(1, 40, 40)[0], greedy(30), priority=1))
-    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(20), priority=9))
+    engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(20), priority=9, interactive=True))
     engine.step()
     engine.add_request(Request("bulk-high", prompts(1, 30, 30, seed=8)[0], greedy(5), priority=6))
     for _ in range(3):
@@ -221,10 +222,10 @@ def test_a_bulk_sequence_is_not_preempted_again_and_again(tiny_model):
     engine.add_request(Request("bulk", prompts(1, 50, 50)[0], greedy(30), priority=1))
     engine.step()
     for k in range(2):
-        engine.add_request(Request(f"chat{k}", prompts(1, 20, 20, seed=k)[0], greedy(2), priority=9))
+        engine.add_request(Request(f"chat{k}", prompts(1, 20, 20, seed=k)[0], greedy(2), priority=9, interactive=True))
         assert run_until(engine, f"chat{k}") == [f"chat{k}"]  # it took the only slot from bulk at once
         engine.step()  # bulk back in
-    engine.add_request(Request("chat2", prompts(1, 20, 20, seed=2)[0], greedy(2), priority=9))
+    engine.add_request(Request("chat2", prompts(1, 20, 20, seed=2)[0], greedy(2), priority=9, interactive=True))
     finished = run_until(engine, "chat2")
     assert finished == ["bulk", "chat2"]  # pre-empted twice already: the third chat waited for it
     stats = engine.stats()

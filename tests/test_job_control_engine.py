@@ -11,6 +11,7 @@ from itertools import pairwise
 from engine.interface import Request
 from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import JobIn, Message
+from jobs.settings import Settings
 from tests.engine_helpers import greedy, make_engine, prompts, single_thread  # noqa: F401
 from worker.bridge import Bridge
 from worker.summarize import summarize
@@ -70,7 +71,7 @@ def test_within_one_priority_earlier_deadlines_are_admitted_first(tiny_model):
 
 
 def test_stopping_a_run_stops_every_part_of_a_map_reduce_summary(tiny_model):
-    bridge = Bridge(EngineThread(make_engine(tiny_model)), interactive_priority=7)
+    bridge = Bridge(EngineThread(make_engine(tiny_model)), Settings())
     turns = [Message(role="user" if i % 2 == 0 else "assistant", content=f"({i}) the router drops the line "
                      "every evening, the light blinks orange and the port was reset twice") for i in range(200)]
     job = JobIn(kind="summarize", priority=1, messages=turns, sampling={"max_new_tokens": 200})

@@ -14,7 +14,7 @@ from engine.runtime.engine_thread import EngineThread
 from jobs.model_source import ModelNotFound, resolve_model
 from jobs.settings import Settings
 from tests.conftest import API_KEY
-from worker.engine_factory import engine_config, load_backend
+from worker.engine_factory import WorkerSettings, engine_config, load_backend
 
 REPO = "Owner/Name"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -62,7 +62,7 @@ def test_hf_hub_cache_wins_over_hf_home(tmp_path, monkeypatch, hf_home, tiny_mod
 
 
 def test_our_engine_loads_a_hub_id_and_generates(snapshot):
-    settings = Settings(model=REPO, device="cpu")
+    settings = WorkerSettings(model=REPO, device="cpu")
     assert engine_config(settings).model == str(snapshot)
     engine = load_backend(settings)
     thread = EngineThread(engine)
@@ -84,9 +84,9 @@ def recording_backend(model: str, device: str, dtype: str) -> object:
 
 def test_the_other_backends_get_the_folder_too(snapshot):
     seen.clear()
-    load_backend(Settings(model=REPO, device="cpu", backend=f"{__name__}:recording_backend"))
+    load_backend(WorkerSettings(model=REPO, device="cpu", backend=f"{__name__}:recording_backend"))
     assert seen == [str(snapshot)]
-    hf = load_backend(Settings(model=REPO, device="cpu", backend="hf"))
+    hf = load_backend(WorkerSettings(model=REPO, device="cpu", backend="hf"))
     assert hf.max_model_len == 1024
 
 
@@ -111,7 +111,7 @@ def test_a_hub_id_missing_from_the_offline_cache_says_where_it_looked_and_what_t
     assert "Qwen/Qwen3-8B" in message and str(hf_home / "hub") in message
     assert "hf download Qwen/Qwen3-8B" in message and "HF_HUB_OFFLINE" in message
     with pytest.raises(ModelNotFound, match="Qwen/Qwen3-8B"):
-        load_backend(Settings(model="Qwen/Qwen3-8B", device="cpu"))
+        load_backend(WorkerSettings(model="Qwen/Qwen3-8B", device="cpu"))
 
 
 @pytest.mark.parametrize("name", ["not a model", "models/../tiny", "a/b/c", "gpt2"])

@@ -95,7 +95,7 @@ class ScriptedEngine:
 def test_a_thinking_reply_keeps_its_reasoning_apart_and_counts_every_token(tokenizer, thinking):
     script = [THINK, *tokenizer.encode("\nThe customer wants the date.\n"), END_THINK,
               *tokenizer.encode("\n\nTomorrow before noon."), IM_END]
-    bridge = Bridge(EngineThread(ScriptedEngine(tokenizer, script)), interactive_priority=7)
+    bridge = Bridge(EngineThread(ScriptedEngine(tokenizer, script)), Settings())
     try:
         with bridge.run("j1", job(thinking=thinking), datetime.now(UTC)) as run:
             outcome = reply(run)

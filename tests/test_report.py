@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from cli.report import Finished, parse_since, render, write_report
+from jobs.settings import Settings
 from jobs.tables import Job, Result, Timing
 
 NOW = datetime.now(UTC)
@@ -59,7 +60,7 @@ def seed(database: str) -> None:
 
 def test_report_of_a_seeded_database(database, tmp_path):
     seed(database)
-    out = write_report(database, parse_since("1d", NOW), tmp_path / "report.html")
+    out = write_report(Settings(database_url=database), parse_since("1d", NOW), tmp_path / "report.html")
 
     page = out.read_text()
     for anchor in SECTIONS:
@@ -78,13 +79,13 @@ def test_report_of_a_seeded_database(database, tmp_path):
 
 
 def test_report_of_an_empty_window(database, tmp_path):
-    page = write_report(database, parse_since("2h", NOW), tmp_path / "empty.html").read_text()
+    page = write_report(Settings(database_url=database), parse_since("2h", NOW), tmp_path / "empty.html").read_text()
     assert "nothing to report" in page
     assert "<img" not in page
 
 
 def test_report_of_jobs_that_have_not_succeeded_yet():
-    page = render({"queued": 3, "failed": 1}, Finished.from_rows([]), NOW - timedelta(hours=1), NOW)
+    page = render({"queued": 3, "failed": 1}, Finished.from_rows([]), NOW - timedelta(hours=1), NOW, Settings())
     assert "<tr><td>total</td><td>4</td></tr>" in page
     assert "nothing to plot" in page and "<img" not in page
 

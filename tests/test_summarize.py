@@ -9,9 +9,8 @@ import pytest
 from engine.runtime.engine_thread import EngineThread
 from jobs.chat import chat_for
 from jobs.schemas import JobIn, Message
-from jobs.settings import Settings
 from worker.bridge import Bridge
-from worker.engine_factory import load_backend
+from worker.engine_factory import WorkerSettings, load_backend
 from worker.outcome import Outcome
 from worker.summarize import plan_chunks, split_turn, summarize
 
@@ -20,8 +19,8 @@ NOW = datetime.now(UTC)
 
 @pytest.fixture(scope="module", params=["engine", "hf"])
 def bridge(request, tiny_model):
-    settings = Settings(model=str(tiny_model), backend=request.param, device="cpu")
-    b = Bridge(EngineThread(load_backend(settings)), settings.interactive_priority)
+    settings = WorkerSettings(model=str(tiny_model), backend=request.param, device="cpu")
+    b = Bridge(EngineThread(load_backend(settings)), settings)
     yield b
     b.close()
 

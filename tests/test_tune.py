@@ -5,8 +5,7 @@ from __future__ import annotations
 from cli.tune import Trial, recommend, sweep
 from engine.llm_engine import LLMEngine
 from jobs.schemas import JobIn
-from jobs.settings import Settings
-from worker.engine_factory import engine_config
+from worker.engine_factory import WorkerSettings, engine_config
 from worker.summarize import summarize
 from worker.tasks import RUN_BY_KIND
 
@@ -14,7 +13,7 @@ from worker.tasks import RUN_BY_KIND
 def test_sweep_measures_every_setting(tiny_model):
     jobs = [JobIn(messages=[{"role": "user", "content": f"Where is order {i}?"}], sampling={"max_new_tokens": 6})
             for i in range(6)]
-    trials = sweep(Settings(model=str(tiny_model), kv_cache_memory=64 * 2**20, device="cpu"), jobs, [2, 8], [256, 4])
+    trials = sweep(WorkerSettings(model=str(tiny_model), kv_cache_memory=64 * 2**20, device="cpu"), jobs, [2, 8], [256, 4])
     # a token budget below the sequence limit could not decode every sequence: (8, 4) is not tried
     assert [(t.max_num_seqs, t.max_num_batched_tokens) for t in trials] == [(2, 256), (2, 4), (8, 256)]
     for t in trials:
@@ -32,7 +31,7 @@ def test_recommend_takes_the_smallest_setting_on_the_plateau_under_the_memory_ce
 def test_tune_runs_the_engine_the_worker_runs_and_map_reduces_long_transcripts(tiny_model, monkeypatch):
     import cli.tune
 
-    settings = Settings(model=str(tiny_model), device="cpu", kv_cache_memory=64 * 2**20, attention_policy="sliding:256",
+    settings = WorkerSettings(model=str(tiny_model), device="cpu", kv_cache_memory=64 * 2**20, attention_policy="sliding:256",
                         enable_prefix_cache=False, host_cache_memory=0)
     configs = []
     monkeypatch.setattr(cli.tune, "LLMEngine", lambda config: configs.append(config) or LLMEngine(config))

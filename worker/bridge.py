@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
 
-from engine.interface import Completion, EngineRunner, Request
+from engine.interface import Completion, EngineRunner, Request, TokensCallback
 from jobs.chat import Chat, encode_chat, thinking_of
 from jobs.model_source import resolve_model
+from jobs.queues import is_interactive
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import as_utc, utcnow
 from worker.sampling import OURS, sampling_defaults, sampling_params
-
-TokensCallback = Callable[[list[int]], None]
 
 
 def engine_clock(moment: datetime) -> float:
@@ -55,6 +54,7 @@ class JobRun:
         self.deadline = deadline_clock(deadline_at) if deadline_at is not None else None
         self.on_tokens = on_tokens
         self.thinking = thinking_of(job, bridge.default_thinking)
+        self.interactive = is_interactive(job.priority, bridge.settings)
         self.sampling = sampling_params(job, bridge.sampling_defaults)
         self.stopped: str | None = None  # "cancelled" or "expired" once stopped
         self._in_flight: set[str] = set()
@@ -65,19 +65,20 @@ class JobRun:
         return self.bridge.context
 
     def prompt_ids(self, chat: Chat) -> list[int]:
-        return self.bridge.prompt_ids(chat, self.job, self.thinking)
+        return self.bridge.prompt_ids(chat, self.thinking, self.interactive)
 
     def submit(self, part: str | None, prompt_ids: list[int], stream: bool = False) -> Future[Completion]:
         """Run one prompt of the job: `part` None is the job's only request, else the request `JOB:part`.
         With `stream`, the run's `on_tokens` sees its output as it grows."""
         request_id = self.job_id if part is None else f"{self.job_id}:{part}"
         request = Request(request_id=request_id, prompt_ids=prompt_ids, sampling=self.sampling,
-                          priority=self.job.priority, conversation_id=self.job.conversation_id,
+                          priority=self.job.priority, interactive=self.interactive,
+                          conversation_id=self.job.conversation_id,
                           arrival=self.arrival, deadline=self.deadline)
         with self._lock:  # held while handing over, so that a stop never misses a request on its way in
             if self.stopped is not None:
                 future: Future[Completion] = Future()
-                future.set_result(Completion(request_id, [], "", len(prompt_ids), self.stopped))
+                future.set_result(Completion.empty(request_id, len(prompt_ids), self.stopped))
                 return future
             self._in_flight.add(request_id)
             future = self.bridge.runner.submit(request, self.on_tokens if stream else None)
@@ -99,13 +100,12 @@ class JobRun:
 
 
 class Bridge:
-    def __init__(self, runner: EngineRunner, interactive_priority: int, default_thinking: bool = False,
-                 sampling_defaults: dict[str, float] = OURS) -> None:
-        """`default_thinking`: whether chats that do not say reason first; `sampling_defaults`: what sampling
-        fields a job leaves unset become (`worker.sampling`)."""
+    def __init__(self, runner: EngineRunner, settings: Settings, sampling_defaults: dict[str, float] = OURS) -> None:
+        """`settings`: which jobs are interactive, whether chats that do not say reason first;
+        `sampling_defaults`: what sampling fields a job leaves unset become (`worker.sampling`)."""
         self.runner = runner
-        self.interactive_priority = interactive_priority
-        self.default_thinking = default_thinking
+        self.settings = settings
+        self.default_thinking = settings.default_thinking
         self.sampling_defaults = sampling_defaults
         # Bulk jobs render and tokenize their prompts one at a time. A batch starts a hundred of them at once,
         # and that much Python at once would starve everything else in this process of the GIL: an engine
@@ -120,7 +120,7 @@ class Bridge:
         """The bridge a worker runs jobs through: the settings' thinking default, and the sampling defaults of
         CONVOQ_GENERATION_CONFIG for the model it serves."""
         defaults = sampling_defaults(resolve_model(settings.model, weights=False), settings.generation_config)
-        return cls(runner, settings.interactive_priority, settings.default_thinking, defaults)
+        return cls(runner, settings, defaults)
 
     @property
     def tokenizer(self) -> object:
@@ -130,9 +130,9 @@ class Bridge:
     def context(self) -> int:
         return self.runner.max_model_len
 
-    def prompt_ids(self, chat: Chat, job: JobIn, thinking: bool) -> list[int]:
-        """`chat` (a prompt of `job`) as token ids."""
-        with nullcontext() if job.priority >= self.interactive_priority else self._bulk_prompts:
+    def prompt_ids(self, chat: Chat, thinking: bool, interactive: bool) -> list[int]:
+        """`chat` (a prompt of a job) as token ids."""
+        with nullcontext() if interactive else self._bulk_prompts:
             return encode_chat(self.runner.tokenizer, chat, thinking)
 
     @contextmanager

@@ -1,16 +1,21 @@
 """The engine a worker runs, built from settings: the one place settings become an `EngineConfig`.
 
-Every backend gets `settings.model` as a local folder (`jobs.model_source`): a hub id is fetched into the
-Hugging Face cache here, so the engine and custom backends only ever read folders.
+The engine's knobs are declared once, as `EngineConfig` fields; `WorkerSettings` is the service's `Settings` plus
+one `CONVOQ_<FIELD>` setting for each of them (every field but `model`, which the service settings name), with
+the engine's own defaults and the engine's own checks. Every backend gets `settings.model` as a local folder
+(`jobs.model_source`): a hub id is fetched into the Hugging Face cache here, so the engine and custom backends
+only ever read folders.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import fields
 from functools import partial
+from typing import Any, get_type_hints
 
-import torch
+from pydantic import create_model, model_validator
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
@@ -20,43 +25,49 @@ from engine.runtime.engine_thread import EngineDead, EngineThread
 from jobs.model_source import resolve_model
 from jobs.settings import Settings
 
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "model")
 
 
-def engine_config(settings: Settings, **overrides) -> EngineConfig:
+class _CheckedByTheEngine(Settings):
+    @model_validator(mode="after")
+    def _engine_takes_them(self) -> _CheckedByTheEngine:
+        EngineConfig(model="", **engine_options(self))  # raises ValueError naming what it refuses
+        return self
+
+
+def _engine_settings() -> dict[str, Any]:
+    hints = get_type_hints(EngineConfig)
+    return {f.name: (hints[f.name], f.default) for f in fields(EngineConfig) if f.name != "model"}
+
+
+# `Settings` plus every engine knob as `CONVOQ_<FIELD>` (what `convoq worker` and `convoq tune` read)
+WorkerSettings = create_model("WorkerSettings", __base__=_CheckedByTheEngine, __module__=__name__,
+                              **_engine_settings())
+
+
+def engine_options(settings: Settings) -> dict[str, Any]:
+    """The EngineConfig fields `settings` set (a `WorkerSettings` sets them all)."""
+    return {name: getattr(settings, name) for name in ENGINE_FIELDS if hasattr(settings, name)}
+
+
+def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
     """Our engine's configuration for these settings; `overrides` (EngineConfig fields) win, e.g. in `tune`."""
-    values = dict(
-        model=str(resolve_model(settings.model)), device=resolve_device(settings.device), dtype=settings.dtype,
-        kv_cache_memory=settings.kv_cache_memory, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens, kv_cache_dtype=settings.kv_cache_dtype,
-        attention_policy=settings.attention_policy, enable_prefix_cache=settings.enable_prefix_cache,
-        host_cache_memory=settings.host_cache_memory, interactive_priority=settings.interactive_priority,
-        interactive_slowdown=settings.interactive_slowdown, interactive_tpot=settings.interactive_tpot_ms / 1e3,
-        interactive_ttft=settings.interactive_ttft_ms / 1e3,
-    ) | overrides
-    # every running sequence must be able to decode in one step
-    values["max_num_batched_tokens"] = max(values["max_num_batched_tokens"], values["max_num_seqs"])
-    return EngineConfig(**values)
+    return EngineConfig(**{"model": str(resolve_model(settings.model)), **engine_options(settings), **overrides})
 
 
 def load_backend(settings: Settings) -> StepEngine:
     """The backend `settings.backend` names: `engine` (ours), `hf` (transformers' generate) or a factory."""
-    device = resolve_device(settings.device)
     if settings.backend == "engine":
         from engine.llm_engine import LLMEngine
 
         return LLMEngine(engine_config(settings))  # resolves the model itself: `tune` builds configs too
-    model = str(resolve_model(settings.model))
+    config = EngineConfig(model=str(resolve_model(settings.model)), **engine_options(settings))
     if settings.backend == "hf":
         from engine.hf_backend import HFEngine
 
-        return HFEngine(model, device=device, dtype=settings.dtype, max_batch_size=settings.max_batch_size)
+        return HFEngine(config.model, device=config.device, dtype=config.dtype, max_batch_size=settings.max_batch_size)
     module, _, factory = settings.backend.partition(":")
-    return getattr(importlib.import_module(module), factory)(model, device=device, dtype=settings.dtype)
+    return getattr(importlib.import_module(module), factory)(config.model, device=config.device, dtype=config.dtype)
 
 
 def start_engine(settings: Settings, on_death: Callable[[EngineDead], None] | None = None) -> EngineRunner:

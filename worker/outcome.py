@@ -33,4 +33,4 @@ class Outcome:
     @classmethod
     def failed(cls, request_id: str, error: str, engine_ms: float = 0.0) -> Outcome:
         """A job that cannot run at all (it does not fit the model): it fails at once, without a retry."""
-        return cls(Completion(request_id, [], "", 0, "error", error), engine_ms)
+        return cls(Completion.empty(request_id, 0, "error", error), engine_ms)

@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 
 from engine.interface import SamplingParams
-from jobs.schemas import JobIn
+from jobs.schemas import JobIn, Sampling
 
 log = logging.getLogger(__name__)
 
-OURS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0}
-FROM_MODEL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# convoq's defaults, for the fields a job may leave unset (None; a seed left unset is no seed): the engine's own
+OURS = {f.name: f.default for f in fields(SamplingParams)
+        if f.name != "seed" and f.name in Sampling.model_fields and Sampling.model_fields[f.name].default is None}
+# what a model's generation_config.json may state (it has no presence penalty)
+FROM_MODEL = tuple(name for name in OURS if name != "presence_penalty")
 
 
 def model_defaults(model_dir: Path) -> dict[str, float]:
@@ -46,7 +50,6 @@ def sampling_defaults(model_dir: Path, mode: str) -> dict[str, float]:
 
 
 def sampling_params(job: JobIn, defaults: Mapping[str, float] = OURS) -> SamplingParams:
-    s = job.sampling
-    given = {k: getattr(s, k) for k in OURS if getattr(s, k) is not None}
-    return SamplingParams(max_new_tokens=s.max_new_tokens, stop=tuple(s.stop), seed=s.seed,
-                          max_thinking_tokens=job.max_thinking_tokens, **(OURS | dict(defaults) | given))
+    given = job.sampling.model_dump(exclude_none=True)  # every field the job set, by the schema's names
+    given["stop"] = tuple(given["stop"])
+    return SamplingParams(**(OURS | dict(defaults) | given), max_thinking_tokens=job.max_thinking_tokens)

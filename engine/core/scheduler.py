@@ -1,6 +1,6 @@
 """Continuous batching with latency targets: which sequences run in the next step, with how many tokens each.
 
-Requests are interactive (priority >= `interactive_priority`: a person waits on every token) or bulk. Each
+Requests are interactive (`Request.interactive`: a person waits on every token) or bulk. Each
 step is planned in two parts:
 
 1. Interactive work, whole: every running interactive sequence decodes or prefills its next chunk, and
@@ -9,7 +9,7 @@ step is planned in two parts:
 2. Bulk work fills the step up to its time limit: bulk decodes (those that ran last step first, then those
    left out longest), then bulk prefill chunks, of running sequences first, then of waiting requests.
    With interactive work in the step, the limit is that work's latency target: `interactive_slowdown` times
-   what it would take alone (or `interactive_tpot` / `interactive_ttft` while it decodes / prefills). Without,
+   what it would take alone (or `interactive_tpot_ms` / `interactive_ttft_ms` while it decodes / prefills). Without,
    but with interactive requests seen in the last `interactive_window` seconds, a step is kept short enough
    that an urgent newcomer does not wait long for it (its fixed cost is `bulk_step_overhead` of it); with no
    interactive traffic at all, only the token budget (`max_num_batched_tokens`) applies, so bulk alone runs
@@ -117,7 +117,6 @@ class Scheduler:
         self._step = 0
 
     def add(self, seq: Sequence) -> None:
-        seq.interactive = seq.priority >= self.config.interactive_priority
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -177,9 +176,9 @@ class Scheduler:
         alone = self.cost.predict(plan.work)
         limits = []
         if plan.work.decode_rows:
-            limits.append(c.interactive_tpot or c.interactive_slowdown * alone)
+            limits.append(c.interactive_tpot_ms / 1e3 or c.interactive_slowdown * alone)
         if plan.work.prefill_tokens:
-            limits.append(c.interactive_ttft or c.interactive_slowdown * alone)
+            limits.append(c.interactive_ttft_ms / 1e3 or c.interactive_slowdown * alone)
         return max(min(limits), alone)
 
     def _spare_tokens(self, plan: StepPlan, limit: float) -> int:

@@ -6,7 +6,7 @@ from enum import Enum, auto
 
 from engine.core.block_key import BlockKey
 from engine.core.output_text import stop_ends, stop_window
-from engine.interface import Request, Timings
+from engine.interface import Request, Timings, token_limit
 
 
 class Status(Enum):
@@ -22,7 +22,7 @@ class Sequence:
         self.token_ids = list(request.prompt_ids)
         self.num_prompt_tokens = len(request.prompt_ids)
         # it finishes by length once it holds this many tokens (prompt included)
-        self.max_tokens = min(self.num_prompt_tokens + self.params.max_new_tokens, max_model_len)
+        self.max_tokens = token_limit(self.num_prompt_tokens, self.params.max_new_tokens, max_model_len)
         self.stop_window = stop_window(self.params.stop)  # output tokens a stop string can span
         self.stop_ends = stop_ends(self.params.stop)  # characters a token completing a stop string holds
         self.thinking = self.params.max_thinking_tokens is not None  # its reasoning has a budget
@@ -37,7 +37,7 @@ class Sequence:
         self.status = Status.WAITING
         self.admitted = -1  # admission counter: the most recently admitted sequence is pre-empted first
         self.last_step = -1  # the scheduler's last step that ran this sequence
-        self.interactive = False  # a person waits on its tokens (the scheduler decides, from the priority)
+        self.interactive = request.interactive
         self.reasoning: int | None = None  # tokens in its open <think> block; None: no block open
         self.timings = Timings()
         self.first_scheduled: float | None = None

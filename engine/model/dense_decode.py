@@ -55,7 +55,7 @@ class DenseDecodeKV:
         for seq in [s for s in self.order if s.status is not Status.RUNNING or self.filled[s] != s.num_computed]:
             self._drop(seq)
         longest = max(seq.num_computed + 1 for seq in seqs)
-        final = max(seq.num_prompt_tokens + seq.params.max_new_tokens for seq in seqs)
+        final = max(seq.max_tokens for seq in seqs)
         new = [seq for seq in seqs if seq not in self.filled]
         if not self._fit(len(self.order) + len(new), longest, step_size, final):
             self.order, self.filled = [], {}

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
-from engine.interface import Completion, Request, StepEngine
-from engine.runtime.engine_thread import EngineDead, EngineThread, TokensCallback
+from engine.interface import Completion, Request, StepEngine, TokensCallback
+from engine.runtime.engine_thread import EngineDead, EngineThread
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
 
-from engine.interface import Completion, Request, RequestError, StepEngine, Timings
+from engine.interface import Completion, Request, RequestError, StepEngine, TokensCallback
 from engine.runtime.loop_gaps import LoopGaps
 
 log = logging.getLogger(__name__)
@@ -46,9 +45,6 @@ def is_fatal(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError | torch.OutOfMemoryError | EngineDead) or not isinstance(exc, Exception):
         return True
     return "CUDA" in str(exc) or "device-side" in str(exc)
-
-
-TokensCallback = Callable[[list[int]], None]
 
 
 class EngineThread:
@@ -92,8 +88,7 @@ class EngineThread:
             try:
                 prepared = self._prepare(request)
             except RequestError as exc:
-                future.set_result(Completion(request.request_id, [], "", len(request.prompt_ids), "error",
-                                             str(exc), Timings()))
+                future.set_result(Completion.empty(request.request_id, len(request.prompt_ids), "error", str(exc)))
                 return future
         with self._cv:
             if not self.alive:
@@ -178,14 +173,14 @@ class EngineThread:
                 if is_fatal(exc):
                     raise
                 self.engine.abort_request(request.request_id)
-                self._resolve(Completion(request.request_id, [], "", len(request.prompt_ids), "error",
-                                         f"engine error on this request alone: {type(exc).__name__}: {exc}",
-                                         Timings(), retryable=True))
+                self._resolve(Completion.empty(request.request_id, len(request.prompt_ids), "error",
+                                               f"engine error on this request alone: {type(exc).__name__}: {exc}",
+                                               retryable=True))
 
     def _add(self, request: Request, prepared: object, future: Future, on_tokens: TokensCallback | None) -> None:
         rid, n = request.request_id, len(request.prompt_ids)
         if request.deadline is not None and request.deadline <= time.monotonic():
-            future.set_result(Completion(rid, [], "", n, "expired", None, Timings()))
+            future.set_result(Completion.empty(rid, n, "expired"))
             return
         try:
             if prepared is None:
@@ -193,7 +188,7 @@ class EngineThread:
             else:
                 self.engine.add_request(request, prepared)
         except RequestError as exc:
-            future.set_result(Completion(rid, [], "", n, "error", str(exc), Timings()))
+            future.set_result(Completion.empty(rid, n, "error", str(exc)))
             return
         self._futures[rid] = future
         self._requests[rid] = request
