@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from api import metrics
 from api.admission import Admission
+from api.deps import Intake
 from api.errors import http_error, validation_error
 from api.gate import Gate
 from api.prompt_check import PromptCheck
@@ -51,11 +52,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions = sessions
-    app.state.stamps = stamps
     app.state.celery = create_celery(settings)
     app.state.redis = redis
-    app.state.admission = Admission(settings)
     app.state.prompt_check = check
+    app.state.intake = Intake(check=check, admission=Admission(settings), stamp=stamps.submit)
     app.add_middleware(Gate, settings=settings,
                        per_key=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
                        failures=RateLimiter(settings.auth_failures_per_s, settings.auth_failures_burst))

@@ -2,9 +2,9 @@
 
 OpenAI lines: `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {"messages", ...}}`.
 Our lines: `{"custom_id", "transcript": [turns] | "text"}` (summarized) or `{"custom_id", "messages"}`
-(answered as a chat), with optional sampling fields (`max_new_tokens`, `temperature`, `top_p`, `top_k`,
-`min_p`, `repetition_penalty`, `presence_penalty`, `seed`), `thinking`, `max_thinking_tokens`,
-`conversation_id`. OpenAI lines may say thinking as vLLM's `chat_template_kwargs: {"enable_thinking": ...}`.
+(answered as a chat), with optional sampling fields (flat, named as in `jobs.schemas.Sampling`), `thinking`,
+`max_thinking_tokens`, `conversation_id`. OpenAI lines may say thinking as vLLM's
+`chat_template_kwargs: {"enable_thinking": ...}`.
 A bad line becomes a `LineError` with its number and reason; it never sinks the other lines.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jobs.schemas import JobIn
+from jobs.schemas import JobIn, Sampling
 
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
@@ -58,6 +58,10 @@ class OpenAIBody(BaseModel):
     n: int = Field(1, ge=1, le=1, description="one choice per request")
 
 
+# what OpenAI's body and our `Sampling` both name (`stop` too: a string is made a list): passed on as they are
+SHARED_SAMPLING = tuple(name for name in Sampling.model_fields if name in OpenAIBody.model_fields)
+
+
 def _text(content: Any) -> Any:
     """OpenAI content may be a list of parts; we take text parts only."""
     if isinstance(content, list):
@@ -82,17 +86,14 @@ def _job_from_openai(obj: dict, priority: int) -> JobIn:
 def openai_job(body: OpenAIBody, priority: int) -> JobIn:
     """A chat job from an OpenAI chat-completions request body (a batch line's, or `POST /v1/chat/completions`);
     a `ValueError` (or pydantic's `ValidationError`) says what it cannot run."""
-    sampling: dict[str, Any] = {}
+    sampling: dict[str, Any] = {name: value for name in SHARED_SAMPLING if (value := getattr(body, name)) is not None}
     max_new = body.max_completion_tokens or body.max_tokens
     if max_new is not None:
         sampling["max_new_tokens"] = max_new
     if body.frequency_penalty:  # it changes the output: never ignored silently
         raise ValueError("frequency_penalty is not supported; use presence_penalty or repetition_penalty")
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "seed"):
-        if getattr(body, name) is not None:
-            sampling[name] = getattr(body, name)
-    if body.stop is not None:
-        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if isinstance(body.stop, str):
+        sampling["stop"] = [body.stop]
     kwargs = dict(body.chat_template_kwargs or {})
     thinking = kwargs.pop("enable_thinking", None)
     if kwargs:
@@ -101,12 +102,8 @@ def openai_job(body: OpenAIBody, priority: int) -> JobIn:
     return JobIn(messages=messages, kind="chat", priority=priority, sampling=sampling, thinking=thinking)
 
 
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "seed")
-
-
 def _job_from_ours(obj: dict, priority: int) -> JobIn:
-    sampling = {k: obj[k] for k in SAMPLING_KEYS if k in obj}
+    sampling = {k: obj[k] for k in Sampling.model_fields if k in obj}
     if "transcript" in obj:
         transcript = obj["transcript"]
         messages = [{"role": "user", "content": transcript}] if isinstance(transcript, str) else transcript

@@ -1,4 +1,5 @@
-"""Request-scoped dependencies: settings, database sessions, the publisher, the caller and what it may see.
+"""Request-scoped dependencies: settings, database sessions, the publisher, the intake of new work, the caller and
+what it may see; and what routes document in common.
 
 `api.gate.Gate` authenticates every `/v1/` request before its body is read; routes take the result as
 `Caller` (an `ApiKey`: its hash, scopes and tenant). Jobs, batches and files belong to a tenant: another
@@ -7,7 +8,9 @@ tenant is told they do not exist (404, never 403), `admin` keys see every tenant
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from celery import Celery
@@ -16,6 +19,8 @@ from fastapi.security import HTTPBearer
 from sqlalchemy import Delete, Select
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.admission import Admission
+from api.prompt_check import PromptCheck
 from jobs.schemas import ErrorOut
 from jobs.settings import ApiKey, Settings
 
@@ -38,6 +43,20 @@ def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)
 
 def get_celery(request: Request) -> Celery:
     return request.app.state.celery
+
+
+@dataclass(frozen=True)
+class Intake:
+    """What new work passes on its way in, one of each per API process: the prompt check (what can never run is
+    refused), admission (the bounds on unfinished jobs), and the writer of `published_at` stamps."""
+
+    check: PromptCheck
+    admission: Admission
+    stamp: Callable[[list[uuid.UUID]], object]
+
+
+def get_intake(request: Request) -> Intake:
+    return request.app.state.intake
 
 
 def get_caller(request: Request, _: Annotated[object, Depends(bearer)]) -> ApiKey:
@@ -70,8 +89,13 @@ V1_ERRORS = errors(
     e429="The API key's request rate, or this address's failed authentications, are exceeded (see Retry-After)",
 )
 
+# a batch's output and error lines, as both the batch and the file routes stream them
+JSONL_TYPE = "application/jsonl"
+JSONL = {200: {"description": "JSON Lines, one OpenAI Batch output line each", "content": {JSONL_TYPE: {}}}}
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
+IntakeDep = Annotated[Intake, Depends(get_intake)]
 Caller = Annotated[ApiKey, Depends(get_caller)]

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from jobs.schemas import ResultOut
+from jobs.tables import as_utc
+
+
+def unix(moment: datetime) -> int:
+    """A timestamp as OpenAI's objects carry it: Unix seconds."""
+    return int(as_utc(moment).timestamp())
 
 
 def usage(result: ResultOut) -> dict:

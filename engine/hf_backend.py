@@ -155,7 +155,7 @@ class HFEngine:
                 prefill_ms=(first - start) * 1e3,
                 decode_ms=(end - first) * 1e3,
                 batch_size=len(batch),
-                batch_id=self._batches,
+                first_step=self._batches,
             )
             completions.append(Completion(r.request_id, ids, text, len(r.prompt_ids),
                                           "stop" if ended else "length", None, timings))

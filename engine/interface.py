@@ -66,7 +66,7 @@ class Timings:
     prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache (GPU)
     host_tokens_reused: int = 0  # of those, tokens brought back from the host tier
     batch_size: int = 0  # largest number of sequences in one step with this request
-    batch_id: int = -1  # the engine's step number when the request was first scheduled
+    first_step: int = -1  # the engine's step number when the request was first scheduled
     preemptions: int = 0
 
 

@@ -1,5 +1,6 @@
-"""The Celery app factory and the broker's Redis key layout, shared by the API (publishing, metrics), the
-worker (consuming, reconciling) and Flower. Every Celery setting of convoq is here, explained.
+"""The Celery app factory, the broker's Redis key layout and a view of the messages in it, shared by the API
+(publishing, metrics), the worker (consuming, reconciling) and Flower. Every Celery setting of convoq is here,
+explained.
 
 Nothing here builds an app at import time: callers ask `create_celery(settings)` for one, and the worker
 registers its task on its own app (`worker.tasks.worker_app`). Workers run Celery's threads pool: many
@@ -9,6 +10,12 @@ survive a fork, so there is no prefork pool.
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
+from datetime import UTC, datetime
+
+import redis
 from celery import Celery
 from kombu import Queue
 
@@ -44,6 +51,95 @@ def queue_lists(settings: Settings) -> dict[str, list[str]]:
     """Each of our queues -> its ten Redis lists, by our priority 0..9."""
     return {queue: [priority_list(queue, p) for p in range(10)]
             for queue in (settings.interactive_queue, settings.bulk_queue)}
+
+
+PAGE = 1000  # messages read per Redis call
+
+
+def message_headers(raw: bytes) -> dict:
+    """The headers of a message as Kombu's Redis transport keeps it: a queue list holds the message's JSON, the
+    `unacked` hash `[message, exchange, routing key]`. Celery puts the task id (our job id) in `id`, and a
+    retry's countdown in `eta` (an ISO time). Anything else found there has no headers."""
+    try:
+        message = json.loads(raw)
+    except ValueError:
+        return {}
+    if isinstance(message, list):
+        message = message[0] if message else None
+    headers = message.get("headers") if isinstance(message, dict) else None
+    return headers if isinstance(headers, dict) else {}
+
+
+def job_id_of(headers: dict) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(headers["id"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def eta_of(headers: dict) -> float | None:
+    """A retry's ETA as a Unix time; None without one."""
+    try:
+        moment = datetime.fromisoformat(headers["eta"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+class BrokerView:
+    """Which jobs have a message in Kombu's Redis transport (task id = job id).
+
+    A waiting message sits in one of the queues' priority lists; a delivered, unacknowledged one in the
+    `unacked` hash, indexed by delivery time in `unacked_index`. A delivered message counts as held by a consumer
+    that can still claim it for `held_for_s` after delivery (a live worker claims the moment it receives;
+    a retry's message waits for its ETA first); after that its consumer is gone. Once a job is sent again, the
+    stale `unacked` entries for it are dropped, so that Kombu never restores a second copy.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        redis_url = settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
+        self.client = redis.Redis.from_url(settings.broker_url.get_secret_value()) if redis_url else None
+        self.stale: dict[uuid.UUID, list[bytes]] = {}
+
+    def live(self, held_for_s: float) -> set[uuid.UUID] | None:
+        """Every job with a live message; None if the broker cannot be read this way."""
+        if self.client is None:
+            return None
+        present: set[uuid.UUID] = set()
+        for name in (n for names in queue_lists(self.settings).values() for n in names):
+            # Producers push at the head and consumers pop at the tail: paging from the head can see a message
+            # twice, never miss one that stays
+            start = 0
+            while page := self.client.lrange(name, start, start + PAGE - 1):
+                present.update(i for i in (job_id_of(message_headers(raw)) for raw in page) if i is not None)
+                start += PAGE
+        now, cursor = time.time(), 0
+        while True:
+            cursor, entries = self.client.hscan(UNACKED_KEY, cursor, count=PAGE)
+            delivered = dict(zip(entries, self.client.zmscore(UNACKED_INDEX_KEY, list(entries)), strict=True)) \
+                if entries else {}
+            for tag, raw in entries.items():
+                headers = message_headers(raw)
+                job_id = job_id_of(headers)
+                if job_id is None:
+                    continue
+                at = delivered[tag] or 0.0
+                if now - at < held_for_s or (eta_of(headers) or 0.0) > now - held_for_s:
+                    present.add(job_id)
+                else:
+                    self.stale.setdefault(job_id, []).append(tag)
+            if cursor == 0:
+                return present
+
+    def forget(self, job_ids: list[uuid.UUID]) -> None:
+        tags = [tag for i in job_ids for tag in self.stale.get(i, [])]
+        if self.client is not None and tags:
+            self.client.pipeline().zrem(UNACKED_INDEX_KEY, *tags).hdel(UNACKED_KEY, *tags).execute()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
 
 def progress_channel(job_id: str) -> str:

@@ -183,7 +183,7 @@ class TimingsOut(BaseModel):
     engine_ms: float
     end_to_end_ms: float
     tokens_per_s: float
-    batch_id: str | None
+    engine_step: str | None = Field(description="`worker:step`: the engine step that first ran the job")
     batch_size: int
     prompt_tokens_reused: int
     host_tokens_reused: int

@@ -218,7 +218,8 @@ class Timing(Base):
     engine_ms: Mapped[float] = mapped_column(Float)  # submitted to the engine -> completion
     end_to_end_ms: Mapped[float] = mapped_column(Float)  # job created -> result stored
     tokens_per_s: Mapped[float] = mapped_column(Float)
-    batch_id: Mapped[str | None] = mapped_column(String(128))
+    # `worker:step`: the engine step that first ran the job (its batch-mates share it)
+    engine_step: Mapped[str | None] = mapped_column(String(128))
     batch_size: Mapped[int] = mapped_column(Integer)
     prompt_tokens_reused: Mapped[int] = mapped_column(Integer, default=0)
     host_tokens_reused: Mapped[int] = mapped_column(Integer, default=0)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
-from api.batch_input import parse_batch
+from api.batch_input import OpenAIBody, parse_batch
+from jobs.schemas import Sampling
+
+# a value for every sampling field, none of them its default
+EVERY_FIELD = Sampling(max_new_tokens=7, temperature=0.5, top_p=0.8, top_k=3, min_p=0.1, repetition_penalty=1.1,
+                       presence_penalty=0.2, stop=["END", "###"], seed=4)
 
 
 def openai_line(custom_id: str, content: str = "Summarize: my parcel is late.", **body) -> dict:
@@ -44,6 +49,21 @@ def test_our_lines_transcripts_are_summaries_and_messages_are_chats():
     assert kinds["t1"].kind == "summarize" and kinds["t2"].kind == "summarize"
     assert kinds["t2"].sampling.max_new_tokens == 20
     assert kinds["m1"].kind == "chat" and kinds["m1"].conversation_id == "conv-9"
+
+
+def test_our_lines_carry_every_sampling_field_stop_included():
+    assert set(EVERY_FIELD.model_fields_set) == set(Sampling.model_fields)
+    line = {"custom_id": "s", "messages": [{"role": "user", "content": "hi"}], **EVERY_FIELD.model_dump()}
+    parsed, errors, _ = parse_batch(jsonl(line), priority=1)
+    assert errors == [] and parsed[0].job.sampling == EVERY_FIELD
+
+
+def test_openai_lines_carry_every_sampling_field_by_openai_names():
+    # an OpenAI body can say every sampling field: the output budget by OpenAI's names, the others by ours
+    assert set(Sampling.model_fields) - {"max_new_tokens"} <= set(OpenAIBody.model_fields)
+    body = {**EVERY_FIELD.model_dump(exclude={"max_new_tokens"}), "max_completion_tokens": EVERY_FIELD.max_new_tokens}
+    parsed, errors, _ = parse_batch(jsonl(openai_line("s", **body)), priority=1)
+    assert errors == [] and parsed[0].job.sampling == EVERY_FIELD
 
 
 def test_each_bad_line_is_reported_and_the_rest_survive():

@@ -81,3 +81,164 @@ def test_engine_config_is_light_to_import():
 
 def test_the_api_loads_neither_model_code_nor_the_worker():
     assert loaded_after("import api.app") & {"engine", "worker", "kernels", "torch", "triton"} == set()
+
+
+ROUTES = ROOT / "api" / "routes"
+# what a route would call to handle a transaction or run SQL itself: the service layer (`api/service/`) does it
+SESSION_WORK = {"commit", "rollback", "begin", "begin_nested", "flush", "execute", "scalar", "scalars"}
+
+
+def imported_modules(tree: ast.AST, package: str) -> set[str]:
+    """Every module `tree` imports (absolute names; relative ones resolved against `package`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module) if p)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)  # `from api.routes import jobs`
+    return found
+
+
+def route_modules() -> dict[str, ast.AST]:
+    return {str(path.relative_to(ROOT)): ast.parse(path.read_text(), str(path)) for path in sorted(ROUTES.glob("*.py"))}
+
+
+def test_routes_leave_sql_and_transactions_to_the_service_layer():
+    modules = route_modules()
+    found = {}
+    for name, tree in modules.items():
+        sql = {m for m in imported_modules(tree, "api.routes") if m.split(".")[0] == "sqlalchemy"}
+        calls = {node.func.attr for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SESSION_WORK}
+        if sql or calls:
+            found[name] = sorted(sql | calls)
+    assert len(modules) >= 5 and found == {}
+
+
+def test_no_route_module_imports_another():
+    found = {name: sorted(m for m in imported_modules(tree, "api.routes") if m.startswith("api.routes."))
+             for name, tree in route_modules().items()}
+    assert {name: modules for name, modules in found.items() if modules} == {}
+
+
+# literals that hold sampling field names as data, not as a list of the fields
+SAMPLING_DATA = {("cli/tiny_model.py", "QWEN3_GENERATION_CONFIG")}  # Qwen3's published generation_config.json
+
+
+def sampling_name_lists(path: Path, names: set[str]) -> list[tuple[int, list[str]]]:
+    """(line, names) of each tuple, list or set literal, or dict's keys, in `path` naming 3 or more of `names`."""
+    relative = str(path.relative_to(ROOT))
+    tree = ast.parse(path.read_text(), str(path))
+    data = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and (relative, t.id) in SAMPLING_DATA for t in node.targets)
+            for inner in ast.walk(node.value)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = node.elts
+        elif isinstance(node, ast.Dict):
+            items = [key for key in node.keys if key is not None]
+        else:
+            continue
+        named = sorted({item.value for item in items if isinstance(item, ast.Constant) and item.value in names})
+        if len(named) >= 3 and id(node) not in data:
+            found.append((node.lineno, named))
+    return found
+
+
+def test_sampling_fields_are_listed_only_where_they_are_defined():
+    from jobs.schemas import Sampling
+
+    names = set(Sampling.model_fields)
+    defined = {"jobs/schemas.py", "engine/interface.py"}  # `Sampling`, and the engine's `SamplingParams`
+    found = {str(path.relative_to(ROOT)): lists for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+             if str(path.relative_to(ROOT)) not in defined and (lists := sampling_name_lists(path, names))}
+    assert len(names) >= 8 and found == {}
+
+
+# The engine's rooms: `core` decides what a step runs, `model` runs a `StepPlan` (engine.step) and reads nothing
+# else of a request, `runtime` drives any `StepEngine` through the contract of `engine.interface`.
+# sub-package or module -> the engine modules it must not import (each with everything under it)
+ENGINE_FORBIDDEN = {
+    "engine.core": ("engine.model", "engine.runtime", "engine.llm_engine", "engine.builder", "engine.hf_backend"),
+    "engine.model": ("engine.runtime", "engine.llm_engine", "engine.builder", "engine.hf_backend",
+                     # nothing that holds the scheduler's sequences: the plan is the model's only input
+                     "engine.core.sequence", "engine.core.scheduler", "engine.core.step_rows",
+                     "engine.core.block_manager"),
+}
+# sub-package or module -> the only engine modules it may import
+ENGINE_ONLY = {
+    "engine.runtime": ("engine.interface", "engine.runtime"),
+    "engine.step": ("engine.interface",),
+    "engine.interface": (),
+}
+
+
+def within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def engine_modules() -> dict[str, ast.AST]:
+    """Dotted name -> syntax tree of every module of the engine."""
+    found = {}
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def engine_rule_breaks(modules: dict[str, ast.AST]) -> dict[str, list[str]]:
+    """Module -> the engine modules it imports against `ENGINE_FORBIDDEN` / `ENGINE_ONLY`."""
+    broken = {}
+    for name, tree in modules.items():
+        package = name.rsplit(".", 1)[0]
+        imported = {m for m in imported_modules(tree, package) if within(m, ("engine",)) and m != "engine"}
+        bad = set()
+        for room, forbidden in ENGINE_FORBIDDEN.items():
+            if within(name, (room,)):
+                bad |= {m for m in imported if within(m, forbidden)}
+        for room, allowed in ENGINE_ONLY.items():
+            if within(name, (room,)):
+                bad |= {m for m in imported if not within(m, allowed)}
+        if bad:
+            broken[name] = sorted(bad)
+    return broken
+
+
+def test_the_engines_rooms_import_only_what_their_rules_allow():
+    modules = engine_modules()
+    assert {"engine.core.scheduler", "engine.model.model_runner", "engine.runtime.engine_thread",
+            "engine.step"} <= modules.keys()
+    assert engine_rule_breaks(modules) == {}
+
+
+def test_each_engine_rule_catches_an_import_that_breaks_it():
+    breaking = [
+        ("engine.core.scheduler", "from engine.model.sampler import sample"),
+        ("engine.core.sequence", "import engine.runtime.loop_gaps"),
+        ("engine.core.block_manager", "from engine import llm_engine"),
+        ("engine.core.step_cost", "from engine.builder import build"),
+        ("engine.core.kv_cache", "from engine.hf_backend import HFEngine"),
+        ("engine.model.model_runner", "from engine.core.sequence import Sequence"),
+        ("engine.model.sampler", "from engine.core import scheduler"),
+        ("engine.model.dense_decode", "from ..core.step_rows import step_plan"),
+        ("engine.model.kv_plan", "from engine.core.block_manager import BlockManager"),
+        ("engine.model.qwen3", "from engine.runtime.engine_thread import EngineThread"),
+        ("engine.model.attention", "import engine.llm_engine"),
+        ("engine.model.loader", "from engine.builder import build"),
+        ("engine.model.cuda_graphs", "from engine.hf_backend import HFEngine"),
+        ("engine.runtime.engine_thread", "from engine.core.sequence import Sequence"),
+        ("engine.runtime.engine_process", "from engine.model import sampler"),
+        ("engine.runtime.loop_gaps", "from engine.config import EngineConfig"),
+        ("engine.step", "from engine.core.step_cost import Work"),
+        ("engine.interface", "from engine.step import StepPlan"),
+    ]
+    missed = [(name, source) for name, source in breaking if not engine_rule_breaks({name: ast.parse(source)})]
+    assert missed == []
+    allowed = [("engine.core.scheduler", "from engine.step import StepPlan"),
+               ("engine.model.model_runner", "from engine.core.kv_cache import KVCache"),
+               ("engine.runtime.engine_process", "from .engine_thread import EngineThread")]
+    assert [name for name, source in allowed if engine_rule_breaks({name: ast.parse(source)})] == []

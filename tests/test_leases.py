@@ -45,7 +45,7 @@ def new_job(sessions, text: str = "hi", **columns) -> str:
 
 
 def done(job_id: str, text: str = "fine") -> Outcome:
-    return Outcome(Completion(job_id, [1, 2, 3], text, 7, "length", None, Timings(batch_id=1, batch_size=1)), 5.0)
+    return Outcome(Completion(job_id, [1, 2, 3], text, 7, "length", None, Timings(first_step=1, batch_size=1)), 5.0)
 
 
 def expire_leases(engine, *job_ids: str) -> None:

@@ -94,7 +94,7 @@ def outcome(finish_reason: str = "stop") -> tuple[Claimed, Outcome]:
     claimed = Claimed(uuid.uuid4(), job, created, None, 1)
     # the engine's clock starts at the job's creation: 2.1 s waited (broker, claim, engine), first token at 2.25
     timings = Timings(queue_wait_ms=2100, ttft_ms=2250, prefill_ms=150, decode_ms=400, prompt_tokens_reused=32,
-                      host_tokens_reused=16, batch_size=5, batch_id=3)
+                      host_tokens_reused=16, batch_size=5, first_step=3)
     return claimed, Outcome(Completion("r", [1, 2, 3, 4], "text", 64, finish_reason, timings=timings), engine_ms=700)
 
 

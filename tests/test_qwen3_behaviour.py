@@ -19,10 +19,11 @@ from engine.hf_backend import HFEngine, _ThinkingBudget
 from engine.interface import Completion, Request, SamplingParams
 from engine.model.sampler import penalize, sample
 from engine.runtime.engine_thread import EngineThread
+from engine.step import StepResult
 from jobs.chat import chat_for, encode_chat, split_reasoning, thinking_of
 from jobs.schemas import JobIn
 from jobs.settings import Settings
-from tests.engine_helpers import greedy, make_engine, run_all, single_thread  # noqa: F401 (autouse)
+from tests.engine_helpers import greedy, make_engine, run_all, sampling_rows, single_thread  # noqa: F401 (autouse)
 from worker.bridge import Bridge
 from worker.outcome import Outcome
 from worker.sampling import OURS, sampling_params
@@ -114,7 +115,11 @@ def test_the_engine_closes_the_think_block_at_the_budget(qwen3_model, tokenizer,
     script = iter([THINK] + [filler] * 100)
     run = engine.runner.run
     # the model's own choices, except that it opens a think block and then only ever says " hmm"
-    monkeypatch.setattr(engine.runner, "run", lambda batch: {s: next(script) for s in run(batch)})
+    def scripted(plan):
+        sampled = run(plan).request_ids
+        return StepResult(sampled, [next(script) for _ in sampled])
+
+    monkeypatch.setattr(engine.runner, "run", scripted)
     params = SamplingParams(max_new_tokens=12, max_thinking_tokens=5, ignore_eos=True)
     done = run_all(engine, [Request("r", encode_chat(tokenizer, chat_for(job()), True), params)])["r"]
     assert done.token_ids[:7] == [THINK] + [filler] * 5 + [END_THINK]  # forced after 5 tokens of reasoning
@@ -177,8 +182,8 @@ def test_repetition_and_presence_penalties_match_their_definitions():
     # transformers' repetition penalty, over prompt and output
     expected[0] = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 2, 3, 4, 4]]), logits[0:1].clone())[0]
     expected[1, [4, 9]] -= 1.5  # OpenAI's presence penalty: output tokens only, once each
-    assert torch.allclose(penalize(logits.clone(), rows), expected)
-    assert sample(logits.clone(), rows) == expected.argmax(-1).tolist()
+    assert torch.allclose(penalize(logits.clone(), sampling_rows(rows)), expected)
+    assert sample(logits.clone(), sampling_rows(rows)) == expected.argmax(-1).tolist()
 
 
 def test_vectorized_filters_keep_what_transformers_keeps():
@@ -190,7 +195,7 @@ def test_vectorized_filters_keep_what_transformers_keeps():
     draws = {i: set() for i in range(4)}
     rows = [Row(p, [1], [], seed=None) for p in params]
     for _ in range(300):
-        for i, token in enumerate(sample(logits.clone(), rows)):
+        for i, token in enumerate(sample(logits.clone(), sampling_rows(rows))):
             draws[i].add(token)
     for i, p in enumerate(params):
         scores = logits[i:i + 1] / p.temperature
@@ -210,9 +215,9 @@ def test_vectorized_filters_keep_what_transformers_keeps():
 def test_seeded_rows_draw_the_same_whatever_their_batch_mates():
     logits = torch.randn(3, 100)
     p = SamplingParams(8, temperature=1.0, top_p=0.9)
-    alone = [sample(logits[:1].clone(), [Row(p, [1], [], seed=7)])[0] for _ in range(3)]
-    mixed = [sample(logits.clone(), [Row(p, [1], [], seed=7), Row(p, [1], []), Row(SamplingParams(8), [1], [])])[0]
-             for _ in range(3)]
+    alone = [sample(logits[:1].clone(), sampling_rows([Row(p, [1], [], seed=7)]))[0] for _ in range(3)]
+    rows = [Row(p, [1], [], seed=7), Row(p, [1], []), Row(SamplingParams(8), [1], [])]
+    mixed = [sample(logits.clone(), sampling_rows(rows))[0] for _ in range(3)]
     assert alone == mixed
 
 
@@ -295,8 +300,8 @@ def test_sampling_params_carry_every_field():
 
 
 def test_stored_reasoning_reaches_the_api_and_batch_output(database):
-    from api.routes.batches import _completion
-    from api.routes.jobs import load_job
+    from api.service.batch_output import completion
+    from api.service.jobs import load
     from jobs.db import make_db_engine, make_sessions
     from jobs.settings import ApiKey
     from jobs.tables import Job, Result
@@ -308,9 +313,9 @@ def test_stored_reasoning_reaches_the_api_and_batch_output(database):
     outcome = Outcome.answered(Completion(job_id, [1, 2, 3], "<think>\nweigh it\n</think>\n\nYes.", 5, "stop"), 1.0,
                                thinking=True)
     results.store(sessions, results.claim(sessions, job_id, "w", 3), outcome, "w")
-    out = load_job(sessions, job_id, ApiKey("0" * 64, frozenset({"admin"}), "operators"))
+    out = load(sessions, job_id, ApiKey("0" * 64, frozenset({"admin"}), "operators"))
     assert (out.result.reasoning, out.result.text, out.result.completion_tokens) == ("weigh it", "Yes.", 3)
     with sessions() as session:
-        row = _completion(session.get(Job, out.id), session.get(Result, out.id), "Qwen/Qwen3-8B")
+        row = completion(session.get(Job, out.id), session.get(Result, out.id), "Qwen/Qwen3-8B")
     assert row["choices"][0]["message"] == {"role": "assistant", "content": "Yes.", "reasoning_content": "weigh it"}
     assert row["model"] == "Qwen/Qwen3-8B" and row["usage"]["completion_tokens"] == 3

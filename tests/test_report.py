@@ -36,7 +36,7 @@ def succeeded(i: int, created: datetime) -> tuple[dict, dict, dict]:
                   created_at=finished)
     timing = dict(job_id=job_id, queue_wait_ms=e2e_ms(i) / 2, ttft_ms=e2e_ms(i) * 0.6, prefill_ms=e2e_ms(i) / 10,
                   decode_ms=e2e_ms(i) * 0.4, engine_ms=e2e_ms(i) / 2, end_to_end_ms=e2e_ms(i), tokens_per_s=40.0,
-                  batch_id=f"w:{i // 4}", batch_size=i % 16 + 1, prompt_tokens_reused=(i % 3) * 30,
+                  engine_step=f"w:{i // 4}", batch_size=i % 16 + 1, prompt_tokens_reused=(i % 3) * 30,
                   host_tokens_reused=(i % 3) * 10, created_at=finished)
     return job, result, timing
 

@@ -33,7 +33,7 @@ def counts(engine, job_id: str) -> tuple[str, int, int]:
 
 
 def outcome(job_id: str, text: str = "fine") -> Outcome:
-    return Outcome(Completion(job_id, [1, 2, 3], text, 7, "length", None, Timings(batch_id=3, batch_size=2)), 12.0)
+    return Outcome(Completion(job_id, [1, 2, 3], text, 7, "length", None, Timings(first_step=3, batch_size=2)), 12.0)
 
 
 def test_a_message_delivered_twice_stores_one_result(database):

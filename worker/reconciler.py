@@ -1,35 +1,20 @@
 """Nothing lost, nothing run twice: lease renewal, and the one sweep that hands back and re-sends jobs.
 
-Every worker process, on its reconciler thread, beats once per `heartbeat_s`: one transaction that stamps its
-`workers` row, renews the leases of the jobs it holds (and learns which of them had a cancel asked for, or were
-lost: handed to another worker while this one was away) and reads whether a sweep is due. Its cost per worker
-is constant; nothing in it reads other workers' state.
-
-The sweep runs on one worker at a time, at most once per `sweep_every_s` across the whole fleet: the worker
-whose beat finds it due takes a PostgreSQL advisory lock (the rest skip) and claims the turn in the `sweeps`
-row. It
-- hands back `running` jobs whose lease expired unrenewed (a worker killed, frozen or cut off), attributing the
-  crash (`attribute`): a job that was running alone condemns itself and spares the rest of its worker's jobs;
-  otherwise each job held is a suspect (`crashes` + 1, not an attempt), run alone once it is a suspect twice,
-  and failed only past `max_crashes`;
-- ends `queued` jobs past their deadline (`expired`), folds the status counts (`jobs.counts`), and once an hour
-  deletes finished work past `CONVOQ_RETENTION_DAYS` (`jobs.retention`);
-- re-sends queued jobs only on evidence that no message for them exists: not waiting in a queue list, not held
-  unacknowledged by a consumer that could still claim it (`BrokerView`). A job never published, or handed back,
-  is sent once its message is confirmed absent; one whose message went missing (Redis lost it) once it is seen
-  absent by two sweeps in a row (`jobs.message_missing_at`), so that a message in flight between a list and
-  a consumer is not taken for lost. So a lost message is re-sent within about two sweeps, and the sweep never puts a second message out.
-Its cost grows with the backlog and the jobs in flight, never with the number of workers.
+Each worker beats once per `heartbeat_s` (one transaction: its `workers` row, the leases of the jobs it holds,
+and whether a sweep is due), so its cost is constant per worker. The sweep runs on one worker at a time, once
+per `sweep_every_s` across the fleet (an advisory lock, then the turn in `sweeps`): it hands back jobs whose
+lease expired (`attribute` decides what each crash says about each job), ends queued jobs past their deadline,
+folds the status counts, prunes finished work hourly, and re-sends queued jobs only on evidence that no message
+for them exists (`jobs.broker.BrokerView`; a published job's message must be missing at two sweeps in a row).
+Its cost follows the backlog, never the number of workers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,13 +22,12 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-import redis
 from celery import Celery
 from sqlalchemy import Row, bindparam, case, or_, select, text, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.broker import UNACKED_INDEX_KEY, UNACKED_KEY, queue_lists
+from jobs.broker import BrokerView
 from jobs.clock import db_now
 from jobs.counts import fold
 from jobs.db import insert_ignore
@@ -189,84 +173,6 @@ def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int) -> Coun
 
 
 # --- messages -----------------------------------------------------------------------------------------------
-
-# Kombu's JSON puts the task id (our job id) in the headers as `"id": "<uuid>"`, and an ETA (a retry's countdown)
-# as `"eta": "<iso time>"`; a regular expression finds them without parsing whole messages.
-_ID = re.compile(rb'"id": "([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"')
-_ETA = re.compile(rb'"eta": "([^"]+)"')
-PAGE = 1000
-
-
-def job_id_of(raw: bytes) -> uuid.UUID | None:
-    found = _ID.search(raw)
-    return uuid.UUID(found.group(1).decode()) if found else None
-
-
-def _eta(raw: bytes) -> float | None:
-    found = _ETA.search(raw)
-    if not found:
-        return None
-    try:
-        moment = datetime.fromisoformat(found.group(1).decode())
-    except ValueError:
-        return None
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
-
-
-class BrokerView:
-    """Which jobs have a message in Kombu's Redis transport (task id = job id).
-
-    A waiting message sits in one of the queues' priority lists; a delivered, unacknowledged one in the
-    `unacked` hash, indexed by delivery time in `unacked_index`. A delivered message counts as held by a consumer
-    that can still claim it for `held_for_s` after delivery (a live worker claims the moment it receives;
-    a retry's message waits for its ETA first); after that its consumer is gone. Once a job is sent again, the
-    stale `unacked` entries for it are dropped, so that Kombu never restores a second copy.
-    """
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        redis_url = settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
-        self.client = redis.Redis.from_url(settings.broker_url.get_secret_value()) if redis_url else None
-        self.stale: dict[uuid.UUID, list[bytes]] = {}
-
-    def live(self, held_for_s: float) -> set[uuid.UUID] | None:
-        """Every job with a live message; None if the broker cannot be read this way."""
-        if self.client is None:
-            return None
-        present: set[uuid.UUID] = set()
-        for name in (n for names in queue_lists(self.settings).values() for n in names):
-            # Producers push at the head and consumers pop at the tail: paging from the head can see a message
-            # twice, never miss one that stays
-            start = 0
-            while page := self.client.lrange(name, start, start + PAGE - 1):
-                present.update(i for i in map(job_id_of, page) if i is not None)
-                start += PAGE
-        now, cursor = time.time(), 0
-        while True:
-            cursor, entries = self.client.hscan(UNACKED_KEY, cursor, count=PAGE)
-            delivered = dict(zip(entries, self.client.zmscore(UNACKED_INDEX_KEY, list(entries)), strict=True)) \
-                if entries else {}
-            for tag, raw in entries.items():
-                job_id = job_id_of(raw)
-                if job_id is None:
-                    continue
-                at = delivered[tag] or 0.0
-                if now - at < held_for_s or (_eta(raw) or 0.0) > now - held_for_s:
-                    present.add(job_id)
-                else:
-                    self.stale.setdefault(job_id, []).append(tag)
-            if cursor == 0:
-                return present
-
-    def forget(self, job_ids: list[uuid.UUID]) -> None:
-        tags = [tag for i in job_ids for tag in self.stale.get(i, [])]
-        if self.client is not None and tags:
-            self.client.pipeline().zrem(UNACKED_INDEX_KEY, *tags).hdel(UNACKED_KEY, *tags).execute()
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-
 
 def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
            broker: BrokerView) -> tuple[list[uuid.UUID], int]:

@@ -276,7 +276,7 @@ def finished_status(completion: Completion) -> JobStatus:
     return JobStatus.succeeded if completion.ok else JobStatus.failed
 
 
-def timing_row(claimed: Claimed, outcome: Outcome, batch_prefix: str, now: datetime) -> dict:
+def timing_row(claimed: Claimed, outcome: Outcome, worker: str, now: datetime) -> dict:
     """The job's timings: queue wait and time to first token count from the job's creation (the engine's clock
     starts there: `Bridge.submit`)."""
     c, t = outcome.completion, outcome.completion.timings
@@ -290,7 +290,7 @@ def timing_row(claimed: Claimed, outcome: Outcome, batch_prefix: str, now: datet
         engine_ms=outcome.engine_ms,
         end_to_end_ms=ms_between(claimed.created_at, now),
         tokens_per_s=len(c.token_ids) / busy_s if busy_s > 0 else 0.0,
-        batch_id=f"{batch_prefix}:{t.batch_id}" if t.batch_id >= 0 else None,
+        engine_step=f"{worker}:{t.first_step}" if t.first_step >= 0 else None,
         batch_size=t.batch_size,
         prompt_tokens_reused=t.prompt_tokens_reused,
         host_tokens_reused=t.host_tokens_reused,
@@ -298,8 +298,8 @@ def timing_row(claimed: Claimed, outcome: Outcome, batch_prefix: str, now: datet
     )
 
 
-def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, batch_prefix: str) -> Stored:
-    return store_many(sessions, [(claimed, outcome)], batch_prefix)[0]
+def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, worker: str) -> Stored:
+    return store_many(sessions, [(claimed, outcome)], worker)[0]
 
 
 def _result_row(claimed: Claimed, outcome: Outcome, now: datetime) -> dict:
@@ -310,7 +310,7 @@ def _result_row(claimed: Claimed, outcome: Outcome, now: datetime) -> dict:
                 created_at=now, chunks=outcome.chunks, levels=outcome.levels)
 
 
-def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcome]], batch_prefix: str) -> list[Stored]:
+def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcome]], worker: str) -> list[Stored]:
     """Results, timings and final statuses of finished jobs in one transaction; then their batches settle.
 
     Only jobs their run still holds are written: their rows are locked first, so the lease cannot change
@@ -339,7 +339,7 @@ def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcom
             for claimed, outcome in done:
                 c = outcome.completion
                 status = finished_status(c)
-                timing = timing_row(claimed, outcome, batch_prefix, now) if c.ok else None
+                timing = timing_row(claimed, outcome, worker, now) if c.ok else None
                 if claimed.job_id not in live:
                     applied = claimed.job_id in before
                     if not applied:

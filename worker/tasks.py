@@ -88,7 +88,7 @@ class WorkerContext:
         progress = ProgressPublisher(settings.broker_url.get_secret_value(), bridge.tokenizer)
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
                                                            settings.dead_after_s), "claims")
-        store = GroupCommit(lambda done: results.store_many(sessions, done, batch_prefix=name), "stores")
+        store = GroupCommit(lambda done: results.store_many(sessions, done, worker=name), "stores")
         return cls(settings, celery, sessions, bridge, reconciler, name, metrics, progress, leases, Solo(), claim,
                    store)
 

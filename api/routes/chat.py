@@ -22,11 +22,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from api.batch_input import OpenAIBody, openai_job
-from api.deps import V1_ERRORS, Caller, CeleryDep, SessionsDep, SettingsDep, errors
+from api.deps import V1_ERRORS, Caller, CeleryDep, IntakeDep, SessionsDep, SettingsDep, errors
 from api.errors import openai_error
 from api.events import follow
 from api.openai_objects import chat_completion, chunk, usage
-from api.routes.jobs import cancel, enqueue, load_job
+from api.priority import chosen_priority
+from api.service.jobs import cancel, enqueue, load
 from jobs.chat import split_reasoning, thinking_of
 from jobs.schemas import JobOut, JobStatus, PriorityMetadata, metadata_priority
 
@@ -92,6 +93,7 @@ async def chat_completions(
     sessions: SessionsDep,
     celery: CeleryDep,
     settings: SettingsDep,
+    intake: IntakeDep,
     caller: Caller,
     # typed `int` so the document says integer (a header is never JSON null); absent, it is None
     x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
@@ -105,22 +107,16 @@ async def chat_completions(
     if body.n != 1:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"n must be 1 (one choice per request), not {body.n}")
     try:
-        given = (x_convoq_priority, metadata_priority(body.metadata), settings.interactive_priority)
-        job_in = openai_job(body, next(p for p in given if p is not None))
+        priority = chosen_priority(x_convoq_priority, metadata_priority(body.metadata), settings.interactive_priority)
+        job_in = openai_job(body, priority)
     except (ValueError, ValidationError) as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from exc
-
-    def submit():
-        with sessions() as session:
-            return enqueue(request, session, celery, settings, caller, job_in)
-
-    job_id = (await run_in_threadpool(submit)).id
+    job_id = (await run_in_threadpool(enqueue, sessions, celery, settings, intake, caller, job_in)).id
     completion_id = f"chatcmpl-{job_id.hex}"
-    events = follow(request.app.state.redis, lambda i: load_job(sessions, i, caller), job_id)
+    events = follow(request.app.state.redis, lambda i: load(sessions, i, caller), job_id)
 
     def give_up() -> None:
-        with sessions() as session:
-            cancel(session, sessions, celery, job_id, caller)
+        cancel(sessions, celery, job_id, caller)
 
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))

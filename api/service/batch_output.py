@@ -1,0 +1,70 @@
+"""A batch's output and error lines (OpenAI Batch output format), read from its jobs, and their file ids.
+
+They are files too (OpenAI's `output_file_id`, `error_file_id`): nothing is stored, their ids name the batch
+and their content is read from its jobs on each download.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.openai_objects import chat_completion, unix
+from jobs.schemas import JobStatus, ResultOut
+from jobs.tables import BatchLineError, Job, Result
+
+BATCH_FILE = re.compile(r"file-([0-9a-f]{32})-(output|errors)")
+ERROR_ROWS = 1000  # line-error rows read per round trip
+JOB_ROWS = 500  # jobs (with their results) read per round trip
+
+
+def batch_file_id(batch_id: uuid.UUID, errors: bool) -> str:
+    return f"file-{batch_id.hex}-{'errors' if errors else 'output'}"
+
+
+def parse_batch_file_id(file_id: str) -> tuple[uuid.UUID, bool] | None:
+    """(batch id, whether it is the error file) for a batch's output or error file id; None for any other id."""
+    match = BATCH_FILE.fullmatch(file_id)
+    return None if match is None else (uuid.UUID(match[1]), match[2] == "errors")
+
+
+def completion(job: Job, result: Result, model: str) -> dict:
+    """A succeeded item's `response.body`: a `chat.completion`, plus how it was chunked."""
+    body = chat_completion(f"chatcmpl-{job.id.hex}", unix(result.created_at), model,
+                           ResultOut.model_validate(result, from_attributes=True))
+    return {**body, "convoq": {"chunks": result.chunks, "levels": result.levels}}
+
+
+def lines(sessions: sessionmaker[Session], batch_id: uuid.UUID, errors: bool, model: str) -> Iterator[bytes]:
+    """The batch's output lines (succeeded items) or error lines (bad lines; failed, cancelled, expired items).
+    The caller has checked that the batch is there for whoever asked."""
+    with sessions() as session:
+        if errors:
+            for e in session.scalars(select(BatchLineError).where(BatchLineError.batch_id == batch_id)
+                                     .order_by(BatchLineError.line).execution_options(yield_per=ERROR_ROWS)):
+                yield _line(f"batch_req_line{e.line}", e.custom_id, None,
+                            {"code": "invalid_line", "message": f"line {e.line}: {e.message}"})
+            wanted = (JobStatus.failed.value, JobStatus.cancelled.value, JobStatus.expired.value)
+        else:
+            wanted = (JobStatus.succeeded.value,)
+        rows = session.execute(
+            select(Job, Result).outerjoin(Result, Result.job_id == Job.id)
+            .where(Job.batch_id == batch_id, Job.status.in_(wanted)).order_by(Job.custom_id)
+            .execution_options(yield_per=JOB_ROWS)
+        )
+        for job, result in rows:
+            if errors:
+                code = job.status if job.status in (JobStatus.cancelled, JobStatus.expired) else "job_failed"
+                yield _line(f"batch_req_{job.id.hex}", job.custom_id, None, {"code": code, "message": job.error})
+            else:
+                response = {"status_code": 200, "request_id": str(job.id), "body": completion(job, result, model)}
+                yield _line(f"batch_req_{job.id.hex}", job.custom_id, response, None)
+
+
+def _line(line_id: str, custom_id: str | None, response: dict | None, error: dict | None) -> bytes:
+    return (json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error}) + "\n").encode()

@@ -1,0 +1,193 @@
+"""Batches: create one, list them, read one (as OpenAI's Batch object), cancel it, retry its failed items, and
+list the lines that could not become jobs."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+
+from celery import Celery
+from fastapi import HTTPException, status
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from api.admission import Admission
+from api.deps import sees, visible
+from api.openai_objects import unix
+from api.paging import list_of, page
+from api.service.batch_output import batch_file_id
+from api.service.uploads import BatchInput
+from jobs.batch_settle import PENDING, settle_batch
+from jobs.broker import broadcast_cancel
+from jobs.db import retry_conflicts
+from jobs.publish import publish
+from jobs.schemas import (
+    BATCH_SETTLED,
+    BatchLineError,
+    BatchOut,
+    BatchStatus,
+    JobStatus,
+    ListOf,
+    RequestCounts,
+    window_seconds,
+)
+from jobs.settings import ApiKey, Settings
+from jobs.tables import Batch, Job, utcnow
+from jobs.tables import BatchLineError as LineErrorRow
+
+log = logging.getLogger(__name__)
+
+OPEN = (BatchStatus.validating.value, BatchStatus.in_progress.value)
+
+
+def _unix(moment: datetime | None) -> int | None:
+    return None if moment is None else unix(moment)
+
+
+def _job_counts(session: Session, batch_ids: list[uuid.UUID]) -> dict[uuid.UUID, dict[str, int]]:
+    """Each batch's jobs by status, in one query for a whole page of batches."""
+    counts: dict[uuid.UUID, dict[str, int]] = {i: {} for i in batch_ids}
+    for batch_id, job_status, n in session.execute(
+            select(Job.batch_id, Job.status, func.count()).where(Job.batch_id.in_(batch_ids))
+            .group_by(Job.batch_id, Job.status)):
+        counts[batch_id][job_status] = n
+    return counts
+
+
+def batch_out(session: Session, batch: Batch, by_status: dict[str, int] | None = None) -> BatchOut:
+    """The batch as OpenAI's Batch object, its request counts read from its jobs (or given, for a page)."""
+    if by_status is None:
+        by_status = _job_counts(session, [batch.id])[batch.id]
+    counts = RequestCounts(
+        total=batch.total,
+        completed=by_status.get(JobStatus.succeeded.value, 0),
+        failed=by_status.get(JobStatus.failed.value, 0) + batch.invalid_lines,
+        invalid=batch.invalid_lines,
+        cancelled=by_status.get(JobStatus.cancelled.value, 0),
+        expired=by_status.get(JobStatus.expired.value, 0),
+        pending=sum(by_status.get(s, 0) for s in PENDING),
+    )
+    # as OpenAI's: the files are named once they are final, and only when they have a line
+    settled = batch.status in BATCH_SETTLED
+    has_errors = counts.failed + counts.cancelled + counts.expired > 0
+    return BatchOut(
+        id=batch.id, status=BatchStatus(batch.status), priority=batch.priority, input_name=batch.input_name,
+        input_file_id=batch.input_file_id,
+        output_file_id=batch_file_id(batch.id, errors=False) if settled and counts.completed else None,
+        error_file_id=batch_file_id(batch.id, errors=True) if settled and has_errors else None,
+        request_counts=counts, metadata=batch.metadata_,
+        completion_window=batch.completion_window, created_at=_unix(batch.created_at),
+        expires_at=_unix(batch.expires_at), in_progress_at=_unix(batch.in_progress_at),
+        finalizing_at=_unix(batch.finalizing_at), completed_at=_unix(batch.completed_at),
+        cancelling_at=_unix(batch.cancelling_at), cancelled_at=_unix(batch.cancelled_at),
+        failed_at=_unix(batch.failed_at), expired_at=_unix(batch.expired_at),
+    )
+
+
+def visible_batch(session: Session, batch_id: uuid.UUID, caller: ApiKey) -> Batch:
+    """The batch, or 404 when there is none or it is another tenant's (its existence is not revealed)."""
+    batch = session.get(Batch, batch_id)
+    if batch is None or not sees(caller, batch.tenant):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no batch {batch_id}")
+    return batch
+
+
+def create(session: Session, admission: Admission, caller: ApiKey, given: BatchInput, priority: int) -> BatchOut:
+    """Store the batch, `validating`, once its lines pass the bounds on unfinished jobs (else 429); its lines
+    are ingested afterwards (`batch_ingest.ingest`). `given.source` is closed if it is not stored."""
+    try:
+        admission.admit(session, caller.digest, given.lines)
+        window = timedelta(seconds=window_seconds(given.completion_window))
+        now = utcnow()
+        batch = Batch(priority=priority, input_name=given.name, input_file_id=given.input_file_id,
+                      tenant=caller.tenant, status=BatchStatus.validating.value, total=0, invalid_lines=0,
+                      metadata_=given.metadata, completion_window=given.completion_window, created_at=now,
+                      expires_at=now + window)
+        session.add(batch)
+        session.commit()
+    except BaseException:
+        given.source.close()
+        raise
+    return batch_out(session, batch)
+
+
+def list_page(session: Session, caller: ApiKey, after: uuid.UUID | None, limit: int) -> ListOf[BatchOut]:
+    """The caller's batches, newest first, a page after `after` (404 when it names none of them)."""
+    batches, more = page(session, visible(select(Batch), Batch, caller), Batch, after, limit)
+    counts = _job_counts(session, [b.id for b in batches])
+    return list_of([batch_out(session, b, counts[b.id]) for b in batches], more)
+
+
+def get(session: Session, batch_id: uuid.UUID, caller: ApiKey) -> BatchOut:
+    batch = visible_batch(session, batch_id, caller)
+    if batch.status in (BatchStatus.in_progress.value, BatchStatus.cancelling.value):
+        settle_batch(session, batch_id)  # a safety net: workers settle batches too
+        session.commit()
+        session.refresh(batch)
+    return batch_out(session, batch)
+
+
+def cancel(session: Session, celery: Celery, batch_id: uuid.UUID, caller: ApiKey) -> BatchOut:
+    """Cancel the queued items, ask the running ones to stop; 409 once the batch is no longer open."""
+    batch = visible_batch(session, batch_id, caller)
+    if batch.status not in OPEN:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"batch is {batch.status}; only open batches can be cancelled")
+    running = retry_conflicts(session, lambda: _cancel_jobs(session, batch_id))
+    if running:
+        try:
+            broadcast_cancel(celery, running)
+        except Exception:  # each worker also finds the requests in the rows at its next heartbeat
+            log.exception("could not broadcast the cancel of batch %s", batch_id)
+    settle_batch(session, batch_id)
+    session.commit()
+    session.refresh(batch)
+    return batch_out(session, batch)
+
+
+def _cancel_jobs(session: Session, batch_id: uuid.UUID) -> list[str]:
+    """Mark the batch cancelling, cancel its queued jobs and ask for its running ones to stop; commits. Returns
+    the ids of the running jobs."""
+    now = utcnow()
+    session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(OPEN))
+                    .values(status=BatchStatus.cancelling.value, cancelling_at=now))
+    # The jobs' rows are locked in id order first: claims and publish stamps lock theirs in that order (an
+    # `id IN` list is scanned sorted), and two transactions locking the same rows in different orders deadlock.
+    session.execute(select(Job.id).where(Job.batch_id == batch_id, Job.status.in_(PENDING))
+                    .order_by(Job.id).with_for_update())
+    session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.queued.value)
+                    .values(status=JobStatus.cancelled.value, finished_at=now, error="batch cancelled"))
+    running = [str(i) for i in session.scalars(
+        update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.running.value,
+                          Job.cancel_requested_at.is_(None))
+        .values(cancel_requested_at=now).returning(Job.id))]
+    session.commit()
+    return running
+
+
+def retry_failed(session: Session, celery: Celery, settings: Settings, batch_id: uuid.UUID,
+                 caller: ApiKey) -> BatchOut:
+    """Queue the batch's failed jobs again and publish them; 409 while it is validating or cancelling."""
+    batch = visible_batch(session, batch_id, caller)
+    if batch.status in (BatchStatus.validating.value, BatchStatus.cancelling.value):
+        raise HTTPException(status.HTTP_409_CONFLICT, f"batch is {batch.status}; retry once it settles")
+    jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.failed.value)))
+    if jobs:
+        for job in jobs:
+            job.status, job.error, job.started_at, job.finished_at, job.published_at = "queued", None, None, None, None
+        batch.status, batch.completed_at, batch.finalizing_at = BatchStatus.in_progress.value, None, None
+        batch.in_progress_at = batch.in_progress_at or utcnow()
+        session.commit()
+        publish(celery, session, jobs, settings)
+    return batch_out(session, batch)
+
+
+def line_errors(session: Session, batch_id: uuid.UUID, caller: ApiKey, after: int,
+                limit: int) -> ListOf[BatchLineError]:
+    """The batch's bad lines numbered past `after`, at most `limit` of them."""
+    visible_batch(session, batch_id, caller)
+    rows = list(session.scalars(select(LineErrorRow).where(LineErrorRow.batch_id == batch_id, LineErrorRow.line > after)
+                                .order_by(LineErrorRow.line).limit(limit + 1)))
+    found = [BatchLineError(line=r.line, custom_id=r.custom_id, message=r.message) for r in rows[:limit]]
+    return ListOf(data=found, first_id=str(found[0].line) if found else None,
+                  last_id=str(found[-1].line) if found else None, has_more=len(rows) > limit)
