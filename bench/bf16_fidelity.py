@@ -37,7 +37,7 @@ from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.model.model_runner import Step
+from engine.model.model_runner import PackedStep
 
 # label -> (first side, second side)
 PAIRS = {"ours_vs_hf16": ("ours_bf16", "hf_bf16"), "ours_vs_hf32": ("ours_bf16", "hf_fp32"),
@@ -96,12 +96,12 @@ def engine_logits(engine: LLMEngine, sequences: list[list[int]]) -> list[torch.T
     chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
     forward = engine.runner.forward
 
-    def catch(step: Step) -> torch.Tensor:
+    def catch(step: PackedStep) -> torch.Tensor:
         hidden = forward(step)
-        bounds = step.cu_seqlens.tolist()
-        for i, seq in enumerate(step.seqs):
-            # num_computed is still the chunk's first position: the engine advances it after the step
-            chunks.setdefault(seq.request_id, []).append((seq.num_computed, hidden[bounds[i]:bounds[i + 1]]))
+        bounds, positions = step.cu_seqlens.tolist(), step.positions.tolist()
+        for i, request_id in enumerate(step.request_ids):
+            # keyed by the chunk's first position
+            chunks.setdefault(request_id, []).append((positions[bounds[i]], hidden[bounds[i]:bounds[i + 1]]))
         return hidden
 
     engine.runner.forward = catch

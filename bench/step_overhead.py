@@ -12,9 +12,10 @@ also carries a stop string that never matches, so stop detection is paid for eve
 figure to set against a step's forward, which the host's work does not overlap.
 
 The stub's vocabulary is small (`--vocab`) so that the arithmetic of sampling, which a GPU does in
-microseconds, does not hide the per-row Python work this measures. Parts: `schedule` (the scheduler's plan
-and block allocation), `prepare` (packing the inputs on the host), `sample` (penalties, greedy and random
-draws), `postprocess` (the rest of the step: appending tokens, stop and length checks, prefix-cache indexing).
+microseconds, does not hide the per-row Python work this measures. Parts: `schedule` (the scheduler's choice
+and block allocation), `prepare` (the plan's rows, then the runner packing them as tensors), `sample`
+(penalties, greedy and random draws), `postprocess` (the rest of the step: appending tokens, stop and length
+checks, prefix-cache indexing).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+import engine.core.scheduler as scheduler_module
 import engine.model.model_runner as model_runner
 from bench.common import report, tiny_model
 from engine.config import EngineConfig
@@ -63,16 +65,26 @@ def stubbed(engine: LLMEngine, vocab: int, timers: Timers):
     hidden = torch.zeros(rows, engine.model.shape.hidden_size, device=device)
     logits = torch.randn(engine.config.max_num_seqs, vocab, generator=torch.Generator().manual_seed(0)).to(device)
     runner, model, scheduler = engine.runner, engine.model, engine.scheduler
-    saved = (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample)
+    saved = (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample,
+             scheduler_module.step_plan)
     runner.forward = timers.wrap("stub", lambda step: hidden[:len(step.input_ids)])
     model.compute_logits = timers.wrap("stub_logits", lambda h: logits[:h.shape[0]].clone())
-    runner.pack = timers.wrap("prepare", runner.pack)
-    scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
+    runner.pack = timers.wrap("pack", runner.pack)
+    scheduler.schedule = timers.wrap("schedule_and_plan", scheduler.schedule)
+    scheduler_module.step_plan = timers.wrap("plan", scheduler_module.step_plan)
     model_runner.sample = timers.wrap("sample", model_runner.sample)
     try:
         yield
     finally:
-        runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample = saved
+        (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample,
+         scheduler_module.step_plan) = saved
+
+
+def parts_of(spent: dict[str, float]) -> dict[str, float]:
+    """Seconds of each part of a step, from its timers (the plan's rows are built inside `schedule`)."""
+    plan = spent.get("plan", 0.0)
+    return {"schedule": spent.get("schedule_and_plan", 0.0) - plan, "prepare": plan + spent.get("pack", 0.0),
+            "sample": spent.get("sample", 0.0)}
 
 
 def measure(engine: LLMEngine, timers: Timers, params: SamplingParams, seqs: int, prompt_len: int,
@@ -92,9 +104,10 @@ def measure(engine: LLMEngine, timers: Timers, params: SamplingParams, seqs: int
         stub = timers.spent.get("stub", 0.0) + timers.spent.get("stub_logits", 0.0)
         host = total - stub
         totals.append(host)
+        spent = parts_of(timers.spent)
         for p in PARTS:
-            parts[p].append(timers.spent.get(p, 0.0))
-        parts["postprocess"].append(host - sum(timers.spent.get(p, 0.0) for p in PARTS))
+            parts[p].append(spent[p])
+        parts["postprocess"].append(host - sum(spent.values()))
     for i in range(seqs):
         engine.abort_request(f"{tag}-{i}")
     result = {"host_ms_per_step": round(1e3 * statistics.median(totals), 3)}

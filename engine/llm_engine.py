@@ -1,4 +1,8 @@
-"""Our engine: a Qwen3 model, paged KV pools and a continuous-batching scheduler behind `StepEngine`."""
+"""Our engine: a Qwen3 model, paged KV pools and a continuous-batching scheduler behind `StepEngine`.
+
+`engine.builder` wires the parts; this class holds the requests' sequences and runs the steps: the scheduler
+plans one (`engine.step.StepPlan`), the model runner runs it, and the `StepResult` is applied here.
+"""
 
 from __future__ import annotations
 
@@ -6,85 +10,35 @@ import time
 from collections.abc import Iterable
 
 import torch
-from transformers import AutoTokenizer
 
+from engine.builder import build
 from engine.config import EngineConfig
 from engine.core.block_key import extend_keys
-from engine.core.block_manager import BlockManager, BlockPool
-from engine.core.host_cache import HostCache
-from engine.core.kv_cache import KVCache, growth_plan
-from engine.core.output_text import finish_text, stops_hit, think_ids
-from engine.core.prefix_cache import PrefixCache
-from engine.core.scheduler import Scheduler, work_of
+from engine.core.output_text import finish_text, stops_hit
 from engine.core.sequence import Sequence
+from engine.core.step_cost import work_of
 from engine.interface import Completion, Request, RequestError, token_limit
-from engine.model.activations import largest_step
-from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
-from engine.model.dense_decode import DenseDecodeKV
-from engine.model.kv_plan import plan_kv
-from engine.model.loader import load_model, read_eos_ids, read_shape
 from engine.model.memory import weights_bytes
-from engine.model.model_runner import ModelRunner
-from kernels.dispatch import select_ops
+from engine.step import StepPlan, StepResult
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """`weights` (checkpoint names and tensors) stands in for the folder's *.safetensors when given."""
+        parts = build(config, weights)
         self.config = config
         self.device = torch.device(config.device)
-        dtype = config.torch_dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        shape = read_shape(config.model)
-        cache_dtype = config.cache_dtype
-        fp8 = cache_dtype.itemsize == 1
-        ops = select_ops(config.attention_backend, self.device, shape.head_dim, scaled_kv=fp8)
-        self.model = load_model(config.model, self.device, dtype, ops, weights)
-        self.max_model_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
-        self.eos_ids = read_eos_ids(config.model)
-        # a thinking model's block delimiters (Qwen3: `<think>` 151667, `</think>` 151668), if it has them
-        self.think_ids = think_ids(self.tokenizer)
-
-        plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device)
-        # a budget that is a fraction of free memory leaves room for the largest step's activations
-        fraction = self.device.type == "cuda" and config.kv_cache_memory <= 1
-        self.activation_bytes = largest_step(self.model, ops, plan, config, cache_dtype) if fraction else 0
-        pieces = None
-        if self.device.type == "cuda" and config.cuda_graphs:
-            pieces = PieceGraphs(self.model, config.max_num_batched_tokens)
-            pieces.capture()  # before the pool is sized: free memory then no longer counts the graphs' own
-        if fraction:
-            plan = plan_kv(shape, config, self.max_model_len, cache_dtype, self.device, self.activation_bytes)
-        self.plan = plan
-        self.windows = plan.windows
-        # each pool's K and V per layer are its segments: growth copies one at a time (engine.core.kv_cache)
-        sizes = [growth_plan(min(config.initial_blocks, m), m, 2 * n) for n, m in zip(plan.layers, plan.max_blocks,
-                                                                                      strict=True)]
-        caches = [KVCache(n, s[0], config.block_size, shape.num_kv_heads, shape.head_dim, cache_dtype, self.device)
-                  for n, s in zip(plan.layers, sizes, strict=True)]
-        prefix = None
-        if config.enable_prefix_cache and plan.windows == [0]:
-            host_blocks = config.host_cache_memory // caches[0].bytes_per_block
-            prefix = PrefixCache(HostCache(caches[0], host_blocks) if host_blocks > 0 else None)
-        pools = [BlockPool(c, s, prefix if i == 0 else None) for i, (c, s) in enumerate(zip(caches, sizes, strict=True))]
-        self.blocks = BlockManager(pools, plan.windows, config.block_size)
-        self.scheduler = Scheduler(config, self.blocks)
-        graphs = None
-        # the Triton decode path syncs with the host only to plan windowed tiles
-        if self.device.type == "cuda" and config.cuda_graphs and ops.backend == "triton" and plan.dense_only:
-            per_seq = plan.blocks_per_seq(config.block_size, self.max_model_len)
-            graphs = DecodeGraphs(self.model, ops, caches, plan.layer_slots, config.max_num_seqs, per_seq,
-                                  pieces.mempool)
-        dense = None
-        # the dense rows stand in for the fast CPU ops' attention over a full-attention pool of plain, unscaled K/V
-        full_dense = 0 in plan.windows and all(s.policy.window == 0 for s in plan.layer_slots
-                                               if plan.windows[s.pool] == 0)
-        if self.device.type == "cpu" and ops.backend == "torch" and config.dense_decode and full_dense and not fp8:
-            full = plan.windows.index(0)
-            dense = DenseDecodeKV(caches[full], full, plan.max_blocks[full] * plan.block_bytes[full],
-                                  self.max_model_len, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, caches, plan.layer_slots, ops, config.block_size, graphs, pieces,
-                                  dense, self.blocks.rows)
+        self.tokenizer = parts.tokenizer
+        self.model = parts.model
+        self.max_model_len = parts.max_model_len
+        self.eos_ids = parts.eos_ids
+        self.think_ids = parts.think_ids
+        self.kv_plan = parts.kv_plan
+        self.windows = parts.kv_plan.windows
+        self.activation_bytes = parts.activation_bytes
+        self.blocks = parts.blocks
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
         self._tokens_generated = 0
@@ -107,7 +61,7 @@ class LLMEngine:
         if p.max_thinking_tokens is not None and self.think_ids is None:
             raise RequestError("max_thinking_tokens needs a thinking model; this tokenizer has no <think> tokens")
         longest = token_limit(n, p.max_new_tokens, self.max_model_len)
-        needed = self.plan.blocks_per_seq(self.config.block_size, longest)
+        needed = self.kv_plan.blocks_per_seq(self.config.block_size, longest)
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
@@ -143,26 +97,27 @@ class LLMEngine:
 
     def step(self) -> list[Completion]:
         start = time.monotonic()
-        batch = self.scheduler.schedule(start)
-        if not batch:
+        plan = self.scheduler.schedule(start)
+        if plan is None:
             return []
         self._peak_blocks = max(self._peak_blocks, sum(p.num_used for p in self.blocks.pools))
-        work = work_of(batch)
-        sampled = self.runner.run(batch)
+        work = work_of(plan)
+        result = self.runner.run(plan)
         end = time.monotonic()
         self._steps += 1
-        self._account(batch, start, end)
-        done = self._take(sampled, end) if sampled else []
+        self._record_computed(plan, start, end)
+        done = self._append_sampled(result, end) if result.request_ids else []
         # the whole step, planning and bookkeeping included: what an interactive request waits per token
         self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
 
-    def _account(self, batch: list[tuple[Sequence, int]], start: float, end: float) -> None:
-        """The tokens each sequence of the step computed, its timings, and the blocks it filled (indexed in the
-        prefix cache). One plain loop: it runs for every row of every step."""
-        size, block_size = len(batch), self.config.block_size
+    def _record_computed(self, plan: StepPlan, start: float, end: float) -> None:
+        """The tokens each row of the step computed, its sequence's timings, and the blocks it filled (indexed in
+        the prefix cache). One plain loop: it runs for every row of every step."""
+        size, block_size, seqs = len(plan.request_ids), self.config.block_size, self._seqs
         indexing = self.blocks.prefix is not None
-        for seq, n in batch:
+        for request_id, n in zip(plan.request_ids, plan.counts.tolist(), strict=True):
+            seq = seqs[request_id]
             prefilled = n > 1 or seq.num_computed == 0
             if prefilled or seq.first_scheduled is None:
                 seq.record_step(self._steps, start, end, size, prefilled)
@@ -173,14 +128,15 @@ class LLMEngine:
                 self.blocks.index(seq)
             self._tokens_computed += n
 
-    def _take(self, sampled: dict[Sequence, int], end: float) -> list[Completion]:
+    def _append_sampled(self, result: StepResult, end: float) -> list[Completion]:
         """Append each sampled token to its sequence and finish those it ends: EOS, a stop string (its tail
         decoded only after a token that can complete one, every such row in one call), or the length."""
         done, stopping = [], []
-        eos_ids = self.eos_ids
-        for seq, token in sampled.items():
-            if seq.thinking:
-                token = self._within_thinking_budget(seq, token)
+        eos_ids, seqs = self.eos_ids, self._seqs
+        for request_id, token in zip(result.request_ids, result.token_ids, strict=True):
+            seq = seqs[request_id]
+            if seq.reasoning_budget is not None:
+                token = self._within_reasoning_budget(seq, token)
             seq.token_ids.append(token)
             seq.last_token = end
             if seq.first_token is None:
@@ -190,28 +146,28 @@ class LLMEngine:
                 self._finish(seq, "stop", done)
             elif seq.stop_ends and not seq.stop_ends.isdisjoint(self._token_text(token)):
                 stopping.append(seq)  # decoded together below
-            elif len(seq.token_ids) >= seq.max_tokens:
+            elif len(seq.token_ids) >= seq.token_limit:
                 self._finish(seq, "length", done)
-        self._tokens_generated += len(sampled)
+        self._tokens_generated += len(result.token_ids)
         if stopping:
             outputs = [(seq.output_tail(seq.stop_window), seq.params.stop) for seq in stopping]
             hits = stops_hit(self.tokenizer, outputs)
             for seq, hit in zip(stopping, hits, strict=True):
-                if hit or len(seq.token_ids) >= seq.max_tokens:
+                if hit or len(seq.token_ids) >= seq.token_limit:
                     self._finish(seq, "stop" if hit else "length", done)
         return done
 
-    def _within_thinking_budget(self, seq: Sequence, token: int) -> int:
+    def _within_reasoning_budget(self, seq: Sequence, token: int) -> int:
         """`token`, or `</think>` once the open reasoning block has used the request's budget."""
         opening, closing = self.think_ids
-        if seq.reasoning is not None and seq.reasoning >= seq.params.max_thinking_tokens:
+        if seq.think_block_tokens is not None and seq.think_block_tokens >= seq.reasoning_budget:
             token = closing
         if token == opening:
-            seq.reasoning = 0
+            seq.think_block_tokens = 0
         elif token == closing:
-            seq.reasoning = None
-        elif seq.reasoning is not None:
-            seq.reasoning += 1
+            seq.think_block_tokens = None
+        elif seq.think_block_tokens is not None:
+            seq.think_block_tokens += 1
         return token
 
     def _token_text(self, token: int) -> str:
@@ -281,14 +237,14 @@ class LLMEngine:
         """Where the memory goes, and how much work fits in the KV budget."""
         pools = self.blocks.pools
         block_bytes = [p.cache.bytes_per_block for p in pools]
-        per_seq_at_max = self.plan.blocks_per_seq(self.config.block_size, self.max_model_len)
+        per_seq_at_max = self.kv_plan.blocks_per_seq(self.config.block_size, self.max_model_len)
         full = [p.max_blocks for p, w in zip(pools, self.windows, strict=True) if w == 0]
         return {
             "weights_bytes": weights_bytes(self.model),
             "activation_bytes": self.activation_bytes,  # held back from a fractional budget (CUDA only)
             "graph_bytes": self.runner.pieces.nbytes if self.runner.pieces is not None else 0,
-            "kv_bytes_per_token": self.plan.kv_bytes_per_token,
-            "kv_budget_bytes": self.plan.budget_bytes,
+            "kv_bytes_per_token": self.kv_plan.kv_bytes_per_token,
+            "kv_budget_bytes": self.kv_plan.budget_bytes,
             "block_size": self.config.block_size,
             "pool_blocks": sum(p.capacity for p in pools),
             "pool_blocks_used": sum(p.num_used for p in pools),

@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Completion, Request, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.step import SamplingInputs
 
 
 def make_engine(path: Path, **overrides) -> LLMEngine:
@@ -46,6 +48,14 @@ def run_all(engine: LLMEngine, requests: list[Request], check=None) -> dict[str,
         if check is not None:
             check(engine)
     return done
+
+
+def sampling_rows(rows: list) -> SamplingInputs:
+    """What a step's plan hands the sampler for `rows`, each with a sequence's `params`, `token_ids` (prompt,
+    then output) and `num_prompt_tokens`."""
+    prompt_lens = np.array([row.num_prompt_tokens for row in rows], np.int64)
+    drawn = np.array([len(row.token_ids) for row in rows], np.int64) - prompt_lens
+    return SamplingInputs([row.params for row in rows], drawn, prompt_lens, [row.token_ids for row in rows])
 
 
 @pytest.fixture(autouse=True, scope="module")

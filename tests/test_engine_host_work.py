@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.core.block_manager import table_tensor
 from engine.core.output_text import cut_at_stop, finish_text, stop_ends, stop_window, stops_hit
 from engine.interface import Request, SamplingParams
 from engine.model.sampler import penalize, sample, seeded_uniforms
+from engine.step import StepResult
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,
@@ -23,6 +23,7 @@ from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     make_engine,
     prompts,
     run_all,
+    sampling_rows,
     single_thread,
 )
 
@@ -102,9 +103,9 @@ class Row:
 def test_a_seeded_row_draws_its_next_token_from_its_count_of_draws():
     logits = torch.randn(1, 300)
     p = SamplingParams(8, temperature=1.0, seed=11)
-    draws = [sample(logits.clone(), [Row(p, n)])[0] for n in range(40)]
-    assert draws == [sample(logits.repeat(2, 1), [Row(p, n), Row(SamplingParams(8, temperature=1.0), n)])[0]
-                     for n in range(40)]
+    draws = [sample(logits.clone(), sampling_rows([Row(p, n)]))[0] for n in range(40)]
+    other = SamplingParams(8, temperature=1.0)
+    assert draws == [sample(logits.repeat(2, 1), sampling_rows([Row(p, n), Row(other, n)]))[0] for n in range(40)]
     assert len(set(draws)) > 10  # each draw its own number, not one repeated
 
 
@@ -152,7 +153,7 @@ def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
 def sample_from_scratch(logits: torch.Tensor, rows: list[Row]) -> list[int]:
     """Row by row, on the whole vocabulary sorted with its permutation (ties by column): what `sample`
     computes."""
-    logits = penalize(logits, rows)
+    logits = penalize(logits, sampling_rows(rows))
     tokens = []
     for i, row in enumerate(rows):
         p = row.params
@@ -188,15 +189,15 @@ def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(v
         logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(rng.randrange(1000))) * 3
         logits = (logits / step).round() * step if step else logits
         logits = logits.to(dtype)
-        assert sample(logits.clone(), rows) == sample_from_scratch(logits.clone(), rows)
+        assert sample(logits.clone(), sampling_rows(rows)) == sample_from_scratch(logits.clone(), rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_tied_logits_share_their_mass(dtype):
     logits = torch.full((1, 600), -5.0, dtype=dtype)
     logits[0, [3, 250, 599]] = 2.0  # three tokens tie for the top
-    drawn = [sample(logits.clone(), [Row(SamplingParams(1, temperature=1.0, top_k=3, seed=seed), 0)])[0]
-             for seed in range(300)]
+    rows = [[Row(SamplingParams(1, temperature=1.0, top_k=3, seed=seed), 0)] for seed in range(300)]
+    drawn = [sample(logits.clone(), sampling_rows(row))[0] for row in rows]
     counts = Counter(drawn)
     assert set(counts) == {3, 250, 599} and min(counts.values()) > 60, counts
 
@@ -232,19 +233,24 @@ def check_table_rows(engine) -> None:
         assert np.array_equal(array, expected)
 
 
-def packed_from_scratch(step, block_size: int, pools: int) -> dict[str, list]:
-    """A packed step's inputs rebuilt from the sequences' lists, as packing did before the tables were kept."""
-    rows = list(zip(step.seqs, step.counts, strict=True))
+def packed_from_scratch(engine, step) -> dict[str, list]:
+    """A packed step's inputs rebuilt from its sequences' lists, as packing did before the tables were kept."""
+    block_size, pools = engine.config.block_size, len(engine.blocks.pools)
+    running = {seq.request_id: seq for seq in engine.scheduler.running}
+    counts = (step.cu_seqlens[1:] - step.cu_seqlens[:-1]).tolist()
+    rows = [(running[request_id], n) for request_id, n in zip(step.request_ids, counts, strict=True)]
     positions = [p for seq, n in rows for p in range(seq.num_computed, seq.num_computed + n)]
-    tables = [table_tensor([seq.block_tables[p] for seq in step.seqs]) for p in range(pools)]
+    width = max(1, max(len(seq.block_tables[0]) for seq, _ in rows))
+    tables = [[seq.block_tables[p] + [-1] * (width - len(seq.block_tables[p])) for seq, _ in rows]
+              for p in range(pools)]
     where = [(i, p) for i, (seq, n) in enumerate(rows) for p in range(seq.num_computed, seq.num_computed + n)]
     return {
         "input_ids": [t for seq, n in rows for t in seq.token_ids[seq.num_computed:seq.num_computed + n]],
         "positions": positions,
         "seq_lens": [seq.num_computed + n for seq, n in rows],
-        "cu_seqlens": [sum(step.counts[:i]) for i in range(len(rows) + 1)],
-        "tables": [t.tolist() for t in tables],
-        "slots": [[int(t[i, p // block_size]) * block_size + p % block_size for i, p in where] for t in tables],
+        "cu_seqlens": [sum(counts[:i]) for i in range(len(rows) + 1)],
+        "tables": tables,
+        "slots": [[t[i][p // block_size] * block_size + p % block_size for i, p in where] for t in tables],
     }
 
 
@@ -254,14 +260,14 @@ def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_
     engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=4, prefill_chunk_size=64)
     pack, packed = engine.runner.pack, []
 
-    def checked_pack(batch):
-        step = pack(batch)
-        expected = packed_from_scratch(step, engine.config.block_size, len(engine.blocks.pools))
+    def checked_pack(plan):
+        step = pack(plan)
+        expected = packed_from_scratch(engine, step)
         assert step.input_ids.tolist() == expected["input_ids"] and step.positions.tolist() == expected["positions"]
         assert step.seq_lens.tolist() == expected["seq_lens"] and step.cu_seqlens.tolist() == expected["cu_seqlens"]
         assert [t.tolist() for t in step.tables] == expected["tables"]
         assert [s.tolist() for s in step.slots] == expected["slots"]
-        packed.append(len(step.seqs))
+        packed.append(len(step.request_ids))
         return step
 
     engine.runner.pack = checked_pack
@@ -279,10 +285,10 @@ def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_
 # --- decodes planned in one go ------------------------------------------------------------------------------------
 
 def plan_row_by_row(scheduler):
-    """The scheduler's plan with every decode going through `_run` in its usual order."""
+    """The scheduler's plan with every decode going through `_schedule` in its usual order."""
     def run_decodes(decodes, plan):
         for seq in sorted(decodes, key=lambda s: (s.last_step < scheduler._step - 1, s.last_step, s.admitted)):
-            scheduler._run(seq, 1, plan)
+            scheduler._schedule(seq, 1, plan)
     return run_decodes
 
 
@@ -294,13 +300,14 @@ def test_decodes_planned_in_one_go_are_the_row_by_row_plan(tiny_models, preset):
         engine = make_engine(path, kv_cache_memory=40 * kv_block_bytes(path), initial_blocks=4, max_num_seqs=12)
         engine.scheduler.cost = FakeCost()
         if not one_go:
-            engine.scheduler._run_decodes = plan_row_by_row(engine.scheduler)
+            engine.scheduler._schedule_decodes = plan_row_by_row(engine.scheduler)
         schedule, steps = engine.scheduler.schedule, []
 
         def recorded(now, schedule=schedule, steps=steps):
-            batch = schedule(now)
-            steps.append(sorted((seq.request_id, n) for seq, n in batch))
-            return batch
+            plan = schedule(now)
+            if plan is not None:
+                steps.append(sorted(zip(plan.request_ids, plan.counts.tolist(), strict=True)))
+            return plan
 
         engine.scheduler.schedule = recorded
         requests = [Request(str(i), p, greedy(30)) for i, p in enumerate(prompts(20, 20, 150, seed=3))]
@@ -342,7 +349,13 @@ def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_mo
         streams[str(i)] = stream
         requests.append((Request(str(i), prompt, params), stream))
     run = engine.runner.run
-    engine.runner.run = lambda batch: {seq: streams[seq.request_id][len(seq.output_ids)] for seq in run(batch)}
+
+    def scripted(plan):
+        sampled = run(plan).request_ids
+        drawn = plan.sampling.drawn.tolist()  # tokens each has generated before this step
+        return StepResult(sampled, [streams[r][n] for r, n in zip(sampled, drawn, strict=True)])
+
+    engine.runner.run = scripted
     done = run_all(engine, [r for r, _ in requests])
     for request, stream in requests:
         expected = finished_from_scratch(tokenizer, stream, request.sampling, len(request.prompt_ids),

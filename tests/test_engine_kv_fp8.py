@@ -48,7 +48,7 @@ def test_fp8_halves_kv_bytes_of_bf16(tiny_models):
         bf16_report, fp8_report = bf16.memory_report(), fp8.memory_report()
         assert fp8_report["kv_bytes_per_token"] * 2 == bf16_report["kv_bytes_per_token"]
         # the same budget holds twice the blocks (what a pool reaches of it depends on its growth steps)
-        assert sum(fp8.plan.max_blocks) == pytest.approx(2 * sum(bf16.plan.max_blocks), rel=0.01)
+        assert sum(fp8.kv_plan.max_blocks) == pytest.approx(2 * sum(bf16.kv_plan.max_blocks), rel=0.01)
         assert fp8.blocks.pools[0].cache.bytes_per_block * 2 == bf16.blocks.pools[0].cache.bytes_per_block
 
 

@@ -24,14 +24,15 @@ def test_packed_forward_logits_match_transformers(tiny_models, preset):
     engine = make_engine(path, initial_blocks=32)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # three sequences packed into one forward; the longest crosses the sliding window (64) twice over
-    for i, ids in enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]):
-        engine.add_request(Request(str(i), ids, greedy(1)))
+    ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
+    for i, prompt in ids.items():
+        engine.add_request(Request(str(i), prompt, greedy(1)))
     step = engine.runner.pack(engine.scheduler.schedule(time.monotonic()))
-    assert len(step.seqs) == 4 and step.num_decodes == 0
+    assert len(step.request_ids) == 4 and step.num_decodes == 0
     logits = engine.model.compute_logits(engine.runner.forward(step))
-    for i, seq in enumerate(step.seqs):
+    for i, request_id in enumerate(step.request_ids):
         with torch.inference_mode():
-            expected = hf(torch.tensor([seq.token_ids])).logits[0]
+            expected = hf(torch.tensor([ids[int(request_id)]])).logits[0]
         ours = logits[step.cu_seqlens[i]:step.cu_seqlens[i + 1]]
         torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
 

@@ -7,7 +7,7 @@ import math
 import time
 
 from engine.core.kv_cache import GROWTH
-from engine.core.scheduler import work_of
+from engine.core.step_cost import Work, work_of
 from engine.interface import Request
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
@@ -29,7 +29,7 @@ def test_pool_too_small_for_everything_at_once(tiny_model):
     def check(engine) -> None:
         stats = engine.stats()
         assert stats["kv_blocks_used"] <= stats["kv_blocks_total"] <= budget_blocks
-        assert engine.memory_report()["pool_bytes"] <= engine.plan.budget_bytes
+        assert engine.memory_report()["pool_bytes"] <= engine.kv_plan.budget_bytes
         if pool.capacity != capacities[-1]:
             capacities.append(pool.capacity)
 
@@ -137,10 +137,16 @@ def record_plans(engine) -> list[tuple]:
     schedule = engine.scheduler.schedule
 
     def recording(now: float):
-        batch = schedule(now)
-        chat = [(s, n) for s, n in batch if s.interactive]
-        planned.append((work_of(batch), work_of(chat), len(batch) - len(chat)))
-        return batch
+        plan = schedule(now)
+        if plan is None:
+            return None
+        interactive = {s.request_id for s in engine.scheduler.running if s.interactive}
+        chat = [(start, n) for r, start, n in zip(plan.request_ids, plan.starts.tolist(), plan.counts.tolist(),
+                                                  strict=True) if r in interactive]
+        contexts = [start + 1 for start, n in chat if n == 1]
+        chat_work = Work(sum(n for _, n in chat if n > 1), len(contexts), max(contexts, default=0))
+        planned.append((work_of(plan), chat_work, len(plan.request_ids) - len(chat)))
+        return plan
 
     engine.scheduler.schedule = recording
     return planned
@@ -166,7 +172,7 @@ def test_steps_with_an_urgent_chat_keep_its_latency_target_and_bulk_fills_the_re
     assert engine.stats()["bulk_rows_deferred"] > 0  # it had more than fitted
     engine.step()
     total, chat, bulk_entries = planned[-1]
-    assert chat == work_of([]) and bulk_entries > 0
+    assert chat == Work() and bulk_entries > 0
     # interactive traffic is about: a bulk step stays short enough for the next urgent request
     assert cost.predict(total) <= cost.fixed / engine.config.bulk_step_overhead + 1e-12
 

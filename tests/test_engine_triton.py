@@ -46,6 +46,6 @@ def test_windowed_tile_layouts_are_worked_out_once_per_step_not_per_layer(tiny_m
     monkeypatch.setattr(attention, "block_csr", lambda *args: built.append(args[0]) or block_csr(*args))
     engine.add_request(Request("r", PROMPTS[0], greedy(NEW_TOKENS)))
     engine.step()  # one prefill chunk: one part
-    windowed = [s for s in engine.plan.layer_slots if s.policy.window]
+    windowed = [s for s in engine.kv_plan.layer_slots if s.policy.window]
     groups = {(s.pool, s.policy) for s in windowed}
     assert len(built) == len(groups) < len(windowed)

@@ -78,7 +78,7 @@ def merge(completions: list[Completion], final: Completion) -> Completion:
         prompt_tokens_reused=sum(x.prompt_tokens_reused for x in t),
         host_tokens_reused=sum(x.host_tokens_reused for x in t),
         batch_size=max(x.batch_size for x in t),
-        batch_id=final.timings.batch_id,
+        first_step=final.timings.first_step,
         preemptions=sum(x.preemptions for x in t),
     )
     return replace(final, prompt_tokens=sum(c.prompt_tokens for c in completions), timings=timings)

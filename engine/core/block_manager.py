@@ -1,27 +1,19 @@
 """Which KV blocks each sequence owns.
 
-A model has one pool per attention kind: full-attention layers keep every block of a sequence; sliding-window
-layers use their block table as a ring, handing blocks wholly outside the window back to the pool, so a
-sequence's memory there is bounded by the window. Tables keep logical indices (block `i` holds positions
-`i * block_size ...`); a recycled entry is -1, which the attention kernels never read.
-
-Blocks carry reference counts rather than an owner, so full blocks can be shared: with a `PrefixCache`, every
-full computed block of a full-attention pool is indexed by content, a new sequence starts from the longest
-cached prefix of its tokens, and a block whose last reference goes stays cached until the pool needs room.
-Prefix caching is only used for models without sliding-window layers (ring blocks are recycled mid-sequence).
-
-Each sequence's tables are Python lists, and `TableRows` mirrors them as rows of one host array per pool,
-written where blocks come and go, so packing a step gathers its rows instead of rebuilding tables from lists.
-Every table of a sequence has the same length (logical indices; a ring's recycled entries stay, as -1).
+One pool per attention kind: full-attention layers keep every block of a sequence; sliding-window layers use
+their table as a ring, handing back blocks wholly outside the window (such entries become -1, which kernels
+never read). Tables hold logical indices (block `i` holds positions `i * block_size ...`), all of a
+sequence's tables one length. Blocks are reference-counted, so with a `PrefixCache` (models without
+sliding-window layers) full blocks are indexed by content, shared by sequences with the same prefix and kept
+after their last reference until the pool needs room. `TableRows` mirrors the tables as rows of one host
+array per pool, so that a step's tables are gathered, not rebuilt from lists.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import numpy as np
-import torch
 
 from engine.core.block_key import extend_keys
 from engine.core.kv_cache import KVCache
@@ -118,9 +110,9 @@ class TableRows:
         self.free_rows.append(seq.table_row)
         seq.table_row = -1
 
-    def gather(self, rows: np.ndarray, width: int) -> list[torch.Tensor]:
+    def gather(self, rows: np.ndarray, width: int) -> list[np.ndarray]:
         """Per pool, the first `width` entries of `rows` (sequences' `table_row`): `[len(rows), width]`."""
-        return [torch.from_numpy(array[rows, :width]) for array in self.arrays]
+        return [array[rows, :width] for array in self.arrays]
 
     def _grow(self, rows: int = 0, width: int = 0) -> None:
         old_rows, old_width = self.arrays[0].shape
@@ -235,15 +227,3 @@ class BlockManager:
             table.clear()
         seq.num_indexed = 0
 
-
-def blocks_per_seq(windows: list[int], block_size: int, num_tokens: int, chunk: int) -> list[int]:
-    """The most blocks of each pool one sequence of `num_tokens` tokens holds, prefilled `chunk` at a time."""
-    full = math.ceil(num_tokens / block_size)
-    # a ring holds the window behind the oldest query of a step plus the step's chunk, rounded out to blocks
-    return [full if w == 0 else min(full, math.ceil((w - 1 + chunk) / block_size) + 1) for w in windows]
-
-
-def table_tensor(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables as one int32 `[len(tables), longest]` tensor, padded with -1."""
-    width = max(1, max(len(t) for t in tables))
-    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)

@@ -1,33 +1,13 @@
 """Continuous batching with latency targets: which sequences run in the next step, with how many tokens each.
 
-Requests are interactive (`Request.interactive`: a person waits on every token) or bulk. Each
-step is planned in two parts:
-
-1. Interactive work, whole: every running interactive sequence decodes or prefills its next chunk, and
-   every waiting interactive request is admitted, pre-empting bulk sequences when sequence slots or KV
-   blocks are short (never the reverse).
-2. Bulk work fills the step up to its time limit: bulk decodes (those that ran last step first, then those
-   left out longest), then bulk prefill chunks, of running sequences first, then of waiting requests.
-   With interactive work in the step, the limit is that work's latency target: `interactive_slowdown` times
-   what it would take alone (or `interactive_tpot_ms` / `interactive_ttft_ms` while it decodes / prefills). Without,
-   but with interactive requests seen in the last `interactive_window` seconds, a step is kept short enough
-   that an urgent newcomer does not wait long for it (its fixed cost is `bulk_step_overhead` of it); with no
-   interactive traffic at all, only the token budget (`max_num_batched_tokens`) applies, so bulk alone runs
-   as fast as it ever did. A bulk sequence left out of a step keeps its KV cache and loses only that step.
-
-What a step will take comes from `StepCost`, fitted online to the steps the engine ran.
-
-Waiting requests are admitted by class, then urgency (priority plus `ageing_rate` points per second waited,
-from the request's arrival: the worker passes the job's creation, so time in the broker counts), then
-earliest deadline (none counts as last), then fewest tokens to compute (prompt minus cached prefix: short prompts and cache hits first), the last only
-among requests that arrived within `length_window` seconds of each other, so a long prompt is never
-overtaken by requests that arrived later than that. A request whose next uncached block another sequence
-prefills in this step waits one step to reuse it instead of computing it twice.
-
-When KV blocks run short, the least urgent running sequence is pre-empted: bulk before interactive, lowest
-priority, most recently admitted; its blocks are freed and it is recomputed later (its full blocks stay in
-the prefix cache, so that is usually cheap). A sequence pre-empted `max_preemptions` times is no longer
-pre-empted to make room for a newcomer, so it cannot be sent back again and again.
+Requests are interactive (a person waits on every token) or bulk. A step takes all interactive work first,
+admitting waiting interactive requests by pre-empting bulk ones if need be; bulk work (decodes, then prefill
+chunks, then admissions) fills it up to a time limit: the interactive work's latency target, or while
+interactive traffic is about a length that keeps a newcomer's wait short, or with none only the token budget.
+What a step will take comes from `StepCost`, fitted online. Waiting requests are admitted by class, urgency
+(priority plus ageing from arrival), deadline, then fewest uncached tokens among those that arrived within
+`length_window` of each other. When blocks run short the least urgent running sequence is pre-empted and
+recomputed later (its full blocks stay cached); one pre-empted `max_preemptions` times is spared after that.
 """
 
 from __future__ import annotations
@@ -40,10 +20,12 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, Status
 from engine.core.step_cost import StepCost, Work
+from engine.core.step_rows import step_plan
+from engine.step import StepPlan
 
 
 @dataclass
-class StepPlan:
+class Planning:
     """The step being planned: what runs, and the work that adds up to (kept as plain counters: the planner
     adds hundreds of rows a step)."""
 
@@ -92,12 +74,6 @@ def plus(work: Work, seq: Sequence, n: int) -> Work:
     return Work(work.prefill_tokens + n, work.decode_rows, work.decode_longest)
 
 
-def work_of(batch: list[tuple[Sequence, int]]) -> Work:
-    """The work of a scheduled step (before it runs: contexts are counted from `num_computed`)."""
-    contexts = [seq.num_computed + 1 for seq, n in batch if n == 1]
-    return Work(sum(n for _, n in batch if n > 1), len(contexts), max(contexts, default=0))
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, cost: StepCost | None = None) -> None:
         self.config = config
@@ -115,6 +91,7 @@ class Scheduler:
         self.last_interactive = -math.inf  # when an interactive request last arrived or waited
         self._admissions = itertools.count()
         self._step = 0
+        self._released: list[str] = []  # finished or pre-empted since the last plan (`StepPlan.released`)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -127,92 +104,99 @@ class Scheduler:
         (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
         self.blocks.free(seq)
         seq.status = Status.FINISHED
+        self._released.append(seq.request_id)
 
-    def schedule(self, now: float) -> list[tuple[Sequence, int]]:
-        """(sequence, new tokens) for the next step; its blocks are allocated on return."""
+    def schedule(self, now: float) -> StepPlan | None:
+        """The next step, its blocks allocated; None when nothing can run."""
         self._step += 1
-        plan = StepPlan(self.config.max_num_batched_tokens)
+        planning = Planning(self.config.max_num_batched_tokens)
         # 1. interactive work, whole: decodes before prefill chunks, most urgent first
         for seq in sorted((s for s in self.running if s.interactive),
                           key=lambda s: (s.num_uncomputed > 1, -s.priority, s.admitted)):
-            self._run(seq, min(seq.num_uncomputed, self.config.prefill_chunk_size, plan.tokens_left), plan)
+            n = min(seq.num_uncomputed, self.config.prefill_chunk_size, planning.tokens_left)
+            self._schedule(seq, n, planning)
         urgent = [s for s in self.waiting if s.interactive]
-        if urgent or plan.scheduled:
+        if urgent or planning.scheduled:
             self.last_interactive = now
-        self._admit(self._admission_order(urgent, now), plan, math.inf, now)
+        self._admit(self._admission_order(urgent, now), planning, math.inf, now)
         # 2. bulk work, up to the step's time limit
-        limit = self._time_limit(plan, now)
+        limit = self._time_limit(planning, now)
         self.num_limited_steps += limit < math.inf
         decodes, prefills = [], []
         for seq in self.running:
             if not seq.interactive:
                 (decodes if seq.num_uncomputed == 1 else prefills).append(seq)
-        if limit == math.inf and len(decodes) <= plan.tokens_left:  # every one runs: no order to keep
-            self._run_decodes(decodes, plan)
+        if limit == math.inf and len(decodes) <= planning.tokens_left:  # every one runs: no order to keep
+            self._schedule_decodes(decodes, planning)
         else:
             decodes.sort(key=lambda s: (s.last_step < self._step - 1, s.last_step, s.admitted))
             for i, seq in enumerate(decodes):
-                if plan.tokens_left < 1 or (limit < math.inf and self.cost.predict(plus(plan.work, seq, 1)) > limit):
+                if planning.tokens_left < 1 or (limit < math.inf
+                                                and self.cost.predict(plus(planning.work, seq, 1)) > limit):
                     self.num_rows_deferred += len(decodes) - i  # the rest would not fit either
                     break
-                self._run(seq, 1, plan)
+                self._schedule(seq, 1, planning)
         for seq in sorted(prefills, key=lambda s: s.admitted):
             if seq.status is Status.RUNNING:
-                self._run(seq, self._chunk(seq, plan, limit), plan)
-        if min(plan.tokens_left, self._spare_tokens(plan, limit)) > 0:  # else ordering the backlog is wasted
-            self._admit(self._admission_order([s for s in self.waiting if not s.interactive], now), plan, limit, now)
-        for seq in plan.scheduled:
+                self._schedule(seq, self._chunk(seq, planning, limit), planning)
+        if min(planning.tokens_left, self._spare_tokens(planning, limit)) > 0:  # else ordering the backlog is wasted
+            bulk = self._admission_order([s for s in self.waiting if not s.interactive], now)
+            self._admit(bulk, planning, limit, now)
+        if not planning.scheduled:
+            return None
+        for seq in planning.scheduled:
             seq.last_step = self._step
-        return list(plan.scheduled.items())
+        released, self._released = self._released, []
+        return step_plan(planning.scheduled, self.blocks.rows, self.blocks.block_size, released)
 
-    def _time_limit(self, plan: StepPlan, now: float) -> float:
+    def _time_limit(self, planning: Planning, now: float) -> float:
         """Seconds this step may take once its interactive work is in: that work's latency target, a newcomer's
         wait while interactive traffic is about, or no limit."""
         c = self.config
-        if not plan.scheduled:
+        if not planning.scheduled:
             if now - self.last_interactive > c.interactive_window:
                 return math.inf
             return self.cost.predict(Work()) / c.bulk_step_overhead
-        alone = self.cost.predict(plan.work)
+        alone = self.cost.predict(planning.work)
         limits = []
-        if plan.work.decode_rows:
+        if planning.work.decode_rows:
             limits.append(c.interactive_tpot_ms / 1e3 or c.interactive_slowdown * alone)
-        if plan.work.prefill_tokens:
+        if planning.work.prefill_tokens:
             limits.append(c.interactive_ttft_ms / 1e3 or c.interactive_slowdown * alone)
         return max(min(limits), alone)
 
-    def _spare_tokens(self, plan: StepPlan, limit: float) -> int:
+    def _spare_tokens(self, planning: Planning, limit: float) -> int:
         """Prefill tokens the step's time limit still allows (its token budget aside)."""
         if limit == math.inf:
-            return plan.tokens_left
+            return planning.tokens_left
         per_token = self.cost.predict(Work(prefill_tokens=1000)) - self.cost.predict(Work())
-        spare = limit - self.cost.predict(plan.work)
+        spare = limit - self.cost.predict(planning.work)
         return max(0, int(1000 * spare / max(per_token, 1e-9)))
 
-    def _chunk(self, seq: Sequence, plan: StepPlan, limit: float, uncomputed: int | None = None) -> int:
+    def _chunk(self, seq: Sequence, planning: Planning, limit: float, uncomputed: int | None = None) -> int:
         """Tokens of `seq`'s prompt (of its `uncomputed` ones, when given) to prefill in this step, within the
         token budget and the time limit; 0 when the time limit leaves only a sliver (less than a block), not
         worth a pass."""
         n = min(seq.num_uncomputed if uncomputed is None else uncomputed, self.config.prefill_chunk_size,
-                plan.tokens_left)
-        timed = min(n, self._spare_tokens(plan, limit))
+                planning.tokens_left)
+        timed = min(n, self._spare_tokens(planning, limit))
         return timed if timed == n or timed >= self.blocks.block_size else 0
 
-    def _run(self, seq: Sequence, n: int, plan: StepPlan) -> None:
+    def _schedule(self, seq: Sequence, n: int, planning: Planning) -> None:
         """Schedule `n` tokens of running `seq`, pre-empting others (or `seq` itself) when blocks are short."""
         if n <= 0 or seq.status is not Status.RUNNING:
             return
         if self.blocks.windowed:
             self.blocks.recycle(seq)
         while seq.status is Status.RUNNING and not self.blocks.try_append(seq, n):
-            self._preempt(self._victim(seq, for_room=True), plan)
+            self._preempt(self._victim(seq, for_room=True), planning)
         if seq.status is Status.RUNNING:
-            plan.add(seq, n)
-            self._mark_computing(seq, n, plan.computing)
+            planning.add(seq, n)
+            self._mark_computing(seq, n, planning.computing)
 
-    def _run_decodes(self, decodes: list[Sequence], plan: StepPlan) -> None:
-        """`_run(seq, 1, plan)` for each of `decodes` (running bulk sequences that all fit in the step, so their
-        order does not change which run). Most have room for the token in their last block and leave
+    def _schedule_decodes(self, decodes: list[Sequence], planning: Planning) -> None:
+        """`_schedule(seq, 1, planning)` for each of `decodes` (running bulk sequences that all fit in the step, so
+        their order does not change which run). Most have room for the token in their last block and leave
         `_mark_computing` nothing to mark (their block has no content key yet): those go into the plan in one
         go. The others (a block to take, maybe a pre-emption) go one by one, in admission order; with
         sliding-window pools every row does (its ring blocks are recycled first)."""
@@ -225,9 +209,9 @@ class Scheduler:
                 at = seq.num_computed
                 has_room = at < len(seq.block_tables[0]) * size
                 (plain if has_room and at // size >= len(seq.block_keys) else rest).append(seq)
-        plan.add_decodes(plain)
+        planning.add_decodes(plain)
         for seq in sorted(rest, key=lambda s: s.admitted):
-            self._run(seq, 1, plan)
+            self._schedule(seq, 1, planning)
 
     def _admission_order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
         """`seqs` (waiting, of one class) in the order they are to be admitted."""
@@ -245,34 +229,35 @@ class Scheduler:
 
         return sorted(seqs, key=key)
 
-    def _admit(self, candidates: list[Sequence], plan: StepPlan, limit: float, now: float) -> None:
+    def _admit(self, candidates: list[Sequence], planning: Planning, limit: float, now: float) -> None:
         """Admit `candidates` in order while the step has room, pre-empting less urgent work for them."""
         for seq in candidates:
-            if plan.tokens_left <= 0:
+            if planning.tokens_left <= 0:
                 return
-            if self._next_block_in_flight(seq, plan.computing):
+            if self._next_block_in_flight(seq, planning.computing):
                 continue
-            while (admitted := self._try_admit(seq, plan, limit)) is None:
+            while (admitted := self._try_admit(seq, planning, limit)) is None:
                 victim = self._victim(seq, for_room=False)
-                if victim is None or not self._may_preempt(seq, victim, now) or not self._has_time(seq, plan, limit):
+                if (victim is None or not self._may_preempt(seq, victim, now)
+                        or not self._has_time(seq, planning, limit)):
                     return
-                self._preempt(victim, plan)
+                self._preempt(victim, planning)
             if not admitted:  # the step has no time left for another chunk
                 return
 
-    def _has_time(self, seq: Sequence, plan: StepPlan, limit: float) -> bool:
+    def _has_time(self, seq: Sequence, planning: Planning, limit: float) -> bool:
         """Whether the step has time for a chunk of waiting `seq` (its cached prefix aside): asked before
         someone is pre-empted to make room for it."""
         cached = len(self.blocks.cached_prefix(seq)) * self.blocks.block_size
-        return self._chunk(seq, plan, limit, seq.num_tokens - cached) > 0
+        return self._chunk(seq, planning, limit, seq.num_tokens - cached) > 0
 
-    def _try_admit(self, seq: Sequence, plan: StepPlan, limit: float) -> bool | None:
+    def _try_admit(self, seq: Sequence, planning: Planning, limit: float) -> bool | None:
         """Give `seq` a slot, its cached prefix and the blocks of its first chunk: True when admitted, False when
         the step has no time left for it, None (nothing taken) when slots or blocks are short."""
         if len(self.running) >= self.config.max_num_seqs:
             return None
         reused, from_host = self.blocks.reuse(seq)
-        n = self._chunk(seq, plan, limit)
+        n = self._chunk(seq, planning, limit)
         if n == 0 or not self.blocks.try_append(seq, n):
             self.blocks.free(seq)
             seq.num_computed = 0
@@ -285,8 +270,8 @@ class Scheduler:
         seq.status, seq.admitted = Status.RUNNING, next(self._admissions)
         self.waiting.remove(seq)
         self.running.append(seq)
-        plan.add(seq, n)
-        self._mark_computing(seq, n, plan.computing)
+        planning.add(seq, n)
+        self._mark_computing(seq, n, planning.computing)
         return True
 
     def _may_preempt(self, newcomer: Sequence, victim: Sequence, now: float) -> bool:
@@ -327,14 +312,16 @@ class Scheduler:
         computing.update(entry.key for entry in seq.block_keys[first:last])
 
     def _next_block_in_flight(self, seq: Sequence, computing: set[int]) -> bool:
+        """Whether another sequence fills `seq`'s next uncached block in this step: `seq` then waits a step to
+        reuse it instead of computing it twice."""
         if not computing:
             return False
         blocks = len(self.blocks.cached_prefix(seq))
         return blocks < len(seq.block_keys) and seq.block_keys[blocks].key in computing
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, seq: Sequence, planning: Planning) -> None:
         """Send `seq` back to waiting with no blocks, and out of this step."""
-        plan.remove(seq)
+        planning.remove(seq)
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0
@@ -342,3 +329,4 @@ class Scheduler:
         seq.timings.preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
+        self._released.append(seq.request_id)

@@ -18,14 +18,17 @@ class Status(Enum):
 class Sequence:
     def __init__(self, request: Request, num_pools: int, max_model_len: int) -> None:
         self.request = request
+        self.request_id = request.request_id
         self.params = request.sampling
         self.token_ids = list(request.prompt_ids)
         self.num_prompt_tokens = len(request.prompt_ids)
         # it finishes by length once it holds this many tokens (prompt included)
-        self.max_tokens = token_limit(self.num_prompt_tokens, self.params.max_new_tokens, max_model_len)
+        self.token_limit = token_limit(self.num_prompt_tokens, self.params.max_new_tokens, max_model_len)
         self.stop_window = stop_window(self.params.stop)  # output tokens a stop string can span
         self.stop_ends = stop_ends(self.params.stop)  # characters a token completing a stop string holds
-        self.thinking = self.params.max_thinking_tokens is not None  # its reasoning has a budget
+        self.reasoning_budget = self.params.max_thinking_tokens  # None: its reasoning may run on
+        # a penalty reads the token history: only such rows hand theirs to the sampler
+        self.penalized = self.params.repetition_penalty != 1.0 or self.params.presence_penalty != 0.0
         # Tokens whose K/V is in the cache. A step computes `token_ids[num_computed:]` (or a chunk of it) and
         # samples when it reaches the end, so prefill, chunked prefill, decode and recompute after pre-emption
         # are one code path.
@@ -38,15 +41,11 @@ class Sequence:
         self.admitted = -1  # admission counter: the most recently admitted sequence is pre-empted first
         self.last_step = -1  # the scheduler's last step that ran this sequence
         self.interactive = request.interactive
-        self.reasoning: int | None = None  # tokens in its open <think> block; None: no block open
+        self.think_block_tokens: int | None = None  # tokens in its open <think> block; None: no block open
         self.timings = Timings()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
     @property
     def priority(self) -> int:
@@ -77,7 +76,7 @@ class Sequence:
         if self.first_scheduled is None:
             self.first_scheduled = start
             t.queue_wait_ms = (start - self.request.arrival) * 1e3
-            t.batch_id = step
+            t.first_step = step
         if prefilled:
             t.prefill_ms += (end - start) * 1e3
         t.batch_size = max(t.batch_size, batch_size)

@@ -1,14 +1,11 @@
 """What a step will cost, learned from the steps the engine ran.
 
-A step's time is close to linear in four things: a fixed part (the host's per-step work, the weights read
-once), prefill tokens (matrix work), decode rows (a row of matrix work each) and the K/V those rows read
-(batched decode attention pads every row to the longest, so rows times the longest context). That holds on a CPU and on a GPU alike, but the coefficients differ by
-orders of magnitude between machines and models, so none is configured: they are fitted online by least
-squares over the recent steps (each step's weight decays by `forgetting` per later step, so the fit follows
-a machine whose speed drifts), with a weak pull towards a prior that keeps the fit defined before the steps
-have varied enough to tell the parts apart. The squares are of relative errors: the decisions that matter
-are about small steps (an interactive decode alone, and what may join it), and a fit of absolute errors
-would let the many large bulk steps pull the fixed part off by half.
+A step's time is close to linear in a fixed part, prefill tokens, decode rows and the K/V those rows read
+(rows times the longest context: batched decode attention pads to it). The coefficients differ by orders of
+magnitude between machines and models, so none is configured: they are fitted online by least squares over
+recent steps (older ones decay by `forgetting`, so the fit follows a machine whose speed drifts), pulled
+weakly towards a prior until the steps have varied enough. The squares are of relative errors: the decisions
+that matter are about small steps, which the many large bulk steps would otherwise outweigh.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
+from engine.step import StepPlan
 
 # prefill tokens / 1e3, decode rows / 1e2, context tokens / 1e5: weights of similar size, a well-posed fit
 SCALE = np.array([1.0, 1e-3, 1e-2, 1e-5])
@@ -28,6 +27,13 @@ class Work(NamedTuple):
 
     def features(self) -> np.ndarray:
         return np.array([1.0, self.prefill_tokens, self.decode_rows, self.decode_rows * self.decode_longest]) * SCALE
+
+
+def work_of(plan: StepPlan) -> Work:
+    """The work of a planned step."""
+    d = plan.num_decodes
+    longest = int(plan.starts[:d].max()) + 1 if d else 0
+    return Work(int(plan.counts[d:].sum()), d, longest)
 
 
 class StepCost:

@@ -1,22 +1,14 @@
-"""Steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: on a GPU a step of a few hundred tokens is bound by kernel launches.
 
-On a GPU a step of a few hundred tokens is bound by kernel launches, not by its arithmetic, so its kernels are
-captured once per size bucket and replayed with the step's inputs copied into static buffers.
+- `DecodeGraphs`: whole decode steps, attention included, each batch size captured on first use. Padded rows
+  write nothing (slot -1) and attend to one key of block 0. A KV pool that grows moves its tensors, which
+  makes these graphs stale.
+- `PieceGraphs`: other steps up to 512 tokens. Each piece of the model between two attentions replays a graph
+  captured per 16-token bucket; attention, whose work depends on the sequences, runs eagerly between them on
+  the real tokens (padded rows never reach a real one, and write no K/V). They never touch the KV pools, and
+  are all captured at start, before the pool is sized, so its share of free memory already leaves theirs.
 
-- `DecodeGraphs`: whole decode steps, attention included, each size captured on first use. Padded rows write
-  nothing (slot -1) and attend to one key of block 0. Growing a KV pool moves its tensor, which makes every
-  such graph stale.
-- `PieceGraphs`: every other step up to 512 tokens (prefill chunks, mixed steps, a windowed model's decodes).
-  Each piece of the model between two attentions (`Qwen3Model.piece`) is replayed from a graph captured at the
-  step's token count rounded up to a multiple of 16; attention, whose work depends on the sequences and not
-  only on the token count, runs as usual between them on the real tokens only. Padded rows compute row by row
-  on what their buffers hold, so they never reach a real row, and they write no K/V. These graphs never touch
-  the KV pools, so growing one leaves them valid, and all sizes are captured when the engine starts, before
-  the KV pool is sized: the pool's share of free memory then already leaves theirs, and no step waits on a
-  capture.
-
-Both share one memory pool: graphs replay one at a time and every output is copied into a buffer outside it,
-so each capture reuses what the earlier ones freed (the largest pieces are captured first).
+Both share one memory pool: graphs replay one at a time and copy every output out of it.
 """
 
 from __future__ import annotations
@@ -33,9 +25,10 @@ MAX_PIECE_TOKENS = 512
 
 
 class DecodeGraphs:
-    def __init__(self, model: Qwen3ForCausalLM, ops: Ops, caches: list[KVCache],
-                 layer_slots: list[LayerSlot], max_batch: int, table_widths: list[int], mempool=None) -> None:
-        """`mempool`: the graph memory pool to share (`PieceGraphs.mempool`), if any."""
+    def __init__(self, model: Qwen3ForCausalLM, ops: Ops, caches: list[KVCache], layer_slots: list[LayerSlot],
+                 max_batch: int, table_widths: list[int], pieces: PieceGraphs | None) -> None:
+        """`pieces`: the piece graphs, captured already, whose memory pool these share (None: a pool of their
+        own)."""
         self.model, self.ops, self.caches, self.layer_slots = model, ops, caches, layer_slots
         self.sizes = sorted({*(s for s in (1, 2, 4, 8, *range(16, max_batch, 16)) if s < max_batch), max_batch})
         n, device = max_batch, next(model.parameters()).device
@@ -47,7 +40,7 @@ class DecodeGraphs:
         self.tables = [torch.zeros(n, w, dtype=torch.int32, device=device) for w in table_widths]
         self.hidden = torch.zeros(n, model.shape.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mempool = mempool
+        self.mempool = pieces.mempool if pieces is not None else None
         self.versions: list[int] = []
         self.steps = 0  # replayed
 

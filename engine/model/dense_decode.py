@@ -5,19 +5,19 @@ copies about as many bytes per step as the weights of Qwen3-0.6B hold. Here each
 a row of a dense `[rows, length, kv_heads, head_dim]` tensor per full-attention layer: its new K/V is written
 into the row, and attention reads `[:batch, :longest]` as a strided view. A row is filled from the pool when
 its sequence starts decoding (after a prefill, or again after a pre-emption) and the last row moves into the
-hole when one stops. The pool stays the source of truth. The copy is bounded by `max_bytes`; a step that
-would need more runs on the paged path.
+hole when one stops. Rows are keyed by request id, and a plan's `released` requests lose theirs. The pool
+stays the source of truth. The copy is bounded by `max_bytes`; a step that would need more runs paged.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from engine.core.block_manager import table_tensor
 from engine.core.kv_cache import GROWTH, KVCache
-from engine.core.sequence import Sequence, Status
+from engine.step import StepPlan
 from kernels.torch_ops import decode_attention, gather_blocks
 
 LENGTH_ALIGN = 64
@@ -33,8 +33,8 @@ class DenseDecodeKV:
         num_layers, _, heads, dim = cache.shape
         self.bytes_per_token = 2 * num_layers * heads * dim * cache.dtype.itemsize
         self.data = torch.zeros(2, num_layers, 0, 0, heads, dim, dtype=cache.dtype, device=cache.device)
-        self.order: list[Sequence] = []  # order[i] owns row i
-        self.filled: dict[Sequence, int] = {}  # tokens of K/V each row holds
+        self.order: list[str] = []  # order[i]: the request that owns row i
+        self.filled: dict[str, int] = {}  # request -> tokens of K/V its row holds
         self.rows = torch.arange(0)
         self.positions = torch.arange(0)
         self.mask = torch.ones(0, 1, 1, 0, dtype=torch.bool)
@@ -43,35 +43,43 @@ class DenseDecodeKV:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def sync(self, seqs: list[Sequence], step_size: int) -> list[Sequence] | None:
-        """Rows for this step's decoding `seqs` (of the step's `step_size` sequences, the rest prefilling, to
-        decode soon); returns them in row order (the order the step must use), or None when they do not fit
-        in `max_bytes` (the copy is then dropped and the step runs paged).
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the rows of requests that finished or were pre-empted."""
+        for request_id in request_ids:
+            if request_id in self.filled:
+                self._drop(request_id)
 
-        A sequence still decoding but left out of this step (the scheduler keeps a step short) keeps its row
+    def sync(self, plan: StepPlan) -> np.ndarray | None:
+        """Rows for the plan's decodes (of its rows, the rest prefilling, to decode soon); returns those decodes'
+        plan rows in row order (the order the step must use), or None when they do not fit in `max_bytes`
+        (the copy is then dropped and the step runs paged).
+
+        A request still decoding but left out of this step (the scheduler keeps a step short) keeps its row
         for the steps it rejoins; this step's rows are moved to the front, a swap of two rows each, so that
         attention reads them as one view."""
-        live = set(seqs)
-        for seq in [s for s in self.order if s.status is not Status.RUNNING or self.filled[s] != s.num_computed]:
-            self._drop(seq)
-        longest = max(seq.num_computed + 1 for seq in seqs)
-        final = max(seq.max_tokens for seq in seqs)
-        new = [seq for seq in seqs if seq not in self.filled]
-        if not self._fit(len(self.order) + len(new), longest, step_size, final):
+        d = plan.num_decodes
+        starts = plan.starts[:d].tolist()
+        live = {request_id: i for i, request_id in enumerate(plan.request_ids[:d])}  # request -> its plan row
+        for request_id in [r for r in self.order if r in live and self.filled[r] != starts[live[r]]]:
+            self._drop(request_id)  # its K/V moved on without it (a single-token prefill chunk, say)
+        longest = max(starts) + 1
+        final = int(plan.token_limits[:d].max())
+        new = [i for i, request_id in enumerate(plan.request_ids[:d]) if request_id not in self.filled]
+        if not self._fit(len(self.order) + len(new), longest, len(plan.request_ids), final):
             self.order, self.filled = [], {}
             return None
-        self._fill(new)
+        self._fill(plan, new)
         self._to_front(live)
-        ordered = self.order[:len(seqs)]
-        lens = torch.tensor([seq.num_computed + 1 for seq in ordered])
-        self.rows = torch.arange(len(ordered))
+        rows = [live[request_id] for request_id in self.order[:d]]
+        lens = torch.tensor([starts[i] + 1 for i in rows])
+        self.rows = torch.arange(d)
         self.positions = lens - 1
         self.mask = (torch.arange(longest) < lens[:, None])[:, None, None, :]
-        for seq in ordered:
-            self.filled[seq] = seq.num_computed + 1  # what the row holds once this step has run
-        return list(ordered)
+        for request_id, length in zip(self.order[:d], lens.tolist(), strict=True):
+            self.filled[request_id] = length  # what the row holds once this step has run
+        return np.array(rows, np.intp)
 
-    def _to_front(self, live: set[Sequence]) -> None:
+    def _to_front(self, live: dict[str, int]) -> None:
         """Swap rows so that the first `len(live)` rows are those of `live`."""
         front = len(live)
         holes = [i for i in range(front) if self.order[i] not in live]
@@ -93,11 +101,11 @@ class DenseDecodeKV:
         return decode_attention(q, keys[:batch, :longest].transpose(1, 2), values[:batch, :longest].transpose(1, 2),
                                 self.mask, scale)
 
-    def _drop(self, seq: Sequence) -> None:
-        row = self.order.index(seq)
+    def _drop(self, request_id: str) -> None:
+        row = self.order.index(request_id)
         last = self.order.pop()
-        del self.filled[seq]
-        if last is not seq:
+        del self.filled[request_id]
+        if last != request_id:
             self.data[:, :, row, : self.filled[last]] = self.data[:, :, len(self.order), : self.filled[last]]
             self.order[row] = last
 
@@ -127,18 +135,18 @@ class DenseDecodeKV:
                 return True
         return False
 
-    def _fill(self, seqs: list[Sequence]) -> None:
-        """Copy the cached K/V of sequences that start decoding into new rows."""
-        if not seqs:
+    def _fill(self, plan: StepPlan, new: list[int]) -> None:
+        """Copy the cached K/V of the requests of plan rows `new`, which start decoding, into new rows."""
+        if not new:
             return
-        rows = torch.arange(len(self.order), len(self.order) + len(seqs))
-        self.order.extend(seqs)
-        self.filled.update((seq, seq.num_computed) for seq in seqs)
-        longest = max(seq.num_computed for seq in seqs)
+        rows = torch.arange(len(self.order), len(self.order) + len(new))
+        self.order.extend(plan.request_ids[i] for i in new)
+        self.filled.update((plan.request_ids[i], int(plan.starts[i])) for i in new)
+        longest = int(plan.starts[new].max())
         if longest == 0:
             return
         width = math.ceil(longest / self.cache.shape[1])
-        tables = table_tensor([seq.block_tables[self.pool][:width] for seq in seqs])
+        tables = torch.from_numpy(plan.block_tables[self.pool][new, :width])
         for kv in range(2):
             for layer in range(self.data.shape[1]):
                 self.data[kv, layer, rows, :longest] = gather_blocks(self.cache.layer(layer)[kv], tables, longest)

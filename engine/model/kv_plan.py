@@ -7,12 +7,12 @@ pool took what its rings can ever use.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
-from engine.core.block_manager import blocks_per_seq
 from engine.model.attention import LayerSlot
 from engine.model.attention_policy import layer_policies, parse_policy, ring_window
 from engine.model.memory import kv_budget, split_budget
@@ -60,3 +60,10 @@ def plan_kv(shape: ModelShape, config: EngineConfig, max_model_len: int, cache_d
     if min(max_blocks) < 2:
         raise ValueError(f"a KV budget of {budget} bytes does not hold even two blocks per pool")
     return KVPlan(policies, windows, layers, layer_slots, kv_bytes_per_token, block_bytes, chunk, budget, max_blocks)
+
+
+def blocks_per_seq(windows: list[int], block_size: int, num_tokens: int, chunk: int) -> list[int]:
+    """The most blocks of each pool one sequence of `num_tokens` tokens holds, prefilled `chunk` at a time."""
+    full = math.ceil(num_tokens / block_size)
+    # a ring holds the window behind the oldest query of a step plus the step's chunk, rounded out to blocks
+    return [full if w == 0 else min(full, math.ceil((w - 1 + chunk) / block_size) + 1) for w in windows]

@@ -1,4 +1,4 @@
-"""A Hugging Face Qwen3 folder (config.json + *.safetensors) into `engine.model.Qwen3ForCausalLM`.
+"""A Hugging Face Qwen3 folder (config.json + *.safetensors) into `engine.model.qwen3.Qwen3ForCausalLM`.
 
 Modules are built directly on the target device and dtype with empty parameters, and each checkpoint tensor
 is copied straight into its parameter (or its shard of a fused one), so the weights exist once.

@@ -1,4 +1,4 @@
-"""One scheduled step through the model: packs the inputs, runs the forward, samples the next tokens."""
+"""One planned step through the model: packs the plan's rows, runs the forward, samples the next tokens."""
 
 from __future__ import annotations
 
@@ -7,23 +7,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.core.block_manager import TableRows
 from engine.core.kv_cache import KVCache
-from engine.core.sequence import Sequence
 from engine.model.attention import AttentionBatch, BatchPart, LayerSlot
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.dense_decode import DenseDecodeKV
 from engine.model.qwen3 import Qwen3ForCausalLM
 from engine.model.sampler import sample
+from engine.step import StepPlan, StepResult
 from kernels.dispatch import Ops
 
 
 @dataclass
-class Step:
-    """One step's batch packed on the host: `seqs[i]` brings `counts[i]` new tokens; decodes come first."""
+class PackedStep:
+    """A plan's rows as tensors on the host, in the order the kernels take them: single-token rows first (in
+    the dense rows' order when those serve them), then prefill chunks."""
 
-    seqs: list[Sequence]
-    counts: list[int]
+    request_ids: list[str]
+    packed_at: np.ndarray | None  # per plan row, its row here; None: the plan's own order
     num_decodes: int
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -33,13 +33,17 @@ class Step:
     slots: list[torch.Tensor]  # per KV pool
     dense: bool  # the decodes attend through `DenseDecodeKV` rows
 
+    def last_tokens(self, plan_rows: np.ndarray) -> np.ndarray:
+        """Where in the packed tokens each of `plan_rows` ends."""
+        rows = plan_rows if self.packed_at is None else self.packed_at[plan_rows]
+        return self.cu_seqlens.numpy()[1:][rows] - 1
+
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, caches: list[KVCache], layer_slots: list[LayerSlot],
                  ops: Ops, block_size: int, graphs: DecodeGraphs | None, pieces: PieceGraphs | None,
-                 dense: DenseDecodeKV | None, tables: TableRows) -> None:
+                 dense: DenseDecodeKV | None) -> None:
         self.model = model
-        self.tables = tables  # the block manager's: every sequence's block tables, one row each
         self.caches = caches
         self.layer_slots = layer_slots
         self.ops = ops
@@ -50,60 +54,53 @@ class ModelRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
-        """Computes `n` new tokens of each (sequence, n); returns the next token of each that reached its end."""
-        step = self.pack(batch)
+    def run(self, plan: StepPlan) -> StepResult:
+        """Computes the plan's new tokens; returns the next token of each row that reached its request's end."""
+        step = self.pack(plan)
         hidden = self.forward(step)
-        ends = [i for i, (seq, n) in enumerate(zip(step.seqs, step.counts, strict=True))
-                if seq.num_computed + n == seq.num_tokens]
-        if not ends:
-            return {}
-        last = torch.from_numpy(step.cu_seqlens.numpy()[1:][ends] - 1).to(self.device)
+        if not len(plan.sample_rows):
+            return StepResult([], [])
+        last = torch.from_numpy(step.last_tokens(plan.sample_rows)).to(self.device)
         logits = self.model.compute_logits(hidden[last])
-        seqs = [step.seqs[i] for i in ends]
-        tokens = sample(logits, seqs)
-        return dict(zip(seqs, tokens, strict=True))
+        return StepResult(plan.sample_ids, sample(logits, plan.sampling))
 
-    def pack(self, batch: list[tuple[Sequence, int]]) -> Step:
-        """The step's inputs on the host: single-query sequences first (the backend takes them in one call, in
-        the dense rows' order when those serve them), then prefill chunks by length. Lists of per-row numbers
-        become tensors through numpy (`torch.tensor` of a list is several times slower), and the block tables
-        are gathered from the block manager's `TableRows`."""
-        decodes = [seq for seq, n in batch if n == 1]
-        ordered = self.dense.sync(decodes, len(batch)) if self.dense is not None and decodes else None
-        prefills = sorted(((s, n) for s, n in batch if n > 1), key=lambda item: item[1])
-        seqs = (ordered or decodes) + [seq for seq, _ in prefills]
-        d, rows = len(decodes), len(seqs)
-        computed = np.fromiter((seq.num_computed for seq in seqs), np.int64, rows)
-        # a decode's one new token is the one at `num_computed`: no slice per row
-        input_ids = [seq.token_ids[seq.num_computed] for seq in seqs[:d]]
+    def pack(self, plan: StepPlan) -> PackedStep:
+        """The step's inputs on the host. Where dense rows serve the decodes, those come in the rows' order."""
+        d, rows = plan.num_decodes, len(plan.request_ids)
+        if self.dense is not None:
+            self.dense.release(plan.released)
+        dense_order = self.dense.sync(plan) if self.dense is not None and d else None
+        request_ids, starts, input_ids, tables, packed_at = (plan.request_ids, plan.starts, plan.input_ids,
+                                                             plan.block_tables, None)
+        if dense_order is not None and (dense_order != np.arange(d)).any():
+            order = np.concatenate([dense_order, np.arange(d, rows)])
+            request_ids = [request_ids[i] for i in order]
+            starts, tables = starts[order], [t[order] for t in tables]
+            input_ids = np.concatenate([input_ids[dense_order], input_ids[d:]])  # a decode's one token each
+            packed_at = np.empty(rows, np.intp)
+            packed_at[order] = np.arange(rows)
+        counts = plan.counts  # the same in either order: the reordered rows are all single tokens
         if d == rows:  # decodes only: one token per row, at the row's context length
-            counts = np.ones(rows, np.int64)
-            row, positions = np.arange(rows), computed
+            row, positions = np.arange(rows), starts
         else:
-            input_ids += [t for seq, n in prefills for t in seq.token_ids[seq.num_computed:seq.num_computed + n]]
-            counts = np.array([1] * d + [n for _, n in prefills], np.int64)
             row = np.repeat(np.arange(rows), counts)
             # each token's position: its row's first new position plus its offset into the row's chunk
-            starts = np.cumsum(counts) - counts
-            positions = computed[row] + np.arange(len(input_ids)) - starts[row]
-        seq_lens = computed + counts
+            offsets = np.cumsum(counts) - counts
+            positions = starts[row] + np.arange(len(input_ids)) - offsets[row]
+        seq_lens = starts + counts
         cu_seqlens = np.zeros(rows + 1, np.int64)
         np.cumsum(counts, out=cu_seqlens[1:])
-        table_rows = np.fromiter((seq.table_row for seq in seqs), np.intp, rows)
-        width = max(1, -(-int(seq_lens.max()) // self.block_size))  # the blocks the longest row needs
-        tables = self.tables.gather(table_rows, width)
-        slot_of = (positions // self.block_size, positions % self.block_size)
-        slots = [torch.from_numpy(t.numpy()[row, slot_of[0]].astype(np.int64) * self.block_size + slot_of[1])
-                 for t in tables]
-        return Step(seqs, counts.tolist(), d, torch.from_numpy(np.array(input_ids, np.int64)),
-                    torch.from_numpy(positions), torch.from_numpy(cu_seqlens), torch.from_numpy(seq_lens), tables,
-                    slots, dense=ordered is not None)
+        block, offset = positions // self.block_size, positions % self.block_size
+        slots = [torch.from_numpy(t[row, block].astype(np.int64) * self.block_size + offset) for t in tables]
+        return PackedStep(request_ids, packed_at, d, torch.from_numpy(input_ids), torch.from_numpy(positions),
+                          torch.from_numpy(cu_seqlens), torch.from_numpy(seq_lens),
+                          [torch.from_numpy(t) for t in tables], slots, dense=dense_order is not None)
 
     @torch.inference_mode()
-    def forward(self, step: Step) -> torch.Tensor:
+    def forward(self, step: PackedStep) -> torch.Tensor:
         """Final hidden states of every packed token."""
-        if self.graphs is not None and step.num_decodes == len(step.seqs) and self.graphs.fits(len(step.seqs)):
+        rows = len(step.request_ids)
+        if self.graphs is not None and step.num_decodes == rows and self.graphs.fits(rows):
             return self.graphs.run(step.input_ids, step.positions, step.slots, step.seq_lens, step.tables)
         d, pools = step.num_decodes, len(step.tables)
         input_ids, positions, cu_seqlens, seq_lens, *rest = upload(
@@ -113,7 +110,7 @@ class ModelRunner:
         if d:
             parts.append(BatchPart(0, d, cu_seqlens[:d + 1], seq_lens[:d], [t[:d] for t in tables],
                                    self.dense if step.dense else None))
-        if d < len(step.seqs):
+        if d < rows:
             parts.append(BatchPart(d, len(step.input_ids), cu_seqlens[d:] - d, seq_lens[d:], [t[d:] for t in tables]))
         attn = AttentionBatch(self.ops, self.caches, self.layer_slots, slots, parts)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):

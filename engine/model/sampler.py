@@ -1,42 +1,28 @@
 """Next tokens from last-position logits, every row at once.
 
-Penalties come first: transformers' repetition penalty over the prompt and the output, OpenAI's presence
-penalty over the output. Greedy rows then take the argmax. Sampled rows are divided by their temperature and
-filtered on their logits sorted in descending order by top-k, top-p and min-p, in that order (transformers'
-warpers), and all drawn in one call by inverting their cumulative distribution at one uniform number per row.
-A row with a seed takes its number from a counter-based hash of (seed, tokens it has drawn so far), so its
-draws never depend on its batch-mates, on pre-emptions or on the device, and no row needs a generator of its
-own.
+Penalties first (transformers' repetition penalty over prompt and output, OpenAI's presence penalty over the
+output), then greedy rows take the argmax and sampled rows are scaled by their temperature, filtered by
+top-k, top-p and min-p in that order (transformers' warpers) and all drawn in one call by inverting their
+cumulative distribution. A seeded row's uniform number comes from a counter-based hash of (seed, tokens drawn
+so far), so its draws never depend on its batch-mates, pre-emptions or the device.
 
-On the CPU the sorting, selecting and argmax go through numpy, whose vectorized kernels take a fraction of
-the time torch's take on rows this short (256 x 512: topk 1.2 ms, numpy's sort 0.08 ms; argmax 0.09 ms
-against 0.01 ms). There only the sorted values are computed (sorting values is 4x cheaper than sorting
-indices), and the drawn rank's column is looked up afterwards. Tied logits (common in bf16) keep a rank each,
-as a sort that breaks ties by column would give them: among the columns holding the drawn value, the one the
-rank falls on. On a device `topk` gives the columns with the values, at no extra cost.
+On the CPU, sorting, selecting and argmax go through numpy, many times faster than torch on rows this short;
+only sorted values are computed there (4x cheaper than indices) and the drawn rank's column is looked up
+afterwards, tied logits keeping a rank each as a sort by column would give them.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from engine.interface import SamplingParams
+from engine.step import SamplingInputs
 
 MASK32 = 0xFFFFFFFF
 # numpy sorts rows up to about this long faster than it selects their top values; longer rows are partitioned
 # first, and only the part kept is sorted
 SORT_WHOLE_ROW = 512
-
-
-class Row(Protocol):
-    """What sampling needs of a sequence (`engine.core.sequence.Sequence`)."""
-
-    params: SamplingParams
-    token_ids: list[int]  # prompt, then output so far
-    num_prompt_tokens: int
 
 
 def _on_host(x: torch.Tensor) -> bool:
@@ -80,30 +66,30 @@ def column_at(x: torch.Tensor, ranked: torch.Tensor, order: torch.Tensor | None,
     return torch.from_numpy((np.cumsum(equal, 1) > nth[:, None]).argmax(1))
 
 
-def _seen(rows: list[Row], vocab: int, device: torch.device, output_only: bool) -> torch.Tensor:
-    """[rows, vocab] bool: which tokens each row's prompt and output (or output only) hold."""
-    ids = [row.token_ids[row.num_prompt_tokens:] if output_only else row.token_ids for row in rows]
-    lengths = torch.tensor([len(i) for i in ids], device=device)
-    where = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    seen[where, torch.tensor([t for i in ids for t in i], dtype=torch.long, device=device)] = True
+def _seen(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] bool: which tokens each row's `histories` entry holds."""
+    lengths = torch.tensor([len(h) for h in histories], device=device)
+    where = torch.repeat_interleave(torch.arange(len(histories), device=device), lengths)
+    seen = torch.zeros(len(histories), vocab, dtype=torch.bool, device=device)
+    seen[where, torch.tensor([t for h in histories for t in h], dtype=torch.long, device=device)] = True
     return seen
 
 
-def penalize(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+def penalize(logits: torch.Tensor, rows: SamplingInputs) -> torch.Tensor:
     """`logits [rows, vocab]` with each row's repetition and presence penalties applied."""
-    repeat = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    params, vocab, device = rows.params, logits.shape[1], logits.device
+    repeat = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if repeat:
         sub = logits[repeat]
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in repeat], device=logits.device)[:, None]
+        penalty = torch.tensor([params[i].repetition_penalty for i in repeat], device=device)[:, None]
         # as transformers: a positive logit is divided by the penalty, a negative one multiplied
         hit = torch.where(sub > 0, sub / penalty, sub * penalty)
-        logits[repeat] = torch.where(_seen([rows[i] for i in repeat], logits.shape[1], logits.device, False), hit, sub)
-    present = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0]
+        logits[repeat] = torch.where(_seen([rows.histories[i] for i in repeat], vocab, device), hit, sub)
+    present = [i for i, p in enumerate(params) if p.presence_penalty != 0.0]
     if present:
-        penalty = torch.tensor([rows[i].params.presence_penalty for i in present], device=logits.device)[:, None]
-        seen = _seen([rows[i] for i in present], logits.shape[1], logits.device, True)
-        logits[present] = logits[present] - penalty * seen
+        penalty = torch.tensor([params[i].presence_penalty for i in present], device=device)[:, None]
+        outputs = [rows.histories[i][rows.prompt_lens[i]:] for i in present]
+        logits[present] = logits[present] - penalty * _seen(outputs, vocab, device)
     return logits
 
 
@@ -143,21 +129,19 @@ def seeded_uniforms(seeds: list[int], counters: list[int], device: torch.device)
     return torch.from_numpy(x.astype(np.float64) / 2.0 ** 32).to(device)
 
 
-def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    """One token per row of `logits`, every row sampled (temperature > 0)."""
-    params = [r.params for r in rows]
+def _draw(logits: torch.Tensor, params: list[SamplingParams], drawn: np.ndarray) -> torch.Tensor:
+    """One token per row of `logits`, every row sampled (temperature > 0); `drawn`: each row's draws so far."""
     vocab = logits.shape[1]
     scaled = logits / _column([p.temperature for p in params], logits.device)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     # when every row has a top-k, only the best `widest` ever survive: a partial sort is enough
     ranked, order = descending(scaled, max(top_k))
     probs = _filtered_probs(ranked, params, top_k)
-    uniforms = torch.rand(len(rows), dtype=torch.float64, device=logits.device)
+    uniforms = torch.rand(len(params), dtype=torch.float64, device=logits.device)
     seeded = [j for j, p in enumerate(params) if p.seed is not None]
     if seeded:
-        draws = [len(rows[j].token_ids) - rows[j].num_prompt_tokens for j in seeded]
-        values = seeded_uniforms([params[j].seed for j in seeded], draws, logits.device)
-        if len(seeded) == len(rows):
+        values = seeded_uniforms([params[j].seed for j in seeded], drawn[seeded].tolist(), logits.device)
+        if len(seeded) == len(params):
             uniforms = values
         else:
             uniforms[seeded] = values
@@ -167,14 +151,16 @@ def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return column_at(scaled, ranked, order, ranks)
 
 
-def sample(logits: torch.Tensor, rows: list[Row]) -> list[int]:
+def sample(logits: torch.Tensor, rows: SamplingInputs) -> list[int]:
     """One token per row of `logits [rows, vocab]` (fp32)."""
     logits = penalize(logits, rows)
-    sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    params = rows.params
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if not sampled:
         return argmax(logits).tolist()
-    if len(sampled) == len(rows):
-        return _draw(logits, rows).tolist()
+    if len(sampled) == len(params):
+        return _draw(logits, params, rows.drawn).tolist()
     tokens = argmax(logits)
-    tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled]).to(tokens.device)
+    draws = _draw(logits[sampled], [params[i] for i in sampled], rows.drawn[sampled])
+    tokens[sampled] = draws.to(tokens.device)
     return tokens.tolist()

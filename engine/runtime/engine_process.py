@@ -1,27 +1,17 @@
 """The engine in a process of its own, behind the same face as `EngineThread`.
 
-A worker runs hundreds of Celery threads, and all their Python (JSON, SQL, Redis, Celery's event loop) shares
-one interpreter lock. With the engine as a thread of that process, every step waits for the lock after the
-device finished, and on a GPU, where a step takes milliseconds, the device idles for as long. Here the model
-and its step loop live in a spawned process (a fresh interpreter: no CUDA context or lock inherited through
-`fork`) that runs nothing else; the worker's threads talk to it over a pipe, as vLLM's front end talks to its
-engine core.
+A worker's Celery threads share one interpreter lock; with the engine among them every step waits for it and
+a GPU idles as long. So the model and its loop (an `EngineThread`) live in a spawned process that runs nothing
+else; its main thread reads the pipe, an `Outbox` thread sends what queued since its last write as one list.
+Messages are small dataclasses; each side has one table from message type to handler:
 
-Inside the child an `EngineThread` runs the loop (so request isolation, deadlines and progress reports are the
-same code in both modes), the child's main thread reads the pipe and an `Outbox` thread writes to it. Messages
-are plain tuples, pickled by the pipe; the child's go in lists, all that queued up since its last write:
+    parent -> child   Submit(request, streams)  Cancel(request_id, reason)  StatsQuery(number)  Close()
+    child -> parent   Ready(max_model_len)  Failed(traceback)  Done(completion)  Tokens(request_id, new_tokens)
+                      StatsReply(number, stats)  Dead(error)
 
-    parent -> child   ("submit", Request, streams)   ("cancel", request id, reason)   ("stats", n)   ("close",)
-    child -> parent   ("ready", max_model_len)     ("failed", traceback)             ("done", Completion)
-                      ("tokens", request id, new token ids)   ("stats", n, dict)     ("dead", error)
-
-Progress goes over as the tokens added since the last report, so a long output is not sent again and again.
-A request's `arrival` and `deadline` are `time.monotonic()` readings, a clock both processes share.
-
-If the child dies (a crash, an out-of-memory kill, a fatal engine error), the parent's reader sees the pipe
-close at once: every pending future fails with `EngineDead` and `on_death` is called. The child ignores
-SIGINT and SIGTERM, which reach a whole process group: its parent decides when it stops, and it stops by
-itself when the parent is gone (the pipe closes).
+`arrival` and `deadline` are `time.monotonic()` readings, a clock both processes share. When the child dies the
+pipe closes and pending futures fail with `EngineDead`. The child ignores SIGINT and SIGTERM, which reach a whole
+process group: it stops when its parent says so or is gone.
 """
 
 from __future__ import annotations
@@ -37,12 +27,71 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from engine.interface import Completion, Request, StepEngine, TokensCallback
 from engine.runtime.engine_thread import EngineDead, EngineThread
 
 log = logging.getLogger(__name__)
+
+
+class Message:
+    """What goes over the pipe: one of the dataclasses below."""
+
+
+@dataclass
+class Submit(Message):
+    request: Request
+    streams: bool  # send its tokens as they come
+
+
+@dataclass
+class Cancel(Message):
+    request_id: str
+    reason: str
+
+
+@dataclass
+class StatsQuery(Message):
+    number: int  # the reply's `StatsReply.number`
+
+
+@dataclass
+class Close(Message):
+    pass
+
+
+@dataclass
+class Ready(Message):
+    max_model_len: int
+
+
+@dataclass
+class Failed(Message):
+    traceback: str  # the engine could not be built
+
+
+@dataclass
+class Done(Message):
+    completion: Completion
+
+
+@dataclass
+class Tokens(Message):
+    request_id: str
+    new_tokens: list[int]  # added since the request's last report
+
+
+@dataclass
+class StatsReply(Message):
+    number: int
+    stats: dict[str, float]
+
+
+@dataclass
+class Dead(Message):
+    error: str  # the engine thread died of it
 
 
 class EngineProcess:
@@ -64,15 +113,15 @@ class EngineProcess:
             self._process.kill()
             raise RuntimeError(f"the engine process did not load its engine within {start_timeout:.0f}s")
         try:
-            [(kind, value)] = self._conn.recv()
+            [first] = self._conn.recv()
         except EOFError:
             self._process.join(5)
             raise RuntimeError(f"the engine process exited while loading (exit code {self._process.exitcode})"
                                ) from None
-        if kind == "failed":
+        if isinstance(first, Failed):
             self._process.join(5)
-            raise RuntimeError(f"the engine process could not load its engine:\n{value}")
-        self.max_model_len: int = value
+            raise RuntimeError(f"the engine process could not load its engine:\n{first.traceback}")
+        self.max_model_len: int = first.max_model_len
         self._send_lock = threading.Lock()  # many Celery threads submit; a pipe write must not interleave
         self._lock = threading.Lock()
         self._futures: dict[str, Future[Completion]] = {}
@@ -80,6 +129,7 @@ class EngineProcess:
         self._stats: dict[int, Future[dict[str, float]]] = {}
         self._stats_numbers = itertools.count()
         self._closing = False
+        self._death = "the engine process exited"  # why the pipe closed, as far as the child said
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
 
@@ -99,12 +149,12 @@ class EngineProcess:
             self._futures[request.request_id] = future
             if on_tokens is not None:
                 self._watched[request.request_id] = (on_tokens, [])
-        self._send(("submit", request, on_tokens is not None))
+        self._send(Submit(request, on_tokens is not None))
         return future
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Stop a request before its next step; its completion's finish reason is `reason`."""
-        self._send(("cancel", request_id, reason))
+        self._send(Cancel(request_id, reason))
 
     def stats(self, timeout: float = 10.0) -> dict[str, float]:
         """The engine's counters and the loop's gaps, as the child has them now."""
@@ -114,20 +164,20 @@ class EngineProcess:
             if not self.alive:
                 raise EngineDead(f"engine process is dead: {self.error!r}")
             self._stats[number] = future
-        self._send(("stats", number))
+        self._send(StatsQuery(number))
         return future.result(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True
         with contextlib.suppress(EngineDead):  # already gone
-            self._send(("close",))
+            self._send(Close())
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(timeout)
         self._reader.join(timeout)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Message) -> None:
         try:
             with self._send_lock:
                 self._conn.send(message)
@@ -135,44 +185,44 @@ class EngineProcess:
             raise EngineDead(f"engine process is gone: {exc!r}") from exc
 
     def _read(self) -> None:
-        reason = "the engine process exited"
+        handlers: dict[type[Message], Callable] = {Done: self._on_done, Tokens: self._on_tokens,
+                                                   StatsReply: self._on_stats, Dead: self._on_dead}
         try:
             while True:
                 for message in self._conn.recv():
-                    kind = message[0]
-                    if kind == "done":
-                        self._resolve(message[1])
-                    elif kind == "tokens":
-                        self._progress(message[1], message[2])
-                    elif kind == "stats":
-                        with self._lock:
-                            future = self._stats.pop(message[1], None)
-                        if future is not None:
-                            future.set_result(message[2])
-                    elif kind == "dead":
-                        reason = f"the engine failed: {message[1]}"
+                    handlers[type(message)](message)
         except (EOFError, OSError):
             pass
         finally:
-            self._fail_pending(reason)
+            self._fail_pending(self._death)
 
-    def _resolve(self, completion: Completion) -> None:
+    def _on_done(self, message: Done) -> None:
+        completion = message.completion
         with self._lock:
             self._watched.pop(completion.request_id, None)
             future = self._futures.pop(completion.request_id, None)
         if future is not None and not future.done():
             future.set_result(completion)
 
-    def _progress(self, request_id: str, new_tokens: list[int]) -> None:
-        watched = self._watched.get(request_id)
+    def _on_tokens(self, message: Tokens) -> None:
+        watched = self._watched.get(message.request_id)
         if watched is None:
             return
         on_tokens, tokens = watched
-        tokens.extend(new_tokens)
+        tokens.extend(message.new_tokens)
         try:
             on_tokens(list(tokens))
         except Exception:  # a progress report is never worth a request
-            log.exception("progress callback of %s failed", request_id)
+            log.exception("progress callback of %s failed", message.request_id)
+
+    def _on_stats(self, message: StatsReply) -> None:
+        with self._lock:
+            future = self._stats.pop(message.number, None)
+        if future is not None:
+            future.set_result(message.stats)
+
+    def _on_dead(self, message: Dead) -> None:
+        self._death = f"the engine failed: {message.error}"
 
     def _fail_pending(self, reason: str) -> None:
         self._process.join(1)
@@ -202,49 +252,62 @@ def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int) -
     try:
         engine = factory()
     except BaseException:
-        conn.send([("failed", traceback.format_exc())])
+        conn.send([Failed(traceback.format_exc())])
         return
-    outbox = Outbox(conn)
-    thread = EngineThread(engine)
-
-    def die(error: BaseException) -> None:
-        # the engine thread died: its state is unknown. Say why, and go: the parent sees the pipe close.
-        outbox.put(("dead", repr(error)))
-        outbox.close()
-        os._exit(3)
-
-    def finished(future: Future[Completion]) -> None:
-        if future.exception() is None:  # else the engine thread died: `watch` ends this process
-            outbox.put(("done", future.result()))
-
-    def watch() -> None:
-        thread.join()
-        if thread.error is not None:
-            die(thread.error)
-
-    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
-    outbox.put(("ready", engine.max_model_len))
+    child = Child(EngineThread(engine), Outbox(conn))
+    threading.Thread(target=child.watch, name="engine-watch", daemon=True).start()
+    child.outbox.put(Ready(engine.max_model_len))
     try:
-        while True:
+        while not child.closing:
             message = conn.recv()
-            kind = message[0]
-            if kind == "submit":
-                _, request, streams = message
-                future = thread.submit(request, _delta_sender(outbox, request.request_id) if streams else None)
-                future.add_done_callback(finished)
-            elif kind == "cancel":
-                thread.cancel(message[1], message[2])
-            elif kind == "stats":
-                outbox.put(("stats", message[1], thread.stats()))
-            elif kind == "close":
-                break
+            child.handlers[type(message)](message)
     except EOFError:  # the parent is gone
         pass
     except EngineDead as exc:  # a submit after the engine thread died
-        die(exc)
+        child.die(exc)
     finally:
-        thread.close()
-        outbox.close()
+        child.thread.close()
+        child.outbox.close()
+
+
+class Child:
+    """The child's side of the pipe: the parent's messages handled, the engine thread's results sent back."""
+
+    def __init__(self, thread: EngineThread, outbox: Outbox) -> None:
+        self.thread = thread
+        self.outbox = outbox
+        self.closing = False
+        self.handlers: dict[type[Message], Callable] = {Submit: self.submit, Cancel: self.cancel,
+                                                        StatsQuery: self.stats, Close: self.close}
+
+    def submit(self, message: Submit) -> None:
+        request = message.request
+        on_tokens = _delta_sender(self.outbox, request.request_id) if message.streams else None
+        self.thread.submit(request, on_tokens).add_done_callback(self._finished)
+
+    def cancel(self, message: Cancel) -> None:
+        self.thread.cancel(message.request_id, message.reason)
+
+    def stats(self, message: StatsQuery) -> None:
+        self.outbox.put(StatsReply(message.number, self.thread.stats()))
+
+    def close(self, message: Close) -> None:
+        self.closing = True
+
+    def _finished(self, future: Future[Completion]) -> None:
+        if future.exception() is None:  # else the engine thread died: `watch` ends this process
+            self.outbox.put(Done(future.result()))
+
+    def watch(self) -> None:
+        self.thread.join()
+        if self.thread.error is not None:
+            self.die(self.thread.error)
+
+    def die(self, error: BaseException) -> None:
+        """The engine thread died: its state is unknown. Say why, and go: the parent sees the pipe close."""
+        self.outbox.put(Dead(repr(error)))
+        self.outbox.close()
+        os._exit(3)
 
 
 class Outbox:
@@ -255,11 +318,11 @@ class Outbox:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, message: tuple) -> None:
+    def put(self, message: Message) -> None:
         self._queue.put(message)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -288,7 +351,7 @@ def _delta_sender(outbox: Outbox, request_id: str) -> TokensCallback:
 
     def on_tokens(tokens: list[int]) -> None:
         nonlocal sent
-        outbox.put(("tokens", request_id, tokens[sent:]))
+        outbox.put(Tokens(request_id, tokens[sent:]))
         sent = len(tokens)
 
     return on_tokens

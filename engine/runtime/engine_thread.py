@@ -1,21 +1,11 @@
 """The one thread that owns a model: turns thread-safe `submit()` calls into engine steps.
 
-Callers (Celery task threads, benchmarks, tests) get a `Future[Completion]` per request. Every call into the
-engine happens on this thread, so engines need no locks.
-
-When a step raises, one bad request must not take its batch-mates down: every request in flight is taken
-out and run again alone, so the one that fails again fails by itself (its completion is `retryable`) and the
-others finish. Out-of-memory and device errors are different: the engine's state is then unknown, so the
-thread dies, every pending future fails with `EngineDead`, and the process that owns it exits and lets its
-supervisor restart it.
-
-Between steps the thread also stops requests: those cancelled (`cancel`) and those past their deadline, which
-end `expired`; either way the engine frees their KV blocks at once and their completion keeps the text so far.
-A caller that passes `on_tokens` is handed the output so far each time it has grown by `progress_every` tokens.
-
-The thread also measures the gaps between steps it runs back to back (`LoopGaps`), which `stats()` reports
-as `loop_gap_p50_ms` / `loop_gap_p95_ms`: what its own bookkeeping and the other threads of the process cost
-the model in idle time.
+Every call into the engine happens on this thread, so engines need no locks. When a step raises, every
+request in flight runs again alone, so only a request that fails alone fails (`retryable`); after
+out-of-memory and device errors the engine's state is unknown, so the thread dies, pending futures fail with
+`EngineDead`, and the process exits for its supervisor to restart. Between steps it stops cancelled requests
+and those past their deadline (`expired`, their text so far kept), hands `on_tokens` the output every
+`progress_every` tokens, and measures its idle gaps between back-to-back steps (`loop_gap_p95_ms` in `stats()`).
 """
 
 from __future__ import annotations
