@@ -242,3 +242,30 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
                ("engine.model.model_runner", "from engine.core.kv_cache import KVCache"),
                ("engine.runtime.engine_process", "from .engine_thread import EngineThread")]
     assert [name for name, source in allowed if engine_rule_breaks({name: ast.parse(source)})] == []
+
+
+def interactive_comparisons(tree: ast.AST) -> list[int]:
+    """Lines that compare against the interactive threshold, or compare a priority with a number."""
+    def names(node: ast.AST) -> set[str]:
+        return {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(node)
+                if isinstance(n, ast.Attribute | ast.Name)}
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        threshold = any("interactive_priority" in names(o) for o in operands)
+        against_a_number = (any("priority" in names(o) for o in operands)
+                            and any(isinstance(o, ast.Constant) and isinstance(o.value, int) for o in operands))
+        if threshold or against_a_number:
+            found.append(node.lineno)
+    return found
+
+
+def test_the_interactive_line_is_drawn_in_one_place():
+    found = {str(path.relative_to(ROOT)): lines for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+             if (lines := interactive_comparisons(ast.parse(path.read_text(), str(path))))}
+    assert found == {"jobs/queues.py": found.get("jobs/queues.py", [])} and found["jobs/queues.py"]
+    assert interactive_comparisons(ast.parse("urgent = job.priority >= 7")) == [1]
+    assert interactive_comparisons(ast.parse("urgent = p >= settings.interactive_priority")) == [1]
