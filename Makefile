@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m cli.main demo
 
+# three processes, a test file each at a time: most tests wait on real servers, so two cores keep up
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from starlette.exceptions import HTTPException
 
 from api import metrics
@@ -17,15 +17,22 @@ from api.admission import Admission
 from api.deps import Intake
 from api.errors import http_error, validation_error
 from api.gate import Gate
+from api.hub import Hub
 from api.prompt_check import PromptCheck
 from api.ratelimit import RateLimiter
 from api.routes import batches, chat, files, health, jobs, models
+from api.service.batch_ingest import Ingests
+from api.service.health import Probe
+from api.service.jobs import statuses
 from jobs.broker import create_celery
 from jobs.db import make_db_engine, make_sessions
 from jobs.publish import stamp_writer
 from jobs.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
+# pooled database connections, and as many again past them: the threadpool's 40 threads (anyio's default, where
+# every route and stream touching the database runs) and the background writers never queue for one
+DB_POOL_SIZE = 24
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -33,16 +40,31 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.known_keys:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
     check = PromptCheck(settings.model, settings.default_thinking)
-    sessions = make_sessions(make_db_engine(settings.database_url.get_secret_value()))
+    db_engine = make_db_engine(settings.database_url.get_secret_value(), pool_size=DB_POOL_SIZE,
+                               pool_class=metrics.WaitCountingPool)
+    sessions = make_sessions(db_engine)
     stamps = stamp_writer(sessions)
-    redis = Redis.from_url(settings.broker_url.get_secret_value())  # progress events (`/v1/jobs/{id}/events`)
+    # Redis, within `api_redis_connections`: the streams' one pub/sub connection, one for health and metrics,
+    # the rest Celery's pool for publishing and cancel broadcasts, where each pooled connection is two of Redis's
+    # (kombu's channel keeps a client for commands and one for consuming, which it pings when it opens)
+    progress = Redis(connection_pool=BlockingConnectionPool.from_url(settings.broker_url.get_secret_value(),
+                                                                     max_connections=1))
+    hub = Hub(progress, lambda ids: statuses(sessions, ids), settings)
+    broker = metrics.broker_client(settings)
+    celery = create_celery(settings)
+    celery.conf.broker_pool_limit = (settings.api_redis_connections - 2) // 2
+    ingests = Ingests(sessions, celery, settings, check)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(check.load)  # the tokenizer now, not in the first request (or batch) that needs it
+        ingests.start()  # it also takes over the ingests that stopped API processes left
         yield
+        await run_in_threadpool(ingests.stop)
         await run_in_threadpool(stamps.close)  # the `published_at` stamps still waiting
-        await redis.aclose()
+        await hub.close()
+        if broker is not None:
+            broker.close()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -51,11 +73,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Queue-fed batch inference for Qwen3 models. Priority 0..9, 9 is the most urgent.",
     )
     app.state.settings = settings
+    app.state.db_engine = db_engine
     app.state.sessions = sessions
-    app.state.celery = create_celery(settings)
-    app.state.redis = redis
+    app.state.celery = celery
+    app.state.hub = hub
+    app.state.broker = broker
+    app.state.probe = Probe(sessions, celery, broker)
     app.state.prompt_check = check
-    app.state.intake = Intake(check=check, admission=Admission(settings), stamp=stamps.submit)
+    app.state.intake = Intake(check=check, admission=Admission(settings), stamp=stamps.submit, ingest=ingests.submit)
     app.add_middleware(Gate, settings=settings,
                        per_key=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
                        failures=RateLimiter(settings.auth_failures_per_s, settings.auth_failures_burst))

@@ -5,22 +5,28 @@ Our lines: `{"custom_id", "transcript": [turns] | "text"}` (summarized) or `{"cu
 (answered as a chat), with optional sampling fields (flat, named as in `jobs.schemas.Sampling`), `thinking`,
 `max_thinking_tokens`, `conversation_id`. OpenAI lines may say thinking as vLLM's
 `chat_template_kwargs: {"enable_thinking": ...}`.
-A bad line becomes a `LineError` with its number and reason; it never sinks the other lines.
+A bad line becomes a `LineError` with its number and reason; it never sinks the other lines. Lines are read from
+the upload's bytes in whatever pieces they come (a stored file's chunks), one line in memory at a time: a line
+longer than a request may be (`CONVOQ_MAX_REQUEST_BYTES`) is an error, its bytes skipped, never held.
 """
 
 from __future__ import annotations
 
-import io
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jobs.schemas import JobIn, Sampling
+from jobs.schemas import JobIn, Sampling, bounded_json
+
+log = logging.getLogger(__name__)
 
 CHAT_COMPLETIONS = "/v1/chat/completions"
+MAX_LINE_BYTES = 8 * 2**20  # as CONVOQ_MAX_REQUEST_BYTES by default: a line is one request
+MAX_CUSTOM_ID = 255
 
 
 @dataclass
@@ -117,22 +123,64 @@ def _job_from_ours(obj: dict, priority: int) -> JobIn:
                  max_thinking_tokens=obj.get("max_thinking_tokens"))
 
 
-def parse_lines(source: Iterable[bytes], priority: int) -> Iterator[ParsedLine | LineError]:
-    """Each non-blank line of `source` (a binary file, read one line at a time) as a job or the reason it is
-    not one. Memory holds one line and the custom_ids seen so far."""
+def split_lines(pieces: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
+    """The lines (without their newline) of the bytes in `pieces`, which may split a line anywhere; None for a line
+    over `max_line_bytes`, whose bytes are dropped as they come. Memory holds one piece and one line."""
+    held = bytearray()
+    over = False
+    for piece in pieces:
+        start = 0
+        while True:
+            end = piece.find(b"\n", start)
+            part = piece[start:] if end < 0 else piece[start:end]
+            if not over and len(held) + len(part) > max_line_bytes:
+                over = True
+                held.clear()
+            elif not over:
+                held += part
+            if end < 0:
+                break
+            yield None if over else bytes(held)
+            held.clear()
+            over = False
+            start = end + 1
+    if held or over:
+        yield None if over else bytes(held)
+
+
+def count_lines(pieces: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES, stop_after: int | None = None) -> int:
+    """Non-blank lines of the bytes in `pieces` (the requests `parse_lines` will find); past `stop_after` it stops
+    reading and says `stop_after + 1`."""
+    count = 0
+    for line in split_lines(pieces, max_line_bytes):
+        if line is None or line.strip():
+            count += 1
+            if stop_after is not None and count > stop_after:
+                break
+    return count
+
+
+def parse_lines(pieces: Iterable[bytes], priority: int,
+                max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[ParsedLine | LineError]:
+    """Each non-blank line of the bytes in `pieces` as a job or the reason it is not one, one line at a time.
+    Memory holds one line and the custom_ids seen so far."""
     seen: set[str] = set()
-    for number, raw in enumerate(source, start=1):
+    for number, raw in enumerate(split_lines(pieces, max_line_bytes), start=1):
+        if raw is None:
+            yield LineError(number, None, f"the line is longer than {max_line_bytes} bytes, the most a request may be")
+            continue
         if not raw.strip():
             continue
         custom_id = None
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = bounded_json(raw.decode("utf-8"))
             if not isinstance(obj, dict):
                 raise ValueError("a line must be a JSON object")
             custom_id = obj.get("custom_id")
-            if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255:
-                custom_id = custom_id if isinstance(custom_id, str) else None
-                raise ValueError("custom_id must be a non-empty string of at most 255 characters")
+            if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID or "\x00" in custom_id:
+                custom_id = None  # not one that can be stored, nor shown as the line's
+                raise ValueError(f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters, "
+                                 "without NUL")
             if custom_id in seen:
                 raise ValueError(f"duplicate custom_id {custom_id!r}")
             job = (_job_from_openai if "body" in obj else _job_from_ours)(obj, priority)
@@ -144,6 +192,9 @@ def parse_lines(source: Iterable[bytes], priority: int) -> Iterator[ParsedLine |
             yield LineError(number, custom_id, _describe(exc))
         except ValueError as exc:
             yield LineError(number, custom_id, str(exc))
+        except Exception as exc:  # a line this code fails on is that line's error, never its batch's
+            log.exception("line %d of a batch could not be read", number)
+            yield LineError(number, custom_id, f"the line could not be read ({type(exc).__name__})")
         else:
             seen.add(custom_id)
             yield ParsedLine(number, custom_id, job)
@@ -153,6 +204,6 @@ def parse_batch(data: bytes, priority: int) -> tuple[list[ParsedLine], list[Line
     """A whole upload in memory: valid lines, bad lines, and the number of non-blank lines."""
     parsed: list[ParsedLine] = []
     errors: list[LineError] = []
-    for item in parse_lines(io.BytesIO(data), priority):
+    for item in parse_lines([data], priority):
         (parsed if isinstance(item, ParsedLine) else errors).append(item)
     return parsed, errors, len(parsed) + len(errors)

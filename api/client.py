@@ -88,7 +88,7 @@ class Client:
                 return job
 
     def create_batch(self, data: bytes, name: str = "batch.jsonl", priority: int | None = None,
-                     metadata: dict | None = None, completion_window: str | None = None) -> BatchOut:
+                     metadata: dict[str, str] | None = None, completion_window: str | None = None) -> BatchOut:
         """`priority` and `completion_window` None leave them to the API (low: bulk work; 24h)."""
         form = {} if priority is None else {"priority": str(priority)}
         if metadata is not None:

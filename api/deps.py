@@ -20,7 +20,9 @@ from sqlalchemy import Delete, Select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.admission import Admission
+from api.hub import Hub
 from api.prompt_check import PromptCheck
+from api.service.health import Probe
 from jobs.schemas import ErrorOut
 from jobs.settings import ApiKey, Settings
 
@@ -45,14 +47,24 @@ def get_celery(request: Request) -> Celery:
     return request.app.state.celery
 
 
+def get_hub(request: Request) -> Hub:
+    return request.app.state.hub
+
+
+def get_probe(request: Request) -> Probe:
+    return request.app.state.probe
+
+
 @dataclass(frozen=True)
 class Intake:
     """What new work passes on its way in, one of each per API process: the prompt check (what can never run is
-    refused), admission (the bounds on unfinished jobs), and the writer of `published_at` stamps."""
+    refused), admission (the bounds on unfinished jobs), the writer of `published_at` stamps, and what starts a
+    stored batch's ingest under its lease (`batch_ingest.Ingests.submit`)."""
 
     check: PromptCheck
     admission: Admission
     stamp: Callable[[list[uuid.UUID]], object]
+    ingest: Callable[[uuid.UUID, uuid.UUID], object]
 
 
 def get_intake(request: Request) -> Intake:
@@ -94,8 +106,11 @@ JSONL_TYPE = "application/jsonl"
 JSONL = {200: {"description": "JSON Lines, one OpenAI Batch output line each", "content": {JSONL_TYPE: {}}}}
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# closed when the route returns, before its response is sent: a streamed body never holds a connection
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
+HubDep = Annotated[Hub, Depends(get_hub)]
+ProbeDep = Annotated[Probe, Depends(get_probe)]
 IntakeDep = Annotated[Intake, Depends(get_intake)]
 Caller = Annotated[ApiKey, Depends(get_caller)]

@@ -7,10 +7,11 @@ it is read and stopped (413) at the limit.
 
 Under `/v1/` a request needs a key; the scope follows from the method (GET/HEAD read, everything else
 submits; `admin` may do both). What the key grants is left in `scope["state"]["caller"]` for the routes.
-Unknown keys are counted per client address: past `auth_failures_burst` (refilled at
-`auth_failures_per_s`) that address gets 429 for every keyed request, its keys no longer checked, so keys
-cannot be guessed faster than that. The address is the ASGI client, i.e. the TLS-terminating proxy unless the
-server is told to trust its forwarded headers (uvicorn `--proxy-headers --forwarded-allow-ips`).
+The key is checked first: a valid key is never refused for anyone's failures. Unknown keys are counted per
+client address: past `auth_failures_burst` (refilled at `auth_failures_per_s`) that address's unknown keys
+get 429 instead of 401. The address is the ASGI client: behind a TLS-terminating proxy, the proxy's, unless
+`convoq api` is told to believe its forwarded headers (`CONVOQ_FORWARDED_ALLOW_IPS`), so that one client's
+failures are not everyone's.
 """
 
 from __future__ import annotations
@@ -80,12 +81,11 @@ class Gate:
         scheme, _, offered = (_header(scope, b"authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not offered.strip():
             return 401, "missing API key (Authorization: Bearer <key>)", {"WWW-Authenticate": "Bearer"}
-        blocked = self.failures.wait(address)
-        if blocked > 0:
-            return 429, "too many failed authentications from this address; retry later", _retry(blocked)
         grant = authenticate(self.known, offered.strip())
         if grant is None:
-            self.failures.take(address)
+            blocked = self.failures.take(address)
+            if blocked > 0:
+                return 429, "too many failed authentications from this address; retry later", _retry(blocked)
             return 401, "invalid API key", {"WWW-Authenticate": "Bearer"}
         scope_name = needed_scope(scope["method"])
         if scope_name not in grant.scopes and "admin" not in grant.scopes:

@@ -1,22 +1,27 @@
-"""`GET /metrics`: queue depth per priority, unacknowledged messages, jobs and batches by status.
+"""`GET /metrics`: queue depth per priority, unacknowledged messages, jobs and batches by status, and this API
+process's streams and waits for a database connection.
 
-Everything is read at scrape time (no background thread): the Redis lists the way Flower's broker page
-reads them, and the per-status counts that triggers keep (`jobs.counts`: a few rows, however many jobs are
-kept). A source that does not answer is left out of that scrape, so the other still reports.
+Everything is read at scrape time (no background thread) and nothing is written (a scrape needs no key): the
+Redis lists the way Flower's broker page reads them, over the API's pooled Redis client, and the per-status
+counts that triggers keep (`jobs.counts`: a few rows, however many jobs are kept). A source that does not
+answer is left out of that scrape, so the other still reports.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import redis
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from sqlalchemy import QueuePool
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from api.deps import SessionsDep, SettingsDep
 from jobs.broker import UNACKED_KEY, queue_lists
@@ -27,36 +32,73 @@ from jobs.settings import Settings
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["metrics"])
 
+
+class WaitCountingPool(QueuePool):
+    """A QueuePool that counts the checkouts that found every connection taken (`waits`): requests that
+    queued for the database rather than for its answer."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.waits = 0
+        self._waits_lock = threading.Lock()
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        # the condition under which QueuePool._do_get blocks on its queue
+        if self.checkedin() == 0 and -1 < self._max_overflow <= self.overflow():
+            with self._waits_lock:
+                self.waits += 1
+        return super()._do_get()
+
+
+def broker_client(settings: Settings) -> redis.Redis | None:
+    """A Redis client over one connection, kept open and taken in turn (health checks and scrapes are brief),
+    for a Redis broker; None for another kombu transport."""
+    url = settings.broker_url.get_secret_value()
+    if not url.startswith(("redis://", "rediss://")):
+        return None
+    pool = redis.BlockingConnectionPool.from_url(url, max_connections=1, timeout=2, socket_timeout=2,
+                                                 socket_connect_timeout=2)
+    return redis.Redis(connection_pool=pool)
+
+
 class ServiceCollector(Collector):
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session]) -> None:
+    """`broker`: as `broker_client` makes it (None: no Redis lists to count); `process`: this API process's
+    own figures (streams open, waits for a pooled database connection), left out when None."""
+
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], broker: redis.Redis | None,
+                 process: Callable[[], dict[str, int]] | None = None) -> None:
         self.settings = settings
         self.sessions = sessions
+        self.broker = broker
+        self.process = process
 
     def collect(self) -> Iterator[Metric]:
         yield from self._broker()
         yield from self._database()
+        if self.process is not None:
+            figures = self.process()
+            yield GaugeMetricFamily("convoq_api_streams", "Event streams and waiting chats open in this API process",
+                                    value=figures["streams"])
+            yield CounterMetricFamily("convoq_api_db_pool_waits", "Database connections this API process had to "
+                                      "wait for, every pooled one being in use", value=figures["db_pool_waits"])
 
     def _broker(self) -> list[Metric]:
-        if not self.settings.broker_url.get_secret_value().startswith(("redis://", "rediss://")):
+        if self.broker is None:
             return []  # another kombu transport: there are no Redis lists to count
         try:
-            return self._read_broker()
+            return self._read_broker(self.broker)
         except redis.RedisError as exc:
             log.warning("metrics: broker unreachable (%s); queue depth left out", exc)
             return []
 
-    def _read_broker(self) -> list[Metric]:
+    def _read_broker(self, client: redis.Redis) -> list[Metric]:
         lists = queue_lists(self.settings)
-        client = redis.Redis.from_url(self.settings.broker_url.get_secret_value(), socket_timeout=2, socket_connect_timeout=2)
-        try:
-            pipe = client.pipeline(transaction=False)
-            for names in lists.values():
-                for name in names:
-                    pipe.llen(name)
-            pipe.hlen(UNACKED_KEY)
-            *lengths, unacked = pipe.execute()
-        finally:
-            client.close()
+        pipe = client.pipeline(transaction=False)
+        for names in lists.values():
+            for name in names:
+                pipe.llen(name)
+        pipe.hlen(UNACKED_KEY)
+        *lengths, unacked = pipe.execute()
         depth = GaugeMetricFamily("convoq_queue_messages", "Messages waiting in the broker, by queue and job "
                                   "priority (9 is the most urgent)", labels=["queue", "priority"])
         counts = iter(lengths)
@@ -88,7 +130,9 @@ def by_status(name: str, documentation: str, counts: dict[str, int], statuses: t
 
 
 @router.get("/metrics", include_in_schema=False)
-def metrics(settings: SettingsDep, sessions: SessionsDep) -> Response:
+def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> Response:
+    state = request.app.state
     registry = CollectorRegistry()
-    registry.register(ServiceCollector(settings, sessions))
+    registry.register(ServiceCollector(settings, sessions, state.broker, lambda: {
+        "streams": state.hub.streams, "db_pool_waits": getattr(state.db_engine.pool, "waits", 0)}))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

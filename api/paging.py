@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import HTTPException, status
-from sqlalchemy import Select, and_, or_, select
+from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import Session
 
 from jobs.schemas import ListOf
@@ -17,9 +17,12 @@ from jobs.schemas import ListOf
 def page(session: Session, rows: Select, table: Any, after: object | None, limit: int,
          newest_first: bool = True) -> tuple[list, bool]:
     """Up to `limit` rows of `rows` (a select of `table`, which has `created_at` and `id`) that come after the
-    row whose id is `after`, and whether more follow. An `after` that names no row (of this list) is a 404."""
+    row whose id is `after`, and whether more follow. An `after` that names no row of this list is a 404, the same
+    whether the row is another tenant's or none at all: the cursor is looked up among `rows`, never the table."""
     if after is not None:
-        cursor = session.execute(select(table.created_at, table.id).where(table.id == after)).one_or_none()
+        # PostgreSQL text cannot hold NUL: no id has one, and the query would fail
+        cursor = None if isinstance(after, str) and "\x00" in after else session.execute(
+            rows.with_only_columns(table.created_at, table.id).where(table.id == after)).one_or_none()
         if cursor is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"after={after} names nothing in this list")
         at, last = cursor

@@ -20,12 +20,6 @@ class RateLimiter:
         tokens, last = self._buckets.get(key, (float(self.burst), now))
         return min(self.burst, tokens + (now - last) * self.rate)
 
-    def wait(self, key: str) -> float:
-        """Seconds until `key` could take a token (0: it can now); takes nothing."""
-        with self._lock:
-            tokens = self._tokens(key, time.monotonic())
-            return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
-
     def take(self, key: str) -> float:
         """0 if the request may go ahead (a token taken), else the seconds until it could."""
         with self._lock:

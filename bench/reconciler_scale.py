@@ -135,10 +135,11 @@ def main() -> None:
         statements = Statements(db)
 
         start = time.perf_counter()
-        for name in tqdm(names, desc="beats", file=sys.stderr):
+        alive = names[args.dead:]  # a dead worker beats no more (a live one would renew even its expired leases)
+        for name in tqdm(alive, desc="beats", file=sys.stderr):
             beat(sessions, name, leases[name], settings.dead_after_s, settings.sweep_every_s)
-        beat_s = (time.perf_counter() - start) / len(names)
-        beat_statements = statements.n / len(names)
+        beat_s = (time.perf_counter() - start) / len(alive)
+        beat_statements = statements.n / len(alive)
 
         # every contender finds the sweep due and tries at once; the advisory lock and the turn let one through
         barrier, swept = threading.Barrier(args.contenders), []

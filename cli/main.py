@@ -29,9 +29,11 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     import uvicorn
 
     # httptools and uvloop, not the pure-Python h11 parser and asyncio's loop: on a small machine the API's
-    # share of a job's CPU is mostly the HTTP round trip (bench.pipeline's cpu_ms_per_job)
+    # share of a job's CPU is mostly the HTTP round trip (bench.pipeline's cpu_ms_per_job). The client address
+    # (what failed authentications are counted by) comes from X-Forwarded-For only when a named proxy sent it.
     uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
-                http="httptools", loop="uvloop")
+                http="httptools", loop="uvloop", proxy_headers=True,
+                forwarded_allow_ips=get_settings().forwarded_allow_ips)
 
 
 @app.command()
@@ -249,6 +251,11 @@ def _print_stream(client: Client, job_id: UUID) -> JobOut:
             sys.stdout.flush()
             reason = job.result.finish_reason if job.result is not None else job.error
             typer.echo(f"[{job.id} {job.status.value}: {reason}]", err=True)
+            return job
+        elif event.event == "error":  # the job ran again and wrote another text: what was printed is void
+            typer.echo(f"\n[{event.error}]", err=True)
+            job = client.wait(job_id)
+            typer.echo(job.result.text if job.result is not None else "")
             return job
     typer.echo("the event stream ended before the job did; see `GET /v1/jobs/ID`", err=True)
     raise typer.Exit(1)

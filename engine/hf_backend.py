@@ -123,7 +123,7 @@ class HFEngine:
             processors.append(_Presence(longest, s.presence_penalty))
         if s.max_thinking_tokens is not None and self.think_ids is not None:
             processors.append(_ThinkingBudget(longest, s.max_thinking_tokens, self.think_ids))
-        sampled = s.temperature > 0
+        sampled = not s.greedy
         with torch.inference_mode():
             # every value explicit: what is left out, generate takes from the model's generation_config
             out = self.model.generate(
@@ -177,7 +177,7 @@ class HFEngine:
     def _group_key(request: Request) -> tuple:
         s = request.sampling
         shared = (s.ignore_eos, s.repetition_penalty, s.presence_penalty, s.max_thinking_tokens)
-        if s.temperature <= 0:
+        if s.greedy:
             return ("greedy", *shared)
         # a seeded request runs alone so that its random draws do not depend on its batch-mates
         return ("sample", *shared, s.temperature, s.top_p, s.top_k, s.min_p, s.seed,

@@ -13,11 +13,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# A temperature below this samples as its limit, greedy (vLLM draws the same line): logits divided by a smaller
+# one overflow fp32 to inf, and their softmax is NaN.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
@@ -28,6 +32,10 @@ class SamplingParams:
     max_thinking_tokens: int | None = None
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks generate exactly max_new_tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 TokensCallback = Callable[[list[int]], None]  # handed a request's output so far as it grows

@@ -145,7 +145,7 @@ class BrokerView:
 def progress_channel(job_id: str) -> str:
     """The Redis pub/sub channel of a job's progress events (`worker.progress` publishes, the API's
     `/v1/jobs/{id}/events` subscribes). Events are JSON: `{"event": "status", "status": ...}` and
-    `{"event": "text", "text": <all of it so far>, "tokens": n}`."""
+    `{"event": "text", "text": <all of it so far>, "tokens": n, "run": <the lease of the run that made it>}`."""
     return f"convoq:progress:{job_id}"
 
 
@@ -195,6 +195,8 @@ def create_celery(settings: Settings) -> Celery:
         worker_send_task_events=True,
         task_send_sent_event=True,
         worker_hijack_root_logger=False,
+        # A cold shutdown (SIGQUIT) lets running tasks go on this long before Celery cancels them; a warm one
+        # (SIGTERM: a deploy) has convoq's own limit instead, `CONVOQ_SHUTDOWN_GRACE_S` (`worker.shutdown`).
         worker_soft_shutdown_timeout=30.0,
     )
     return app

@@ -109,6 +109,9 @@ def problem(job: JobIn, tokenizer, context: int, default_thinking: bool) -> tupl
     if job.kind == "summarize":
         message = summary_problem(max_new, context)
         return None if message is None else ("max_new_tokens", message)
-    prompt = encode_chat(tokenizer, chat_for(job), thinking_of(job, default_thinking))
+    try:
+        prompt = encode_chat(tokenizer, chat_for(job), thinking_of(job, default_thinking))
+    except Exception as exc:  # a template may refuse a chat (Qwen's raise when a system message is not first)
+        return "messages", f"the model's chat template cannot render these messages: {exc}"
     message = chat_problem(len(prompt), max_new, context)
     return None if message is None else ("messages", message)

@@ -6,8 +6,9 @@ retention and raw SQL all change statuses). Triggers see every change, in the tr
 They *append* +1/-1 rows instead of updating one row per status: a shared counter row would be
 locked by every submission, claim and store until its commit, serializing them all and deadlocking
 transactions that move jobs in opposite directions (queued -> running against running -> queued).
-Appends never wait on each other. `fold` turns the deltas back into one row per status; `/metrics` folds on
-every scrape and retention after every prune, so the table stays a handful of rows plus the changes since.
+Appends never wait on each other. `fold` turns the deltas back into one row per status; the reconciler's sweep
+folds every `sweep_every_s` and retention after every prune, so the table stays a handful of rows plus the
+changes since. `/metrics` only reads (a scrape needs no key, so it must not write).
 
 Inserts and deletes are counted per statement on PostgreSQL (a batch upload or a prune chunk adds one row per
 status, not per job); updates per row, and only when the status changed (a `published_at` stamp adds
@@ -107,10 +108,8 @@ def fold(session: Session) -> None:
 
 
 def counts(session: Session) -> dict[str, dict[str, int]]:
-    """Fold, then read: table -> status -> rows. Commits the caller's session."""
-    fold(session)
-    session.commit()
-    # read after the commit: a fold that ran at the same time has committed too and its rows are seen now
+    """table -> status -> rows: the deltas summed, as one statement (a fold commits whole, so a statement sees
+    every delta or its folded row, never both)."""
     out: dict[str, dict[str, int]] = {table: {} for table in COUNTED}
     for table_name, status, n in session.execute(
             select(status_counts.c.table_name, status_counts.c.status, func.sum(status_counts.c.n))

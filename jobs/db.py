@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, QueuePool, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,8 +17,10 @@ T = TypeVar("T")
 CONFLICTS = ("40P01", "40001")
 
 
-def make_db_engine(url: str, pool_size: int = 16, pre_ping: bool = True) -> Engine:
-    """`pre_ping` costs a round trip per checkout; callers that retry on a dropped connection turn it off."""
+def make_db_engine(url: str, pool_size: int = 16, pre_ping: bool = True,
+                   pool_class: type[QueuePool] = QueuePool) -> Engine:
+    """`pre_ping` costs a round trip per checkout; callers that retry on a dropped connection turn it off.
+    `pool_class`: a QueuePool of the caller's (the API counts its waits for a connection); not for SQLite."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -30,7 +32,8 @@ def make_db_engine(url: str, pool_size: int = 16, pre_ping: bool = True) -> Engi
             conn.execute("PRAGMA synchronous=NORMAL")
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=pre_ping)
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=pre_ping,
+                         poolclass=pool_class)
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:

@@ -84,9 +84,11 @@ def _count(session: Session, rows: Select) -> int:
 
 
 def prune(sessions: sessionmaker[Session], older_than: timedelta, chunk: int = 1000, dry_run: bool = False,
-          progress: Callable[[int], object] | None = None) -> PruneReport:
+          progress: Callable[[int], object] | None = None,
+          before_chunk: Callable[[], object] | None = None) -> PruneReport:
     """Delete what finished more than `older_than` ago (see the module's docstring); with `dry_run`, only count
-    it. `progress` hears how many jobs each chunk deleted."""
+    it. `progress` hears how many jobs each chunk deleted; `before_chunk` is called before each chunk (the
+    reconciler checks there that it still holds its lock, and stops by raising)."""
     if older_than < timedelta(0) or chunk < 1:
         raise ValueError("older_than must not be negative and chunk must be positive")
     report = PruneReport(utcnow() - older_than, dry_run)
@@ -105,7 +107,7 @@ def prune(sessions: sessionmaker[Session], older_than: timedelta, chunk: int = 1
 
     jobs, results, timings = Job.__table__, Result.__table__, Timing.__table__
     for rows in old_jobs:
-        while ids := _chunk(sessions, rows, chunk):
+        while ids := _chunk(sessions, rows, chunk, before_chunk):
             with sessions.begin() as session:
                 # results and timings would go by cascade too; deleting them here counts them
                 report.results += session.execute(delete(results).where(results.c.job_id.in_(ids))).rowcount
@@ -115,10 +117,10 @@ def prune(sessions: sessionmaker[Session], older_than: timedelta, chunk: int = 1
             if progress is not None:
                 progress(deleted)
     batches, workers = Batch.__table__, Worker.__table__
-    while ids := _chunk(sessions, old_batches, chunk):
+    while ids := _chunk(sessions, old_batches, chunk, before_chunk):
         with sessions.begin() as session:
             report.batches += session.execute(delete(batches).where(batches.c.id.in_(ids))).rowcount
-    while names := _chunk(sessions, dead_workers, chunk):
+    while names := _chunk(sessions, dead_workers, chunk, before_chunk):
         with sessions.begin() as session:
             report.workers += session.execute(delete(workers).where(workers.c.name.in_(names))).rowcount
     with sessions.begin() as session:
@@ -126,6 +128,8 @@ def prune(sessions: sessionmaker[Session], older_than: timedelta, chunk: int = 1
     return report
 
 
-def _chunk(sessions: sessionmaker[Session], rows: Select, chunk: int) -> list:
+def _chunk(sessions: sessionmaker[Session], rows: Select, chunk: int, before: Callable[[], object] | None) -> list:
+    if before is not None:
+        before()
     with sessions() as session:
         return list(session.scalars(rows.limit(chunk)))

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -25,6 +26,11 @@ from pydantic import (
 
 MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 200_000
+# JSON nested deeper than this is refused wherever it comes in (request bodies, batch lines, form fields): no
+# request needs more, and Python's parser and pydantic's serializer fail (a 500) long before a client runs out
+MAX_JSON_DEPTH = 64
+# PostgreSQL text and jsonb cannot hold NUL: a string that is stored documents (and checks) that it has none
+NO_NUL = r"^[^\x00]*$"
 MAX_NEW_TOKENS = 4096
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_PRIORITY = 5  # a job submitted on its own
@@ -52,9 +58,33 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def bounded_json(text: str | bytes) -> object:
+    """`json.loads`, refusing (`ValueError`) what nests deeper than `MAX_JSON_DEPTH`."""
+    too_deep = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(too_deep) from None
+    brackets = (text.count("[") + text.count("{")) if isinstance(text, str) else (text.count(b"[") + text.count(b"{"))
+    if brackets > MAX_JSON_DEPTH and _deeper_than(value, MAX_JSON_DEPTH):  # few brackets (most requests): no walk
+        raise ValueError(too_deep)
+    return value
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    pending = [(value, 1)]
+    while pending:  # iteratively: the walk itself must not recurse
+        node, depth = pending.pop()
+        if isinstance(node, dict | list):
+            if depth > limit:
+                return True
+            pending.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
 class Message(Strict):
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]
+    content: Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS, pattern=NO_NUL)]
 
 
 UNSET = ("left unset, the model's generation_config.json decides (CONVOQ_GENERATION_CONFIG=auto), else "
@@ -76,7 +106,8 @@ class Sampling(Strict):
                                              "prompt or output less likely; " + UNSET + "1")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of every "
                                            "token already in the output; convoq's default: 0")
-    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=8)
+    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]] = Field(
+        default_factory=list, max_length=8)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
@@ -197,7 +228,8 @@ class JobOut(BaseModel):
     conversation_id: str | None
     attempts: int
     error: str | None
-    worker: str | None
+    worker: str | None = Field(description="the worker that runs or ran the job: shown to admin keys, null for "
+                                           "tenant keys (host names are the operators' business)")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -210,11 +242,13 @@ class JobOut(BaseModel):
 class JobEvent(BaseModel):
     """One event of `GET /v1/jobs/{id}/events` (Server-Sent Events; the event name is `event`)."""
 
-    event: Literal["status", "text", "result"]
+    event: Literal["status", "text", "result", "error"]
     status: JobStatus | None = None  # status: the job's status now
-    text: str | None = Field(None, description="text: everything generated so far")
+    text: str | None = Field(None, description="text: everything generated so far (each one extends the last)")
     tokens: int | None = None  # text: tokens generated so far
     job: JobOut | None = None  # result: the finished job, as GET /v1/jobs/{id}
+    error: str | None = Field(None, description="error (the last event): the text streamed so far is not the "
+                                                "job's (it ran again after a crash); read the job for its result")
 
 
 class BatchStatus(enum.StrEnum):
@@ -268,7 +302,7 @@ class BatchOut(BaseModel):
     error_file_id: str | None = Field(None, description="once the batch settled with bad lines or failed, "
                                                         "cancelled or expired items: their error lines")
     request_counts: RequestCounts
-    metadata: dict
+    metadata: dict[str, str]
     completion_window: str
     created_at: int
     expires_at: int
@@ -284,14 +318,36 @@ class BatchOut(BaseModel):
 ENDPOINTS = ("/v1/chat/completions",)  # what a batch's lines may call
 
 
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on `metadata`
+# OpenAI's `metadata`: at most 16 string keys of 64 characters, each with a string of at most 512
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=METADATA_KEY_CHARS, pattern=NO_NUL)],
+         Annotated[str, StringConstraints(max_length=METADATA_VALUE_CHARS, pattern=NO_NUL)]],
+    Field(max_length=METADATA_KEYS),
+    # the keys' bounds as `propertyNames` (pydantic would write a `patternProperties` that lets other keys through)
+    WithJsonSchema({"type": "object", "maxProperties": METADATA_KEYS,
+                    "propertyNames": {"maxLength": METADATA_KEY_CHARS, "pattern": NO_NUL},
+                    "additionalProperties": {"type": "string", "maxLength": METADATA_VALUE_CHARS, "pattern": NO_NUL}})]
+
+
+def safe_metadata(stored: object) -> dict[str, str]:
+    """Metadata as it may be shown, from whatever a row holds: rows stored before `Metadata` bounded it may hold
+    anything JSON can; what does not fit the bounds is left out, never a reason for a read to fail."""
+    if not isinstance(stored, dict):
+        return {}
+    kept = {k: v for k, v in stored.items() if isinstance(k, str) and isinstance(v, str) and "\x00" not in k + v
+            and len(k) <= METADATA_KEY_CHARS and len(v) <= METADATA_VALUE_CHARS}
+    return dict(list(kept.items())[:METADATA_KEYS])
+
+
 def _priority_is_a_digit(metadata: dict[str, str] | None) -> dict[str, str] | None:
     if metadata and "priority" in metadata and not re.fullmatch(r"[0-9]", metadata["priority"]):
         raise ValueError(f"metadata.priority must be a digit '0'..'9' (9 most urgent), not {metadata['priority']!r}")
     return metadata
 
 
-# OpenAI's `metadata` (string values), in which a priority may ride: "0".."9"
-PriorityMetadata = Annotated[dict[str, str] | None, AfterValidator(_priority_is_a_digit)]
+# OpenAI's `metadata`, in which a priority may ride: "0".."9"
+PriorityMetadata = Annotated[Metadata | None, AfterValidator(_priority_is_a_digit)]
 
 
 def metadata_priority(metadata: dict[str, str] | None) -> int | None:
@@ -306,12 +362,12 @@ class BatchCreate(BaseModel):
     # OpenAI's options that do not apply here (`output_expires_after`) are accepted and ignored
     model_config = ConfigDict(extra="ignore")
 
-    input_file_id: str = Field(max_length=64)
+    input_file_id: str = Field(max_length=64, pattern=NO_NUL)
     # a 400 (OpenAI's answer) for any other endpoint; the enum tells clients so up front
     endpoint: str = Field(description=f"one of {', '.join(ENDPOINTS)}", json_schema_extra={"enum": list(ENDPOINTS)})
     completion_window: Window = Field(DEFAULT_COMPLETION_WINDOW,
                                       description="as OpenAI's '24h' (also '90m', '2d'), at most 7 days")
-    metadata: PriorityMetadata = Field(None, max_length=16)
+    metadata: PriorityMetadata = None
 
     @property
     def priority(self) -> int | None:
@@ -322,20 +378,25 @@ class BatchUpload(BaseModel):
     """`POST /v1/batches` as multipart/form-data (our client and CLI): the JSONL itself, in `file`."""
 
     priority: int | None = Field(None, ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")
-    metadata: dict | None = Field(None, description="a JSON object kept with the batch")
+    metadata: Metadata | None = Field(None, description="a JSON object of strings kept with the batch (OpenAI's "
+                                                        "bounds: 16 keys of 64 characters, values of 512)")
     completion_window: Window = Field(DEFAULT_COMPLETION_WINDOW, description=(
         "how long the batch may take, as OpenAI's '24h' (also '90m', '2d'), at most 7 days; items unfinished by "
         "then end `expired`"))
 
-    @field_validator("metadata", mode="before")
+    @field_validator("priority", "metadata", mode="before")
     @classmethod
-    def _json_text(cls, metadata: object) -> object:
-        if not isinstance(metadata, str):  # a form field is text
-            return metadata
+    def _form_text(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, str):  # a form field is text
+            return value
+        if value.strip() in ("", "null"):  # nothing, or JSON's null (as clients write a None): no value
+            return None
+        if info.field_name == "priority":
+            return value
         try:
-            return json.loads(metadata) if metadata else None
-        except ValueError:
-            raise ValueError("metadata must be a JSON object") from None
+            return bounded_json(value)
+        except ValueError as exc:
+            raise ValueError(f"metadata must be a JSON object: {exc}") from None
 
 
 class FileOut(BaseModel):

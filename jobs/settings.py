@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     # The engine (model and step loop) runs in a process of its own, spawned by the worker, so the Python of
     # the worker's Celery threads never holds up a step; false runs it as a thread of the worker process.
     engine_process: bool = True
+    # An engine whose loop makes no progress for this long while it has work is stalled: its process is killed and
+    # a new one started, its jobs go back to the queue (`worker.results.stalled`); a thread, which cannot be
+    # killed, ends its worker. A fixed limit, not one fitted to the step cost, because what it must stay clear of
+    # is the slowest honest step, which no fit has seen: a full-context prefill or a first-step kernel compile
+    # (seconds to tens of seconds). Three minutes is an order of magnitude above those, and small next to what a
+    # stuck engine would otherwise cost: its jobs, held until a person notices.
+    engine_stall_s: float = Field(180.0, gt=0)
 
     # Comma-separated `KEY[:scopes][@tenant]` or `sha256=HEX[:scopes][@tenant]` entries, keys of at least 16
     # characters, scopes `+`-joined from submit, read, admin (default submit+read; admin sees every tenant). A
@@ -106,6 +113,19 @@ class Settings(BaseSettings):
     auth_failures_per_s: float = Field(0.2, gt=0)
     auth_failures_burst: int = Field(10, ge=1)
     max_request_bytes: int = Field(8 * 2**20, ge=1024)  # one JSON request body
+    # Proxies (IPs or networks, comma-separated, `*` any) whose X-Forwarded-For / X-Forwarded-Proto `convoq api`
+    # believes: behind a TLS-terminating proxy, name it here so that failed authentications are counted per
+    # real client, not per proxy (uvicorn's default, loopback only). Empty: the client is always the TCP peer.
+    forwarded_allow_ips: str = "127.0.0.1,::1"
+
+    # Streams (`GET /v1/jobs/{id}/events`, and chat completions while they wait) per API key and in total, per API
+    # process: past either a new one gets 429 with Retry-After. Each holds a connection to the API, none to Redis
+    # or the database (`api.events.Hub` multiplexes them all over one pub/sub connection).
+    max_streams_per_key: int = Field(1000, ge=1)
+    max_streams: int = Field(10_000, ge=1)
+    # The most Redis connections one API process holds: one pub/sub connection for every stream, one for health
+    # checks and metrics, the rest Celery's pool for publishing and cancel broadcasts (two per pooled connection).
+    api_redis_connections: int = Field(12, ge=4)
 
     # Jobs of at least this priority are interactive: a person waits on them (`jobs.queues.is_interactive`). They
     # go to the interactive queue and get the engine's latency targets; everything else is bulk.
@@ -130,6 +150,11 @@ class Settings(BaseSettings):
     # back, and anything its old run still writes is refused.
     heartbeat_s: float = Field(5.0, gt=0)
     dead_after_s: float = Field(30.0, gt=0)
+    # A warm shutdown (SIGTERM: a deploy) lets the jobs in flight finish for this long, then hands the rest back
+    # uncharged, their messages returned to the queue (`worker.shutdown`). It must stay below the supervisor's
+    # wait before SIGKILL (compose's `stop_grace_period`, 2 minutes) by the time the hand-back and the engine's
+    # close take (seconds), or a deploy ends in a kill and charges its jobs a crash.
+    shutdown_grace_s: float = Field(90.0, ge=0)
     # A worker's death is not charged as an attempt to the jobs it held: each becomes a suspect (`crashes`);
     # one in suspect_after_crashes crashes runs alone in its worker, where a crash condemns it and nobody else;
     # past max_crashes it fails whatever ran beside it.

@@ -47,7 +47,10 @@ class Base(DeclarativeBase):
 
 
 class Batch(Base):
-    """A bulk upload: its lines became jobs (`Job.batch_id`); lines that could not become jobs are `errors`."""
+    """A bulk upload: its lines became jobs (`Job.batch_id`); lines that could not become jobs are `errors`.
+
+    While it is `validating`, everything its ingest needs is here and in its stored file, so that any API process
+    can take the ingest over from one that died (`api.service.batch_ingest`)."""
 
     __tablename__ = "batches"
 
@@ -64,6 +67,17 @@ class Batch(Base):
     # the file later leaves the batch as it is, as OpenAI's do
     input_file_id: Mapped[str | None] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16), default="24h", server_default="24h")
+    owner: Mapped[str | None] = mapped_column(String(64))  # sha256 of the API key that sent it: its jobs' owner
+    # the stored file its lines are read from, until they are jobs (then NULL); the key keeps the file from being
+    # deleted under an ingest
+    source_file_id: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("files.id", name="fk_batches_source_file_id"))
+    # the lease of the ingest that reads it (a token new at every claim, an expiry on the database's clock,
+    # renewed while it runs): once expired, any API process takes the ingest over
+    ingest_lease_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    ingest_lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # ingests of it that raised (not counting those that ended with their process): a few, and it fails
+    ingest_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # created_at + completion_window: items unfinished by then end `expired`
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -78,6 +92,8 @@ class Batch(Base):
     __table_args__ = (
         Index("ix_batches_created", "created_at", "id"),  # `GET /v1/batches`, newest first
         Index("ix_batches_tenant_created", "tenant", "created_at", "id"),
+        # the ingests to take over, and the file a deletion must not pull from under one
+        Index("ix_batches_source_file", "source_file_id", postgresql_where=text("source_file_id IS NOT NULL")),
     )
 
 
@@ -94,7 +110,8 @@ class BatchLineError(Base):
 
 
 class File(Base):
-    """An upload of `POST /v1/files` (OpenAI's File), its content in the database: batches are made from it."""
+    """An upload of `POST /v1/files` (OpenAI's File), or a multipart batch upload until its lines are jobs; its
+    bytes are `FileChunk` rows, so that no upload or download holds more than one chunk in memory."""
 
     __tablename__ = "files"
 
@@ -105,10 +122,22 @@ class File(Base):
     owner: Mapped[str] = mapped_column(String(64))  # sha256 of the API key that uploaded it
     tenant: Mapped[str | None] = mapped_column(String(64))  # who may see it (None: admin keys only)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # deferred: listings and metadata reads never load what may be many megabytes
-    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
 
     __table_args__ = (Index("ix_files_tenant_created", "tenant", "created_at", "id"),)
+
+
+class FileChunk(Base):
+    """A file's bytes `seq * CHUNK_BYTES` on, `CHUNK_BYTES` of them (fewer in its last chunk)."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("files.id", ondelete="CASCADE", name="fk_file_chunks_file_id"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+CHUNK_BYTES = 2**20
 
 
 class Job(Base):
@@ -254,7 +283,7 @@ class Run(Base):
     worker: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # succeeded | failed | cancelled | expired | retry | crashed | condemned | returned; None while it runs
+    # succeeded | failed | cancelled | expired | retry | crashed | condemned | returned | stalled; None while it runs
     outcome: Mapped[str | None] = mapped_column(String(16))
     alone: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
     # writes this run tried after it had lost its lease: refused, never applied

@@ -21,6 +21,12 @@ def run_offline() -> None:
 def run_online() -> None:
     engine = make_db_engine(url)
     with engine.connect() as connection:
+        if connection.dialect.name == "sqlite":
+            # Batch mode copies a table, drops it and renames the copy: with foreign keys enforced, the drop would
+            # first delete every row that references the table (ON DELETE CASCADE). Off for this connection, and
+            # before its transaction, or SQLite ignores the pragma.
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            connection.commit()
         # SQLite alters tables by copying them: batch mode makes the same migrations work there
         context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True)
         with context.begin_transaction():

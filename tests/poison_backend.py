@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import torch
 
@@ -53,3 +54,17 @@ class CrashingEngine(HFEngine):
 
 def create_crash(model: str, device: str, dtype: str) -> CrashingEngine:
     return CrashingEngine(model, device=device, dtype=dtype, max_batch_size=8)
+
+
+class HangingEngine(HFEngine):
+    """Never finishes a batch holding a HANG prompt, as a device call that never returns would."""
+
+    def _take_batch(self) -> list[Request]:
+        batch = super()._take_batch()
+        if any("HANG" in self.tokenizer.decode(r.prompt_ids) for r in batch):
+            threading.Event().wait()
+        return batch
+
+
+def create_hang(model: str, device: str, dtype: str) -> HangingEngine:
+    return HangingEngine(model, device=device, dtype=dtype, max_batch_size=8)

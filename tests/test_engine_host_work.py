@@ -202,6 +202,19 @@ def test_tied_logits_share_their_mass(dtype):
     assert set(counts) == {3, 250, 599} and min(counts.values()) > 60, counts
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tiny_temperature_samples_as_its_limit_greedy(dtype):
+    """The API takes any temperature in OpenAI's 0..2; dividing logits by 1e-40 would overflow them to inf and
+    their softmax to NaN."""
+    from jobs.schemas import Sampling
+
+    assert Sampling(temperature=1e-40).temperature == 1e-40 and Sampling(temperature=2.0).temperature == 2.0
+    logits = torch.randn(6, 600, generator=torch.Generator().manual_seed(5)).to(dtype) * 20
+    for temperature in (1e-40, 1e-30, 1e-8, 5e-324):
+        rows = [Row(SamplingParams(4, temperature=temperature, top_p=0.9, seed=i), 0) for i in range(6)]
+        assert sample(logits.clone(), sampling_rows(rows)) == logits.argmax(1).tolist(), temperature
+
+
 # --- stop strings -----------------------------------------------------------------------------------------------
 
 def test_the_step_loops_stop_check_is_may_end_stop(tokenizer):

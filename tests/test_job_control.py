@@ -98,6 +98,10 @@ def test_a_batch_cancel_that_deadlocks_with_another_writer_is_retried_not_failed
     lines = b"\n".join(b'{"custom_id": "c%d", "messages": [{"role": "user", "content": "hi"}]}' % i for i in range(2))
     with api(database, broker, tiny_model) as client:
         batch_id = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=AUTH).json()["id"]
+        deadline = time.monotonic() + 30  # its lines become jobs after the answer
+        while client.get(f"/v1/batches/{batch_id}", headers=AUTH).json()["status"] == "validating":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         low, high = sorted(row[0] for row in sql(database, "SELECT id FROM jobs"))
         engine = sa.create_engine(database)
         with engine.connect() as other:

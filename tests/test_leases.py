@@ -7,6 +7,7 @@ by moving a lease's expiry into the past on the database's clock.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -24,9 +25,10 @@ from jobs.publish import publish
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
-from worker import results
+from worker import reconciler, results
+from worker.leases import Leases
 from worker.outcome import Outcome
-from worker.reconciler import SWEEP_LOCK, Sweeper, attribute, beat, hand_back_expired
+from worker.reconciler import SWEEP_LOCK, Reconciler, Sweeper, attribute, beat, hand_back_expired
 from worker.solo import Solo
 
 
@@ -92,19 +94,27 @@ def test_a_run_that_lost_its_lease_writes_nothing(db):
     assert (report["duplicate_executions"], report["duplicate_results"], report["stale_writes_refused"]) == (0, 0, 4)
 
 
-def test_a_run_whose_lease_expired_unswept_gives_its_job_back(db):
+def test_a_live_worker_renews_its_expired_leases_unless_their_jobs_moved_on(db):
     engine, sessions = db
-    late, swept = new_job(sessions), new_job(sessions)
-    claims = results.claim_many(sessions, [late, swept], "w1", 3)
-    expire_leases(engine, late, swept)  # w1 was cut off past its leases
-    assert sorted(beat(sessions, "w1", {c.job_id: c.lease for c in claims}, 30, 15).lost) == sorted([late, swept])
+    kept, swept = new_job(sessions), new_job(sessions)
+    claims = results.claim_many(sessions, [kept, swept], "w1", 3)
+    expire_leases(engine, kept, swept)  # w1 was cut off from the database past its leases, alive
     with engine.begin() as conn:  # a sweep reached `swept` first and another worker took it
         conn.execute(sa.text("UPDATE jobs SET lease_id = NULL, status = 'queued' WHERE id = :i"), {"i": uuid.UUID(swept)})
     results.claim(sessions, swept, "w2", 3)
-    assert results.give_back(sessions, claims[0]) and not results.give_back(sessions, claims[1])
-    assert row(engine, late)[:3] == ("queued", 0, 1)  # as a sweep would have: a crash, not an attempt
+    assert beat(sessions, "w1", {c.job_id: c.lease for c in claims}, 30, 15).lost == [swept]
+    assert row(engine, kept)[:3] == ("running", 1, 0)  # renewed: nobody else had it, nothing is charged
+    assert not results.give_back(sessions, claims[1])  # the run that lost its job writes nothing
     assert row(engine, swept)[0] == "running" and row(engine, swept)[4] == "w2"
-    assert runs(engine, late) == [("w1", "crashed", 0)]
+    assert runs(engine, swept) == [("w1", None, 1), ("w2", None, 0)]
+
+    # w1 shuts down and returns `kept` with its message: uncharged, published, run again by the next worker
+    assert results.give_back(sessions, claims[0], requeued=True)
+    assert row(engine, kept)[:3] == ("queued", 0, 0)
+    assert runs(engine, kept) == [("w1", "returned", 0)]
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT published_at IS NOT NULL FROM jobs WHERE id = :i"),
+                            {"i": uuid.UUID(kept)}).scalar_one()
 
 
 class LostReply:
@@ -149,8 +159,11 @@ def test_heartbeats_renew_held_leases_only_and_report_lost_and_cancelled_jobs(db
     leases = {claims[i].job_id: claims[i].lease for i in (held, cancelled)}  # w1 never learnt it holds `orphan`
     expire_leases(engine, held, orphan, cancelled)
     first = beat(sessions, "w1", leases, lease_s=30, sweep_every_s=15)
-    # renewal refuses expired leases: all three are gone for w1 even before any sweep
-    assert sorted(first.lost) == sorted([held, cancelled]) and first.sweep_due
+    # w1's own expired leases are renewed (still its jobs' tokens); the one it does not know it holds is not
+    assert first.lost == [] and first.cancelled == [cancelled] and first.sweep_due
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT lease_expires_at < now() FROM jobs WHERE id = :i"),
+                            {"i": uuid.UUID(orphan)}).scalar_one()
 
     a, b = new_job(sessions), new_job(sessions)
     mine, theirs = results.claim(sessions, a, "w1", 3), results.claim(sessions, b, "w1", 3)
@@ -315,3 +328,118 @@ def test_a_stamp_that_fails_after_the_send_is_left_to_the_sweep(db, settings, mo
     client.close()
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT published_at FROM jobs")).scalar_one() is not None
+
+
+def lease_left(engine, job_id: str) -> float:
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT extract(epoch FROM lease_expires_at - now()) FROM jobs WHERE id = :i"),
+                            {"i": uuid.UUID(job_id)}).scalar_one()
+
+
+def test_a_sweep_longer_than_a_lease_never_holds_the_heartbeat_back(db, settings, monkeypatch):
+    engine, sessions = db
+    job_id = new_job(sessions)
+    leases = Leases()
+    leases.add(results.claim(sessions, job_id, "w1", 3, lease_s=1))
+    sweeping = threading.Event()
+
+    def long_sweep(self, *args) -> dict:  # a large backlog, or an hour of finished jobs to delete
+        sweeping.set()
+        time.sleep(3)
+        return {}
+
+    monkeypatch.setattr(Sweeper, "_sweep", long_sweep)
+    fast = settings.model_copy(update={"heartbeat_s": 0.2, "dead_after_s": 1.0})
+    worker = Reconciler(sessions, create_celery(fast), fast, "w1", leases, lambda ids, reason: ids).start()
+    try:
+        assert sweeping.wait(5)
+        for _ in range(10):  # through the sweep, three leases long
+            time.sleep(0.25)
+            assert lease_left(engine, job_id) > 0
+    finally:
+        worker.stop()
+    assert row(engine, job_id)[:3] == ("running", 1, 0)
+
+
+def test_the_sweep_lock_lasts_the_whole_sweep_and_a_sweeper_that_lost_it_stops(db, settings, monkeypatch):
+    engine, sessions = db
+    monkeypatch.setattr(reconciler, "CHUNK", 2)
+    # the server's minute, shortened; still several chunks long, so a sweeper slowed by a busy machine keeps it
+    monkeypatch.setattr(reconciler, "LOCK_IDLE_S", 2.5)
+    ids = [new_job(sessions) for _ in range(24)]  # 12 chunks, 6 s of sweeping
+    results.claim_many(sessions, ids, "gone", 3)
+    expire_leases(engine, *ids)
+    chunks, attribute_now = [], reconciler.attribute
+
+    def slow(*args):
+        chunks.append(time.monotonic())
+        time.sleep(0.5)
+        return attribute_now(*args)
+
+    monkeypatch.setattr(reconciler, "attribute", slow)
+    first, second = (Sweeper(sessions, create_celery(settings), settings) for _ in range(2))
+    errors: list[Exception] = []
+
+    def sweep_first() -> None:
+        try:
+            first.sweep(force=True)
+        except Exception as exc:
+            errors.append(exc)
+
+    sweeping = threading.Thread(target=sweep_first)
+    sweeping.start()
+    time.sleep(3.0)  # longer than the lock may sit idle: the first sweeper kept it by using it
+    assert second.sweep(force=True) is None
+    held = sa.text("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND database = "
+                   "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+                   "AND ((classid::bigint << 32) | objid::bigint) = :k")
+    with engine.connect() as conn:  # its session ends, as a frozen sweeper's would once idle too long
+        conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": conn.execute(held, {"k": SWEEP_LOCK}).scalar_one()})
+        while conn.execute(held, {"k": SWEEP_LOCK}).first() is not None:
+            time.sleep(0.01)
+    ended = time.monotonic()
+    sweeping.join(5)
+    assert [t for t in chunks if t > ended] == []  # it stopped before its next chunk: no two sweepers at once
+    assert [type(e) for e in errors] == [reconciler.LockLost]
+    left = 24 - 2 * len(chunks)
+    assert second.sweep(force=True)["handed_back"] == left > 0  # the next sweeper goes on from there
+
+
+def test_after_an_outage_expired_leases_wait_a_lease_for_their_workers(db, settings, monkeypatch):
+    engine, sessions = db
+    job_id = new_job(sessions)
+    claimed = results.claim(sessions, job_id, "w1", 3)
+    expire_leases(engine, job_id)  # the database was away for longer than a lease; w1 lives on
+    short = settings.model_copy(update={"dead_after_s": 1.0, "heartbeat_s": 0.2})
+    sweeper = Reconciler(sessions, create_celery(short), short, "w2", Leases(), lambda ids, reason: [])
+
+    def beats(for_s: float) -> None:
+        for _ in range(round(for_s / 0.2)):
+            sweeper.beat()
+            time.sleep(0.2)
+
+    sweeper.beat()  # its first beat since the outage (or since it started: it cannot tell)
+    assert not sweeper.settled()
+    assert sweeper.sweeper.sweep(force=True, hand_back=sweeper.settled())["handed_back"] == 0
+    assert beat(sessions, "w1", {claimed.job_id: claimed.lease}, 30, 15).lost == []  # w1's first beat back
+    beats(1.2)
+    assert sweeper.settled()
+    assert sweeper.sweeper.sweep(force=True, hand_back=sweeper.settled())["handed_back"] == 0  # renewed by now
+    assert row(engine, job_id)[:3] == ("running", 1, 0)
+
+    real_beat = reconciler.beat
+
+    def away(*args):
+        raise OperationalError("UPDATE workers", {}, ConnectionRefusedError("the database is away"))
+
+    monkeypatch.setattr(reconciler, "beat", away)
+    with pytest.raises(OperationalError):  # one beat lost: nothing to go on
+        sweeper.beat()
+    assert sweeper.settled()
+    time.sleep(0.7)  # an outage, as long as leases can expire in
+    assert not sweeper.settled()
+    monkeypatch.setattr(reconciler, "beat", real_beat)
+    sweeper.beat()
+    assert not sweeper.settled()  # back, and counting a lease from here
+    beats(1.2)
+    assert sweeper.settled()

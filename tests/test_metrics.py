@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from api.app import create_app
-from api.metrics import ServiceCollector
+from api.metrics import ServiceCollector, broker_client
 from engine.interface import Completion, Timings
 from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobIn
@@ -81,10 +81,55 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
     assert samples["convoq_batches", frozenset({"status": "in_progress"}.items())] == 1
 
 
+def test_a_scrape_only_reads(settings, database):
+    written = []
+
+    def record(_conn, _cursor, statement: str, *_) -> None:
+        if not statement.lstrip().upper().startswith(("SELECT", "WITH")):
+            written.append(statement)
+
+    def deltas() -> int:
+        engine = sa.create_engine(database)
+        with engine.connect() as conn:
+            n = conn.execute(sa.text("SELECT count(*) FROM status_counts")).scalar_one()
+        engine.dispose()
+        return n
+
+    with TestClient(create_app(settings)) as client:
+        for priority in (9, 5, 1):
+            submit(client, priority)
+        before = deltas()
+        sa.event.listen(sa.Engine, "before_cursor_execute", record)
+        try:
+            samples = scrape(client)
+        finally:
+            sa.event.remove(sa.Engine, "before_cursor_execute", record)
+    assert written == [] and deltas() == before  # the status counts are folded by the reconciler, not here
+    assert samples["convoq_jobs", frozenset({"status": "queued"}.items())] == 3
+    assert samples["convoq_api_db_pool_waits_total", frozenset()] == 0
+    assert samples["convoq_api_streams", frozenset()] == 0
+
+
+def test_healthz_reuses_its_connections_and_answers_from_a_short_cache(settings, broker):
+    def connections_made() -> int:
+        client = redis.Redis.from_url(broker)
+        try:
+            return client.info("stats")["total_connections_received"]
+        finally:
+            client.close()
+
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/healthz").json() == {"database": "ok", "broker": "ok"}
+        before = connections_made()
+        for _ in range(30):
+            assert client.get("/healthz").status_code == 200
+        assert connections_made() - before <= 2  # ours, to count: not one per call
+
+
 def test_database_metrics_survive_an_unreachable_broker(settings):
     down = settings.model_copy(update={"broker_url": SecretStr("redis://127.0.0.1:1/0")})
     sessions = make_sessions(make_db_engine(down.database_url.get_secret_value()))
-    names = {m.name for m in ServiceCollector(down, sessions).collect()}
+    names = {m.name for m in ServiceCollector(down, sessions, broker_client(down)).collect()}
     assert names == {"convoq_jobs", "convoq_batches"}
 
 

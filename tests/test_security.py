@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 
 import pytest
@@ -91,11 +92,21 @@ def client(database, broker, tiny_model):
         yield c
 
 
+def ingested(client: TestClient, batch_id: str, key: str) -> dict:
+    """The batch once its lines were read (its ingest runs after the answer)."""
+    deadline = time.monotonic() + 30
+    while (batch := client.get(f"/v1/batches/{batch_id}", headers=bearer(key)).json())["status"] == "validating":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+    return batch
+
+
 def batch_of(client: TestClient, key: str) -> str:
     lines = b"\n".join(json.dumps({"custom_id": f"c{i}", "messages": [{"role": "user", "content": "hi"}]}).encode()
                        for i in range(3)) + b'\n{"custom_id": "bad"}\n'
     r = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=bearer(key))
     assert r.status_code == 202, r.text
+    ingested(client, r.json()["id"], key)
     return r.json()["id"]
 
 
@@ -132,6 +143,7 @@ def test_two_tenants_cannot_see_or_touch_each_others_jobs_and_batches(client):
 def test_line_errors_are_paged_by_line_number(client):
     lines = b"\n".join(b'{"custom_id": "bad-%d"}' % i for i in range(25))
     batch = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=bearer(SHOP_KEY)).json()["id"]
+    ingested(client, batch, SHOP_KEY)
     seen, after = [], 0
     while True:
         page = client.get(f"/v1/batches/{batch}/line_errors", params={"after": after, "limit": 10},
@@ -168,9 +180,52 @@ def test_failed_authentications_are_rate_limited_per_address(database, broker, t
             TestClient(app, client=("203.0.113.10", 4000)) as neighbour:
         codes = [attacker.get("/v1/batches", headers=bearer(f"guess-{i:016d}")).status_code for i in range(8)]
         assert codes == [401] * 5 + [429] * 3
-        limited = attacker.get("/v1/batches", headers=bearer(SHOP_KEY))
-        assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1  # keys no longer checked
+        limited = attacker.get("/v1/batches", headers=bearer(f"guess-{9:016d}"))
+        assert int(limited.headers["Retry-After"]) >= 1
         assert neighbour.get("/v1/batches", headers=bearer(SHOP_KEY)).status_code == 200  # another address
+
+
+def test_a_valid_key_is_never_refused_for_failures_from_its_address(database, broker, tiny_model):
+    """Behind a proxy every client shares its address: one client's bad key must not lock the others out."""
+    settings = Settings(database_url=database, broker_url=broker, api_keys=KEYS, model=str(tiny_model),
+                        auth_failures_burst=2, auth_failures_per_s=0.01)
+    with TestClient(create_app(settings), client=("10.0.0.1", 4000)) as proxy:
+        for i in range(5):
+            proxy.get("/v1/batches", headers=bearer(f"guess-{i:016d}"))
+        assert proxy.get("/v1/batches", headers=bearer(f"guess-{9:016d}")).status_code == 429
+        assert proxy.get("/v1/batches", headers=bearer(SHOP_KEY)).status_code == 200
+        assert proxy.get("/v1/batches", headers=bearer(BANK_KEY)).status_code == 200
+
+
+def test_convoq_api_believes_forwarded_addresses_only_from_the_named_proxies(monkeypatch):
+    import uvicorn
+
+    from cli.main import api
+
+    given = {}
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: given.update(kwargs))
+    monkeypatch.setenv("CONVOQ_FORWARDED_ALLOW_IPS", "10.1.2.3,192.168.0.0/16")
+    api(port=8123)
+    assert given["proxy_headers"] is True and given["forwarded_allow_ips"] == "10.1.2.3,192.168.0.0/16"
+
+
+def test_behind_the_proxy_failures_are_counted_per_forwarded_client(service_env, tmp_path):
+    import httpx
+
+    from cli.stack import Stack
+
+    env = {**service_env, "CONVOQ_API_KEYS": KEYS, "CONVOQ_AUTH_FAILURES_BURST": "2",
+           "CONVOQ_AUTH_FAILURES_PER_S": "0.01", "CONVOQ_FORWARDED_ALLOW_IPS": "127.0.0.1"}
+    with Stack(env, tmp_path / "logs") as stack:
+        stack.start_api()
+
+        def get(client: str, key: str) -> int:
+            headers = {**bearer(key), "X-Forwarded-For": client}
+            return httpx.get(f"{stack.api_url}/v1/batches", headers=headers, timeout=10).status_code
+
+        assert [get("203.0.113.1", f"guess-{i:016d}") for i in range(3)] == [401, 401, 429]
+        assert get("203.0.113.2", f"guess-{0:016d}") == 401  # another client behind the same proxy
+        assert get("203.0.113.1", SHOP_KEY) == 200  # a valid key, even from the client that failed
 
 
 # --- secrets --------------------------------------------------------------------------------------------------
@@ -208,5 +263,21 @@ def test_uploads_past_the_line_limit_are_refused_and_store_nothing(database, bro
         assert r.status_code == 400 and "at most 3" in r.json()["detail"]
         ok = c.post("/v1/batches", files={"file": ("b.jsonl", three)}, headers=bearer(SHOP_KEY))
         assert ok.status_code == 202
-        batch = c.get(f"/v1/batches/{ok.json()['id']}", headers=bearer(SHOP_KEY)).json()
+        batch = ingested(c, ok.json()["id"], SHOP_KEY)
         assert batch["request_counts"]["total"] == 3 and batch["request_counts"]["invalid"] == 0
+
+
+def test_tenants_are_not_shown_which_host_runs_their_job(client, database):
+    import sqlalchemy as sa
+
+    job = client.post("/v1/jobs", json=GOOD, headers=bearer(SHOP_KEY)).json()["id"]
+    engine = sa.create_engine(database)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET status = 'running', worker = 'convoq-41@gpu-host-7' WHERE id = :id"),
+                     {"id": job})
+    engine.dispose()
+    assert client.get(f"/v1/jobs/{job}", headers=bearer(SHOP_KEY)).json()["worker"] is None
+    assert client.post(f"/v1/jobs/{job}/cancel", headers=bearer(SHOP_KEY)).json()["worker"] is None
+    assert client.get(f"/v1/jobs/{job}", headers=bearer(ADMIN_KEY)).json()["worker"] == "convoq-41@gpu-host-7"
+    documented = client.get("/openapi.json").json()["components"]["schemas"]["JobOut"]["properties"]["worker"]
+    assert "admin" in documented["description"]

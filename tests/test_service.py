@@ -41,7 +41,8 @@ def test_twenty_jobs_end_to_end(stack, database):
         assert job.result is not None and job.result.completion_tokens > 0 and job.result.text
         assert job.timings is not None and job.timings.batch_size >= 1
         assert job.timings.end_to_end_ms >= job.timings.engine_ms > 0
-        assert job.attempts == 1 and job.worker and job.started_at and job.finished_at
+        assert job.attempts == 1 and job.worker is None and job.started_at and job.finished_at  # a tenant's key
+    assert rows(database, "SELECT count(*) FROM jobs WHERE worker IS NULL")[0][0] == 0  # recorded for operators
     assert rows(database, "SELECT count(*) FROM results")[0][0] == 20
     assert rows(database, "SELECT count(*) FROM timings")[0][0] == 20
 

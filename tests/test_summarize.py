@@ -98,6 +98,19 @@ def test_chunks_keep_every_turn_in_order_and_split_only_oversized_turns():
     assert len(split_turn(turns[1], fits)) == 4 and flat[0] == turns[0]
 
 
+def test_a_turn_without_spaces_is_split_between_characters(bridge):
+    """Chinese and Japanese text has no spaces to split a long turn on; it is cut between characters instead."""
+    cjk = "我的路由器每天晚上八点左右都会断线，我在家工作。ルーターが毎晩切れます。" * 40
+    turns = [Message(role="user", content="短い"), Message(role="user", content=cjk)]
+    chunks = plan_chunks(turns, lambda ts: sum(len(t.content) for t in ts) <= 300)
+    assert "".join(t.content for c in chunks for t in c) == "短い" + cjk
+    assert all(sum(len(t.content) for t in c) <= 300 for c in chunks) and len(chunks) >= len(cjk) // 300
+    # and a whole summary of it goes through map-reduce on the model, in parts that fit its context
+    outcome = run(summarize, bridge, "cjk", summary_job([Message(role="user", content=cjk * 3)], 32), NOW)
+    assert outcome.completion.ok, outcome.completion.error
+    assert outcome.chunks > 1
+
+
 def test_chunks_are_as_large_as_fits_with_few_prompt_checks():
     import itertools
     import random

@@ -7,11 +7,15 @@ map-reduce summary) is decided by the task (`worker.tasks`, `worker.summarize`),
 
 A run can be stopped from any thread (`Bridge.stop`: a cancel, or a deadline seen by the reconciler): its
 requests in the engine are stopped before the next step and keep their text so far; requests it submits
-afterwards end at once with the same reason.
+afterwards end at once with the same reason. An engine that does not answer a stop within `stop_grace_s` (it is
+stuck, and its watchdog has not acted yet) is not waited for: the run's requests end with the reason and the text
+the run has seen stream in, and whatever the engine says about them later is dropped. A run past its deadline by
+as much is stopped the same way (`expired`), so a stuck engine never holds a cancel or a deadline back.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +23,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
 
+from engine.core.output_text import cut_at_stop
 from engine.interface import Completion, EngineRunner, Request, TokensCallback
 from jobs.chat import Chat, encode_chat, thinking_of
 from jobs.model_source import resolve_model
@@ -27,6 +32,10 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import as_utc, utcnow
 from worker.sampling import OURS, sampling_defaults, sampling_params
+
+log = logging.getLogger(__name__)
+# how long a stopped run waits for the engine to stop its requests: a healthy engine does before its next step
+STOP_GRACE_S = 3.0
 
 
 def engine_clock(moment: datetime) -> float:
@@ -57,7 +66,9 @@ class JobRun:
         self.interactive = is_interactive(job.priority, bridge.settings)
         self.sampling = sampling_params(job, bridge.sampling_defaults)
         self.stopped: str | None = None  # "cancelled" or "expired" once stopped
-        self._in_flight: set[str] = set()
+        self._give_up_at = float("inf")  # once stopped: when to stop waiting for the engine
+        # request id -> (the future handed out, its prompt's length, the tokens seen streaming so far)
+        self._pending: dict[str, tuple[Future[Completion], int, list[int]]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -75,35 +86,86 @@ class JobRun:
                           priority=self.job.priority, interactive=self.interactive,
                           conversation_id=self.job.conversation_id,
                           arrival=self.arrival, deadline=self.deadline)
-        with self._lock:  # held while handing over, so that a stop never misses a request on its way in
+        future: Future[Completion] = Future()
+        with self._lock:
             if self.stopped is not None:
-                future: Future[Completion] = Future()
                 future.set_result(Completion.empty(request_id, len(prompt_ids), self.stopped))
                 return future
-            self._in_flight.add(request_id)
-            future = self.bridge.runner.submit(request, self.on_tokens if stream else None)
-        future.add_done_callback(lambda _: self._done(request_id))
+            self._pending[request_id] = (future, len(prompt_ids), [])
+        try:
+            # not under the lock: a restarting engine makes a submit wait, and a stop must not wait with it
+            engine_future = self.bridge.runner.submit(request, self._streamer(request_id) if stream else None)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise
+        engine_future.add_done_callback(lambda done: self._settle(request_id, done))
+        if self.stopped is not None:  # stopped while it was handed over: that stop's cancel may have gone first
+            self.bridge.runner.cancel(request_id, self.stopped)
         return future
 
     def stop(self, reason: str) -> None:
+        self._stop(reason, time.monotonic() + self.bridge.stop_grace_s)
+
+    def overdue(self, now: float) -> None:
+        """Give up on an engine that has not stopped this run's requests in time (see the module's doc)."""
+        if self.stopped is None and self.deadline is not None and now >= self.deadline + self.bridge.stop_grace_s:
+            with self._lock:
+                late = bool(self._pending)
+            if late:
+                self._stop("expired", now)
+        if now < self._give_up_at:
+            return
+        with self._lock:
+            given_up, self._pending = self._pending, {}
+        if given_up:
+            log.warning("job %s: the engine did not stop %d requests within %.0fs; ended %s without it",
+                        self.job_id, len(given_up), self.bridge.stop_grace_s, self.stopped)
+        for request_id, (future, prompt_tokens, tokens) in given_up.items():
+            text = cut_at_stop(self.bridge.runner.tokenizer.decode(tokens, skip_special_tokens=True),
+                               self.sampling.stop)[0]
+            future.set_result(Completion(request_id, tokens, text, prompt_tokens, self.stopped))
+
+    def _stop(self, reason: str, give_up_at: float) -> None:
         with self._lock:
             if self.stopped is not None:
                 return
-            self.stopped = reason
-            in_flight = list(self._in_flight)
+            self.stopped, self._give_up_at = reason, give_up_at
+            in_flight = list(self._pending)
         for request_id in in_flight:
             self.bridge.runner.cancel(request_id, reason)
 
-    def _done(self, request_id: str) -> None:
+    def _streamer(self, request_id: str) -> TokensCallback:
+        """The run's `on_tokens`, keeping what streamed in: the text a run the engine never stops ends with."""
+
+        def on_tokens(tokens: list[int]) -> None:
+            with self._lock:
+                if (entry := self._pending.get(request_id)) is not None:
+                    entry[2][:] = tokens
+            if self.on_tokens is not None:
+                self.on_tokens(tokens)
+
+        return on_tokens
+
+    def _settle(self, request_id: str, done: Future[Completion]) -> None:
         with self._lock:
-            self._in_flight.discard(request_id)
+            entry = self._pending.pop(request_id, None)
+        if entry is None:  # given up on: the engine's late word is dropped
+            return
+        if done.exception() is not None:
+            entry[0].set_exception(done.exception())
+        else:
+            entry[0].set_result(done.result())
 
 
 class Bridge:
-    def __init__(self, runner: EngineRunner, settings: Settings, sampling_defaults: dict[str, float] = OURS) -> None:
+    def __init__(self, runner: EngineRunner, settings: Settings, sampling_defaults: dict[str, float] = OURS,
+                 stop_grace_s: float = STOP_GRACE_S) -> None:
         """`settings`: which jobs are interactive, whether chats that do not say reason first;
-        `sampling_defaults`: what sampling fields a job leaves unset become (`worker.sampling`)."""
+        `sampling_defaults`: what sampling fields a job leaves unset become (`worker.sampling`); `stop_grace_s`:
+        how long a stopped run waits for the engine (see the module's doc)."""
         self.runner = runner
+        self.stop_grace_s = stop_grace_s
         self.settings = settings
         self.default_thinking = settings.default_thinking
         self.sampling_defaults = sampling_defaults
@@ -114,6 +176,9 @@ class Bridge:
         self._bulk_prompts = threading.Lock()
         self._runs: dict[str, JobRun] = {}
         self._runs_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._overseer = threading.Thread(target=self._oversee, name="bridge-overseer", daemon=True)
+        self._overseer.start()
 
     @classmethod
     def for_settings(cls, runner: EngineRunner, settings: Settings) -> Bridge:
@@ -147,6 +212,7 @@ class Bridge:
         finally:
             with self._runs_lock:
                 self._runs.pop(job_id, None)
+            run.stop("cancelled")  # a run left early (its engine stalled) leaves nothing running in the engine
 
     def running(self) -> list[str]:
         with self._runs_lock:
@@ -164,4 +230,17 @@ class Bridge:
         return self.runner.stats()
 
     def close(self) -> None:
+        self._closed.set()
         self.runner.close()
+
+    def _oversee(self) -> None:
+        """Gives up on stopped runs the engine does not answer (`JobRun.overdue`)."""
+        while not self._closed.wait(min(0.5, self.stop_grace_s / 4)):
+            now = time.monotonic()
+            with self._runs_lock:
+                runs = list(self._runs.values())
+            for run in runs:
+                try:
+                    run.overdue(now)
+                except Exception:
+                    log.exception("checking job %s for a stuck engine failed", run.job_id)

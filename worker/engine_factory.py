@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.interface import EngineRunner, StepEngine
 from engine.runtime.engine_process import EngineProcess
-from engine.runtime.engine_thread import EngineDead, EngineThread
+from engine.runtime.engine_thread import EngineDead, EngineStalled, EngineThread
 from jobs.model_source import resolve_model
 from jobs.settings import Settings
 
@@ -70,10 +70,13 @@ def load_backend(settings: Settings) -> StepEngine:
     return getattr(importlib.import_module(module), factory)(config.model, device=config.device, dtype=config.dtype)
 
 
-def start_engine(settings: Settings, on_death: Callable[[EngineDead], None] | None = None) -> EngineRunner:
+def start_engine(settings: Settings, on_death: Callable[[EngineDead], None] | None = None,
+                 on_stall: Callable[[EngineStalled], None] | None = None) -> EngineRunner:
     """The backend behind its step loop: in a process of its own (`CONVOQ_ENGINE_PROCESS`, the default), which
-    loads the model while this process keeps only the tokenizer, or in a thread of this process."""
+    loads the model while this process keeps only the tokenizer, and is restarted when it stalls
+    (`CONVOQ_ENGINE_STALL_S`); or in a thread of this process, whose stall is `on_stall`'s to handle."""
     if not settings.engine_process:
-        return EngineThread(load_backend(settings))
+        return EngineThread(load_backend(settings), stall_s=settings.engine_stall_s, on_stall=on_stall)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings.model, weights=False))
-    return EngineProcess(partial(load_backend, settings), tokenizer, on_death=on_death)
+    return EngineProcess(partial(load_backend, settings), tokenizer, on_death=on_death,
+                         stall_s=settings.engine_stall_s)

@@ -11,6 +11,8 @@ from jobs.chat import split_reasoning
 STOPPED = ("cancelled", "expired")
 # a run stopped because its worker lost the job's lease: it writes nothing of what it did (`results.give_back`)
 LEASE_LOST = "lease_lost"
+# a run stopped because its worker is shutting down: its job goes back to the queue uncharged (`worker.shutdown`)
+SHUTDOWN = "shutdown"
 
 
 @dataclass

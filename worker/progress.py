@@ -2,8 +2,10 @@
 
 Status changes go out as they happen. Text is published only for jobs someone is subscribed to (one PUBSUB
 NUMSUB per flush asks), at most once per `interval` per job, and always as the whole text so far, so a
-subscriber that connects late is up to date with its first text event. Nothing is stored: a subscriber
-reads the job's row for what happened before it connected. Publishing is best-effort: a Redis error loses
+subscriber that connects late is up to date with its first text event. Each text event names its run (the
+lease of the claim that produced it): a job handed back and run again samples a new text, and the API must
+tell it from the old one's. Nothing is stored: a subscriber reads the job's row for what happened before it
+connected. Publishing is best-effort: a Redis error loses
 progress events, never a job.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
 
 import redis
 
@@ -27,7 +30,7 @@ class ProgressPublisher:
         self.tokenizer = tokenizer
         self.interval = interval
         self._statuses: list[tuple[str, JobStatus]] = []
-        self._tokens: dict[str, list[int]] = {}  # job id -> its latest output so far
+        self._tokens: dict[str, tuple[str | None, list[int]]] = {}  # job id -> (its run, its latest output so far)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
@@ -39,10 +42,10 @@ class ProgressPublisher:
             if status in TERMINAL:
                 self._tokens.pop(job_id, None)  # the final event carries the whole result
 
-    def tokens(self, job_id: str, token_ids: list[int]) -> None:
-        """The job's output so far (called on the engine thread: only a dict write)."""
+    def tokens(self, job_id: str, token_ids: list[int], run: uuid.UUID | None = None) -> None:
+        """The output so far of the job's run `run` (called on the engine thread: only a dict write)."""
         with self._lock:
-            self._tokens[job_id] = token_ids
+            self._tokens[job_id] = (None if run is None else str(run), token_ids)
 
     def close(self) -> None:
         self._stop.set()
@@ -67,9 +70,10 @@ class ProgressPublisher:
             for job_id, status in (x for x in statuses if x[1] not in TERMINAL):
                 pipe.publish(progress_channel(job_id), json.dumps({"event": "status", "status": status.value}))
             for job_id in watched:
-                text = self.tokenizer.decode(tokens[job_id], skip_special_tokens=True)
+                run, ids = tokens[job_id]
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 pipe.publish(progress_channel(job_id),
-                             json.dumps({"event": "text", "text": text, "tokens": len(tokens[job_id])}))
+                             json.dumps({"event": "text", "text": text, "tokens": len(ids), "run": run}))
             for job_id, status in ending:
                 pipe.publish(progress_channel(job_id), json.dumps({"event": "status", "status": status.value}))
             pipe.execute()

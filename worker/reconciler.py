@@ -1,12 +1,13 @@
 """Nothing lost, nothing run twice: lease renewal, and the one sweep that hands back and re-sends jobs.
 
 Each worker beats once per `heartbeat_s` (one transaction: its `workers` row, the leases of the jobs it holds,
-and whether a sweep is due), so its cost is constant per worker. The sweep runs on one worker at a time, once
-per `sweep_every_s` across the fleet (an advisory lock, then the turn in `sweeps`): it hands back jobs whose
-lease expired (`attribute` decides what each crash says about each job), ends queued jobs past their deadline,
-folds the status counts, prunes finished work hourly, and re-sends queued jobs only on evidence that no message
-for them exists (`jobs.broker.BrokerView`; a published job's message must be missing at two sweeps in a row).
-Its cost follows the backlog, never the number of workers.
+and whether a sweep is due), so its cost is constant per worker; the beat has a thread of its own, so that no
+sweep, however long, delays it. The sweep runs on one worker at a time, once per `sweep_every_s` across the
+fleet (an advisory lock held for the whole sweep, then the turn in `sweeps`): it hands back jobs whose lease
+expired (`attribute` decides what each crash says about each job), ends queued jobs past their deadline, folds
+the status counts, prunes finished work hourly, and re-sends queued jobs only on evidence that no message for
+them exists (`jobs.broker.BrokerView`; a published job's message must be missing at two sweeps in a row). It
+works in chunks, each its own short transaction. Its cost follows the backlog, never the number of workers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,7 +26,7 @@ from datetime import UTC, datetime
 
 from celery import Celery
 from sqlalchemy import Row, bindparam, case, or_, select, text, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.broker import BrokerView
@@ -45,7 +47,15 @@ QUEUED, RUNNING, FAILED = JobStatus.queued.value, JobStatus.running.value, JobSt
 SWEEP, PRUNE = "reconcile", "prune"  # periodic tasks, by their row in `sweeps`
 PRUNE_EVERY_S = 3600.0  # retention (CONVOQ_RETENTION_DAYS) runs once an hour, by the sweeper
 SWEEP_LOCK = 0x636F6E766F71  # any constant shared by every worker: "convoq"
+LOCK_IDLE_S = 60.0  # a sweeper silent this long (killed, frozen) loses the sweep's lock
 CHUNK = 1000  # rows per statement: bounded transactions, and no IN list near the driver's parameter limit
+# called by a sweep before each chunk: raises once the sweep may no longer go on (`sweep_lock`)
+Hold = Callable[[], object] | None
+
+
+def _hold(hold: Hold) -> None:
+    if hold is not None:
+        hold()
 
 
 @dataclass
@@ -74,9 +84,12 @@ def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uui
         renewed: list[Row] = []
         if leases:
             renewed = session.execute(
-                # an expired lease is not renewed, even before a sweep hands its job back
+                # An expired lease is renewed too while its job still runs under it: it expired while this worker
+                # lived (the database was away, or the worker froze), and nobody else has the job. Once a sweep
+                # hands the job back its lease id is gone, so is the renewal, and every late write of the run
+                # is refused (`results.holds`).
                 update(jobs).where(jobs.c.worker == name, jobs.c.status == RUNNING,
-                                   jobs.c.lease_id.in_(set(leases.values())), jobs.c.lease_expires_at >= db_now())
+                                   jobs.c.lease_id.in_(set(leases.values())))
                 .values(lease_expires_at=db_now(lease_s))
                 .returning(jobs.c.id, jobs.c.cancel_requested_at)
             ).all()
@@ -130,8 +143,9 @@ def crash_error(verdict: str, crashes: int) -> str:
     return f"workers died {crashes} times while it ran (CONVOQ_MAX_CRASHES)"
 
 
-def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int) -> Counter:
-    """Hand back every running job whose lease expired, in chunks; returns how many got each verdict."""
+def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int, hold: Hold = None) -> Counter:
+    """Hand back every running job whose lease expired, in chunks (`hold` is called before each, see
+    `sweep_lock`); returns how many got each verdict."""
     jobs, runs = Job.__table__, Run.__table__
     counts: Counter = Counter()
     fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
@@ -140,6 +154,7 @@ def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int) -> Coun
         status=FAILED, error=bindparam("e"), finished_at=db_now(), lease_id=None, lease_expires_at=None,
         crashes=jobs.c.crashes + 1)
     while True:
+        _hold(hold)
         with sessions.begin() as session:
             expired = session.execute(
                 select(jobs.c.id, jobs.c.worker, jobs.c.lease_id, jobs.c.alone_at, jobs.c.crashes, jobs.c.batch_id)
@@ -174,11 +189,11 @@ def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int) -> Coun
 
 # --- messages -----------------------------------------------------------------------------------------------
 
-def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
-           broker: BrokerView) -> tuple[list[uuid.UUID], int]:
-    """Send again the queued jobs with no live message (see the module's doc); returns the ids sent and how many
-    published jobs were seen without a message for the first time (`message_missing_at`: the next sweep, by
-    whichever worker, sends those still missing)."""
+def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings, broker: BrokerView,
+           hold: Hold = None) -> tuple[list[uuid.UUID], int]:
+    """Send again the queued jobs with no live message (see the module's doc), in chunks (`hold` before each);
+    returns the ids sent and how many published jobs were seen without a message for the first time
+    (`message_missing_at`: the next sweep, by whichever worker, sends those still missing)."""
     jobs = Job.__table__
     live = broker.live(settings.dead_after_s)  # read before the rows: a message consumed since is a running job
     grace = db_now(-settings.unpublished_grace_s)
@@ -187,13 +202,15 @@ def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
         sent_long_ago = jobs.c.published_at < db_now(-settings.republish_after_s)
         with sessions() as session:
             due = list(session.scalars(select(jobs.c.id).where(jobs.c.status == QUEUED, or_(never, sent_long_ago))))
-        return _send(sessions, celery, settings, broker, due), 0
+        return _send(sessions, celery, settings, broker, due, hold), 0
     found, reappeared, missing, due = [], [], [], []
-    with sessions() as session:
-        rows = session.execute(
-            select(jobs.c.id, jobs.c.published_at, jobs.c.message_missing_at)
-            .where(jobs.c.status == QUEUED, or_(never, jobs.c.published_at < grace))
-            .execution_options(yield_per=CHUNK))
+    page = select(jobs.c.id, jobs.c.published_at, jobs.c.message_missing_at).where(
+        jobs.c.status == QUEUED, or_(never, jobs.c.published_at < grace)).order_by(jobs.c.id).limit(CHUNK)
+    after = None
+    while True:  # a page per short read, not one read as long as the backlog
+        _hold(hold)
+        with sessions() as session:
+            rows = session.execute(page if after is None else page.where(jobs.c.id > after)).all()
         for job_id, published_at, missing_at in rows:
             if job_id in live:
                 if published_at is None:
@@ -204,15 +221,20 @@ def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
                 due.append(job_id)  # never sent, or missing at an earlier sweep too
             else:
                 missing.append(job_id)
+        if len(rows) < CHUNK:
+            break
+        after = rows[-1].id
     for chunk in _chunks(found):  # stamping clears `message_missing_at` too
+        _hold(hold)
         with sessions() as session:
             mark_published(session, chunk)
     for ids, value in ((reappeared, None), (missing, db_now())):
         for chunk in _chunks(ids):
+            _hold(hold)
             with sessions.begin() as session:
                 session.execute(update(jobs).where(jobs.c.id.in_(chunk), jobs.c.status == QUEUED)
                                 .values(message_missing_at=value))
-    return _send(sessions, celery, settings, broker, due), len(missing)
+    return _send(sessions, celery, settings, broker, due, hold), len(missing)
 
 
 def _chunks(ids: list[uuid.UUID]) -> Iterator[list[uuid.UUID]]:
@@ -221,9 +243,10 @@ def _chunks(ids: list[uuid.UUID]) -> Iterator[list[uuid.UUID]]:
 
 
 def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, broker: BrokerView,
-          job_ids: list[uuid.UUID]) -> list[uuid.UUID]:
+          job_ids: list[uuid.UUID], hold: Hold) -> list[uuid.UUID]:
     sent: list[uuid.UUID] = []
     for chunk in _chunks(job_ids):
+        _hold(hold)
         with sessions() as session:
             stranded = list(session.scalars(select(Job).where(Job.id.in_(chunk), Job.status == QUEUED)))
             sent += publish(celery, session, stranded, settings) if stranded else []
@@ -236,23 +259,51 @@ def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, b
 # --- the sweep ----------------------------------------------------------------------------------------------
 
 
+class LockLost(RuntimeError):
+    """The session that held the sweep's lock ended (idle too long, or the database went away): another worker
+    may be sweeping now, so this one stops."""
+
+
 @contextmanager
-def sweep_lock(sessions: sessionmaker[Session]) -> Iterator[bool]:
-    """Whether this process may sweep now: PostgreSQL's advisory lock, held by one transaction for the sweep.
-    A holder that stops (killed, frozen) loses it when its connection ends or sits idle past a minute."""
+def sweep_lock(sessions: sessionmaker[Session]) -> Iterator[Callable[[], None] | None]:
+    """The right to sweep, held for the whole sweep however long it takes: None if another process has it, else
+    `hold`, which the sweep calls before each chunk.
+
+    A session-level PostgreSQL advisory lock on a connection of its own, idle outside any transaction between
+    chunks. The server ends that session once it has been idle for `LOCK_IDLE_S` (`idle_session_timeout`,
+    PostgreSQL 14+), and the lock with it, so a sweeper that stops (killed, frozen) gives the lock up within a
+    minute. `hold` uses the session, which keeps a working sweeper's lock from ever idling that long, and raises
+    `LockLost` once it has ended: a sweeper back from a freeze finds its lock gone at its next chunk and stops, so
+    at most the chunk it was in overlaps the next sweeper's (each chunk is fenced or idempotent). A lock held by a
+    transaction instead sits idle in that transaction while the sweep works on other connections, and the
+    server ended it after a minute however busy the sweep was: a second sweeper then ran beside the first.
+    """
     engine = sessions.kw["bind"]
     if engine.dialect.name != "postgresql":  # an embedded database serves one host: nothing to share
-        yield True
+        yield lambda: None
         return
     with engine.connect() as conn:
-        # LOCAL: for this transaction only, so the pooled connection goes back as it came
-        conn.execute(text("SET LOCAL idle_in_transaction_session_timeout = '60s'"))
-        got = bool(conn.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK}))
+        conn.execution_options(isolation_level="AUTOCOMMIT")  # idle between chunks, never in a transaction
+        if not conn.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": SWEEP_LOCK}):
+            yield None
+            return
         try:
-            yield got
+            conn.execute(text("SELECT set_config('idle_session_timeout', :ms, false)"),
+                         {"ms": str(int(LOCK_IDLE_S * 1000))})
+
+            def hold() -> None:
+                try:
+                    conn.execute(text("SELECT 1"))
+                except DBAPIError as exc:
+                    raise LockLost("the sweep's lock was lost; another worker may be sweeping") from exc
+
+            yield hold
         finally:
-            with suppress(OperationalError):  # the server ended the idle transaction: the lock went with it
-                conn.rollback()
+            # unlocked now (a session's end frees the lock only once the server has noticed it), and the
+            # connection closed, not pooled, with its timeout and any lock an unlock that failed left behind
+            with suppress(SQLAlchemyError):  # the session is gone already: so is its lock
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": SWEEP_LOCK})
+            conn.invalidate()
 
 
 def take_turn(sessions: sessionmaker[Session], name: str, every_s: float) -> bool:
@@ -265,28 +316,45 @@ def take_turn(sessions: sessionmaker[Session], name: str, every_s: float) -> boo
                                .values(swept_at=db_now())).rowcount == 1
 
 
+def expire_queued(sessions: sessionmaker[Session], hold: Hold = None) -> list[tuple[uuid.UUID, uuid.UUID | None]]:
+    """End the queued jobs past their deadline (`end_unrun`), a chunk per transaction (`hold` before each);
+    returns (job id, batch id) of each."""
+    jobs = Job.__table__
+    due = (select(jobs.c.id).where(jobs.c.status == QUEUED, jobs.c.deadline_at <= db_now())
+           .limit(CHUNK).with_for_update(skip_locked=True))
+    expired: list[tuple[uuid.UUID, uuid.UUID | None]] = []
+    while True:
+        _hold(hold)
+        with sessions.begin() as session:
+            chunk = end_unrun(session, jobs.c.id.in_(due))
+        expired += chunk
+        if len(chunk) < CHUNK:
+            return expired
+
+
 @dataclass
 class Sweeper:
     sessions: sessionmaker[Session]
     celery: Celery
     settings: Settings
 
-    def sweep(self, force: bool = False) -> dict[str, int] | None:
+    def sweep(self, force: bool = False, hand_back: bool = True) -> dict[str, int] | None:
         """One sweep if this process gets the lock and the turn (`force`: whenever it gets the lock); None if
-        another worker has it."""
-        with sweep_lock(self.sessions) as mine:
-            if not mine or not (take_turn(self.sessions, SWEEP, self.settings.sweep_every_s) or force):
+        another worker has it. `hand_back`: whether jobs whose lease expired may be handed back now (not while
+        their workers may be renewing them after an outage: `Reconciler.settled`)."""
+        with sweep_lock(self.sessions) as hold:
+            if hold is None or not (take_turn(self.sessions, SWEEP, self.settings.sweep_every_s) or force):
                 return None
-            swept = self._sweep()
+            swept = self._sweep(hold, hand_back)
             if (period := retention_period(self.settings)) and take_turn(self.sessions, PRUNE, PRUNE_EVERY_S):
-                swept["pruned_jobs"] = prune(self.sessions, period).jobs
+                swept["pruned_jobs"] = prune(self.sessions, period, before_chunk=hold).jobs
             return swept
 
-    def _sweep(self) -> dict[str, int]:
+    def _sweep(self, hold: Hold, hand_back: bool) -> dict[str, int]:
         s, sessions = self.settings, self.sessions
-        verdicts = hand_back_expired(sessions, s.max_crashes)
+        verdicts = hand_back_expired(sessions, s.max_crashes, hold) if hand_back else Counter()
+        expired = expire_queued(sessions, hold)
         with sessions.begin() as session:
-            expired = end_unrun(session, Job.deadline_at <= db_now())
             session.execute(update(Worker.__table__).where(
                 Worker.stopped_at.is_(None), Worker.heartbeat_at < db_now(-s.dead_after_s)).values(stopped_at=db_now()))
             fold(session)  # the status counts' deltas since the last sweep, into one row per status
@@ -294,7 +362,7 @@ class Sweeper:
             retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
         broker = BrokerView(s)
         try:
-            sent, missing = resend(sessions, self.celery, s, broker)
+            sent, missing = resend(sessions, self.celery, s, broker, hold)
         finally:
             broker.close()
         return {"handed_back": verdicts["crashed"] + verdicts["spared"], "condemned": verdicts["condemned"],
@@ -303,8 +371,10 @@ class Sweeper:
 
 
 class Reconciler:
-    """The heartbeat thread of one worker process: beats, renews its leases, stops the runs it lost or whose
-    cancel was asked for (`stop_jobs(ids, reason)`), and sweeps when its turn comes."""
+    """The reconciler of one worker process, on two threads: the heartbeat beats every `heartbeat_s`, renews the
+    worker's leases and stops the runs it lost or whose cancel was asked for (`stop_jobs(ids, reason)`); the
+    sweeper sweeps when a beat finds its turn come. Apart, so that no sweep or prune, however long, holds a beat
+    back: the leases of the sweeper's own jobs would expire under it, and charge them a crash."""
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
                  leases: Leases, stop_jobs: Callable[[list[str], str], list[str]]) -> None:
@@ -312,32 +382,77 @@ class Reconciler:
         self.stop_jobs = stop_jobs
         self.sweeper = Sweeper(sessions, celery, settings)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
+        self._sweep_due = threading.Event()
+        # when the database last answered a beat, and since when it has answered them without a gap (monotonic)
+        self._last_beat: float | None = None
+        self._answering_since = 0.0
+        # The longest gap between beats that no lease can expire in: a live worker renews its leases within two
+        # heartbeats of the database's return. (Not under one and a half heartbeats, a beat's own cadence: a
+        # lease that short expires at any late beat whatever this says.)
+        self._quiet_s = max(settings.dead_after_s - 2 * settings.heartbeat_s, 1.5 * settings.heartbeat_s)
+        self._beats = threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)
+        self._sweeps = threading.Thread(target=self._sweep_loop, name="reconciler", daemon=True)
 
     def start(self) -> Reconciler:
         self.beat()
-        self._thread.start()
+        self._beats.start()
+        self._sweeps.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._sweep_due.set()
+        self._beats.join(10)
+        # a sweep in progress is not waited for: each of its chunks is a transaction of its own, and the one it is
+        # in when the process ends is rolled back
+        self._sweeps.join(1)
 
     def beat(self) -> Beat:
         s = self.settings
-        result = beat(self.sessions, self.name, self.leases.held(), s.dead_after_s, s.sweep_every_s)
-        # a job that finished since the leases were read is not running any more: only runs still going are lost
-        if lost := self.stop_jobs(result.lost, LEASE_LOST):
+        held = self.leases.held()
+        result = beat(self.sessions, self.name, held, s.dead_after_s, s.sweep_every_s)
+        now = time.monotonic()
+        if self._last_beat is None or now - self._last_beat > self._quiet_s:  # started, or back from an outage
+            self._answering_since = now
+        self._last_beat = now
+        # a job that finished since the leases were read is not running any more, and one claimed again here
+        # since (a stalled engine's job, sent again at once) runs under a new lease: only runs still going are lost
+        still = self.leases.held()
+        lost = [i for i in result.lost if still.get(uuid.UUID(i)) == held[uuid.UUID(i)]]
+        if lost := self.stop_jobs(lost, LEASE_LOST):
             log.warning("lost the lease of %d running jobs (handed to another worker meanwhile): stopped", len(lost))
         if result.cancelled:
             self.stop_jobs(result.cancelled, "cancelled")
+        if result.sweep_due:
+            self._sweep_due.set()
         return result
 
-    def _run(self) -> None:
+    def settled(self) -> bool:
+        """Whether the database has answered this worker's beats without a gap for a full lease (`dead_after_s`):
+        only then does a lease that expired mean that its worker stopped beating, not that the database was away.
+
+        A database outage long enough to expire a lease expires every lease in flight, while their workers live.
+        Each of them renews its own at its first beat back (an expired lease is renewed while its job still runs
+        under it: `beat`); a sweeper that has seen the database answer for a full lease since has let them, and
+        whatever is still expired belongs to a worker that did not beat: dead, or frozen. Such an outage leaves a
+        gap of over `_quiet_s` in this worker's beats too (a beat that failed, or hung until the database came
+        back), which restarts the count; a sweeper that started since cannot tell, and counts from its start. A
+        beat that fails now and then (a lost connection) leaves a gap too short to restart anything."""
+        now = time.monotonic()
+        return (self._last_beat is not None and now - self._last_beat <= self._quiet_s
+                and now - self._answering_since >= self.settings.dead_after_s)
+
+    def _beat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
-                if self.beat().sweep_due:
-                    self.sweeper.sweep()
-            except Exception:  # the database or broker is away: try again next beat
-                log.exception("reconciler beat or sweep failed")
+                self.beat()
+            except Exception:  # the database is away: try again next beat
+                log.exception("reconciler heartbeat failed")
 
+    def _sweep_loop(self) -> None:
+        while self._sweep_due.wait() and not self._stop.is_set():
+            self._sweep_due.clear()
+            try:
+                self.sweeper.sweep(hand_back=self.settled())
+            except Exception:  # the database or broker is away, or the lock was lost: the next turn sweeps again
+                log.exception("reconciler sweep failed")

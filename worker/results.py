@@ -162,11 +162,69 @@ def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bo
     return _fenced(sessions, claimed, values, QUEUED, "retry", ended("retry"))
 
 
-def give_back(sessions: sessionmaker[Session], claimed: Claimed) -> bool:
-    """A run whose lease expired before its worker could renew it (the worker was frozen or cut off): the job
-    goes back to `queued` as a sweep would have sent it (a crash, not an attempt), unless the sweep already did
-    and the job moved on, in which case the write is refused."""
-    return _fenced(sessions, claimed, returned(crashes=1), QUEUED, "hand-back", ended("crashed"))
+def give_back(sessions: sessionmaker[Session], claimed: Claimed, requeued: bool = False) -> bool:
+    """A run its live worker ends without an outcome (it lost the job's lease, or it is shutting down): the job
+    goes back to `queued` uncharged, neither an attempt nor a crash (its worker did not die), unless it moved on
+    meanwhile, in which case the write is refused. `requeued`: the caller returns the job's message to the queue,
+    so the row says it is published and a sweep sends no second one."""
+    values = returned() | (dict(published_at=db_now(), message_missing_at=None) if requeued else {})
+    return _fenced(sessions, claimed, values, QUEUED, "hand-back", ended("returned"))
+
+
+STALLED = "stalled"  # how a run ends when its engine stalled with it inside and was killed
+
+
+def stalled(sessions: sessionmaker[Session], claims: list[Claimed], max_crashes: int) -> dict[uuid.UUID, JobStatus]:
+    """Jobs whose engine stalled with them in it go back to `queued`, neither an attempt (the claim's is
+    refunded) nor a crash: one stall says nothing about which request caused it. A job whose earlier run stalled
+    too is charged a crash (the suspect rules follow from there), and fails if that makes `max_crashes`. Each
+    run ends `stalled`. Returns the status each job was left in; the runs that no longer hold their job are
+    refused and left out."""
+    jobs, runs = Job.__table__, Run.__table__
+    pairs = [(c.job_id, c.lease) for c in claims]
+    fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
+    back = update(jobs).where(fenced).values(**returned(crashes=bindparam("charge")))
+    failed = update(jobs).where(fenced).values(status=FAILED, error=bindparam("e"), finished_at=utcnow(),
+                                               lease_expires_at=None, crashes=jobs.c.crashes + 1)
+
+    def action() -> tuple[dict[uuid.UUID, JobStatus], set[uuid.UUID]]:
+        with sessions.begin() as session:
+            rows = session.execute(select(jobs.c.id, jobs.c.lease_id, jobs.c.status, jobs.c.crashes, jobs.c.batch_id)
+                                   .where(tuple_(jobs.c.id, jobs.c.lease_id).in_(pairs)).with_for_update()).all()
+            ours = dict(session.execute(select(runs.c.job_id, runs.c.outcome)
+                                        .where(tuple_(runs.c.job_id, runs.c.lease_id).in_(pairs))).all())
+            earlier = set(session.scalars(select(runs.c.job_id).where(
+                runs.c.job_id.in_([row.id for row in rows]), runs.c.outcome == STALLED,
+                tuple_(runs.c.job_id, runs.c.lease_id).not_in(pairs))))
+            left: dict[uuid.UUID, JobStatus] = {}
+            back_rows, fail_rows, batches = [], [], set()
+            for row in rows:
+                if row.status != RUNNING:  # this write, tried before (its reply was lost), or refused below
+                    if ours.get(row.id) == STALLED:
+                        left[row.id] = JobStatus(row.status)
+                        batches.add(row.batch_id if row.status == FAILED else None)
+                    continue
+                charge = int(row.id in earlier)
+                if charge and row.crashes + 1 >= max_crashes:
+                    fail_rows.append(dict(j=row.id, l=row.lease_id, e=f"its engine stalled with it running in two "
+                                          f"runs or more; {row.crashes + 1} crashes (CONVOQ_MAX_CRASHES)"))
+                    left[row.id] = JobStatus.failed
+                    batches.add(row.batch_id)
+                else:
+                    back_rows.append(dict(j=row.id, l=row.lease_id, charge=charge))
+                    left[row.id] = JobStatus.queued
+            if back_rows:
+                session.connection().execute(back, back_rows)
+            if fail_rows:
+                session.connection().execute(failed, fail_rows)
+            end_runs(session, [(r["j"], r["l"], STALLED) for r in back_rows + fail_rows])
+            _refuse(session, [c for c in claims if c.job_id not in left], "stall hand-back")
+        return left, batches - {None}
+
+    left, batches = retrying(action, f"hand back {len(claims)} jobs of a stalled engine")
+    for batch_id in batches:
+        retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
+    return left
 
 
 def mark_alone(sessions: sessionmaker[Session], claimed: Claimed) -> bool:

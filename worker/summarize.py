@@ -2,7 +2,7 @@
 
 A transcript whose prompt fits (context minus the output budget) is summarized in one request. A longer
 one is split on turn boundaries into chunks that fit (a single turn too long for a chunk is split on
-word boundaries), each chunk is summarized, and the partial summaries are combined, again in chunks if
+word boundaries, or between characters where it has no spaces), each chunk is summarized, and the partial summaries are combined, again in chunks if
 they do not fit together, until one summary remains. Nothing is truncated: a transcript that cannot be
 reduced within the budget fails with a clear error instead.
 """
@@ -28,16 +28,21 @@ class TooLong(ValueError):
 
 
 def split_turn(turn: Message, fits: Callable[[Turns], bool]) -> Turns:
-    """A turn too long for any chunk, as consecutive pieces that each fit (split on word boundaries)."""
+    """A turn too long for any chunk, as consecutive pieces that each fit: split on word boundaries, and a run
+    without spaces (Chinese or Japanese text, a long URL) between characters."""
     if fits([turn]):
         return [turn]
-    words = turn.content.split(" ")
-    if len(words) < 2:
-        raise TooLong("a single word does not fit the model's context")
-    half = len(words) // 2
-    head = turn.model_copy(update={"content": " ".join(words[:half])})
-    tail = turn.model_copy(update={"content": " ".join(words[half:])})
-    return split_turn(head, fits) + split_turn(tail, fits)
+    text = turn.content
+    words = text.split(" ")
+    if len(words) >= 2:
+        half = len(words) // 2
+        head, tail = " ".join(words[:half]), " ".join(words[half:])
+    elif len(text) >= 2:
+        head, tail = text[:len(text) // 2], text[len(text) // 2:]
+    else:
+        raise TooLong("a single character does not fit the model's context")
+    return (split_turn(turn.model_copy(update={"content": head}), fits)
+            + split_turn(turn.model_copy(update={"content": tail}), fits))
 
 
 def plan_chunks(turns: Turns, fits: Callable[[Turns], bool]) -> list[Turns]:

@@ -13,13 +13,15 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from celery import Celery
-from celery.signals import worker_init, worker_shutdown
+from celery.exceptions import Reject
+from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.runtime.engine_thread import EngineDead
+from engine.runtime.engine_thread import EngineDead, EngineStalled
 from jobs.broker import CANCEL_COMMAND, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
@@ -35,9 +37,10 @@ from worker.bulk_gate import bulk_gate
 from worker.engine_factory import start_engine
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.outcome import LEASE_LOST, Outcome
+from worker.outcome import LEASE_LOST, SHUTDOWN, Outcome
 from worker.progress import ProgressPublisher
 from worker.reconciler import Reconciler, hand_back
+from worker.shutdown import Shutdown
 from worker.solo import Solo
 from worker.summarize import summarize
 
@@ -74,13 +77,19 @@ class WorkerContext:
     solo: Solo  # suspects run with the engine to themselves
     claim: GroupCommit[str, results.Claimed | None]  # job id -> the claimed job, or None: not queued
     store: GroupCommit[tuple[results.Claimed, Outcome], results.Stored]
+    shutdown: Shutdown  # the grace of a warm shutdown, then its hand-back
 
     @classmethod
-    def start(cls, settings: Settings, celery: Celery) -> WorkerContext:
+    def start(cls, settings: Settings, celery: Celery,
+              on_stall: Callable[[EngineStalled], None] | None = None) -> WorkerContext:
+        """`on_stall`: what to do when an engine thread stalls (an engine process is restarted instead)."""
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
         db = make_db_engine(settings.database_url.get_secret_value(), pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
         sessions = make_sessions(db)
-        bridge = Bridge.for_settings(start_engine(settings, on_death=engine_died), settings)
+        shutdown = Shutdown(settings.shutdown_grace_s)  # before the engine: its death during a shutdown is no crash
+        bridge = Bridge.for_settings(start_engine(settings, on_death=partial(engine_died, shutdown=shutdown),
+                                                  on_stall=on_stall), settings)
+        shutdown.start(lambda reason: bridge.stop(bridge.running(), reason))
         name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         leases = Leases()
         reconciler = Reconciler(sessions, celery, settings, name, leases, bridge.stop).start()
@@ -90,14 +99,20 @@ class WorkerContext:
                                                            settings.dead_after_s), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, worker=name), "stores")
         return cls(settings, celery, sessions, bridge, reconciler, name, metrics, progress, leases, Solo(), claim,
-                   store)
+                   store, shutdown)
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Hand back the jobs this worker still holds, then close the engine and the rest; returns how many went
+        back. The engine goes last: a task it outlived would see its end as a crash and exit the worker, leaving
+        its job to expire and be charged."""
+        self.shutdown.begin(cold=True)  # whatever still runs stops now, and an engine gone from here is no crash
         self.reconciler.stop()
+        returned = hand_back(self.sessions, self.name)
         self.bridge.close()
         self.claim.close()
         self.store.close()
         self.progress.close()
+        return returned
 
 
 class Worker:
@@ -112,20 +127,40 @@ class Worker:
         if sender is not None and sender.app is not self.celery:
             return
         # The model is loaded here, in the process that runs it, before the worker consumes anything.
-        self.context = WorkerContext.start(self.settings, self.celery)
+        self.context = WorkerContext.start(self.settings, self.celery, on_stall=self.engine_stalled)
         log.info("engine ready: %s", self.settings.model)
+
+    def engine_stalled(self, error: EngineStalled) -> None:
+        """An engine thread stalled (CONVOQ_ENGINE_PROCESS=false; a process is killed and restarted instead). A
+        thread cannot be killed, so the jobs in the engine go back as a stall's (`results.stalled`), every other
+        job this worker holds goes back uncharged, and the worker exits as at the engine's death. They are not
+        sent again from here, where this worker would take them before it exits: the sweep sends them."""
+        ctx = self.context
+        try:
+            running = set(ctx.bridge.running())
+            results.stalled(ctx.sessions, [c for c in ctx.leases.claims() if str(c.job_id) in running],
+                            ctx.settings.max_crashes)
+            hand_back(ctx.sessions, ctx.name)
+        finally:
+            engine_died(error)
+
+    def shutting_down(self, how: str = "Warm", **_) -> None:
+        """SIGTERM (warm) or SIGQUIT (cold), from the signal handler: the grace begins (`worker.shutdown`)."""
+        if self.context is not None:
+            self.context.shutdown.begin(cold=how == "Cold")
 
     def stop(self, sender=None, **_) -> None:
         ctx = self.context
         if ctx is None or (sender is not None and sender.app is not self.celery):
             return
-        ctx.close()
-        returned = hand_back(ctx.sessions, ctx.name)
+        returned = ctx.close()
         if returned:
             log.warning("handed %d unfinished jobs back to the queue", returned)
 
     def run_job(self, job_id: str) -> None:
         ctx = self.context
+        if ctx.shutdown.begun.is_set():  # delivered but not started: the next worker takes it now, not after us
+            raise Reject(f"job {job_id} not started: the worker is shutting down", requeue=True)
         claimed = ctx.claim(job_id)
         if claimed is None:
             log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
@@ -134,7 +169,7 @@ class Worker:
         try:
             run_claimed(ctx, claimed)
         finally:
-            ctx.leases.drop(claimed.job_id)
+            ctx.leases.drop(claimed)
 
 
 def worker_app(settings: Settings) -> Celery:
@@ -143,6 +178,7 @@ def worker_app(settings: Settings) -> Celery:
     celery.steps["consumer"].add(bulk_gate(settings.bulk_queue, settings.bulk_share))
     worker = Worker(settings, celery)
     worker_init.connect(worker.start, weak=False)
+    worker_shutting_down.connect(worker.shutting_down, weak=False)
     worker_shutdown.connect(worker.stop, weak=False)
 
     # `kind` and `priority` only label the message for Flower and logs (on-call tells a chat from a bulk
@@ -174,8 +210,13 @@ def run_claimed(ctx: WorkerContext, claimed: results.Claimed) -> None:
                 ctx.metrics.refused()
                 return
             with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
-                                on_tokens=lambda ids: ctx.progress.tokens(job_id, ids)) as run:
+                                on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease)) as run:
+                if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
+                    run.stop(SHUTDOWN)
                 outcome = RUN_BY_KIND[claimed.job.kind](run)
+            if outcome.completion.finish_reason == SHUTDOWN:
+                hand_back_at_shutdown(ctx, claimed)
+                return
             if outcome.completion.finish_reason == LEASE_LOST:  # what it did is not this run's to write
                 if not results.give_back(ctx.sessions, claimed):
                     ctx.metrics.refused()
@@ -188,18 +229,53 @@ def run_claimed(ctx: WorkerContext, claimed: results.Claimed) -> None:
                 return
             ctx.progress.status(job_id, stored.status)
             ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
+        except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
+            hand_back_stalled(ctx, claimed)
+        except Reject:
+            raise
         except EngineDead as exc:
-            engine_died(exc)
+            if not ctx.shutdown.begun.is_set():
+                engine_died(exc)
+            hand_back_at_shutdown(ctx, claimed)  # closed under it at shutdown: no crash of this job's doing
         except Exception as exc:
             log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
             retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
 
 
-def engine_died(error: EngineDead) -> None:
+def engine_died(error: EngineDead, shutdown: Shutdown | None = None) -> None:
     """The model's state is unknown: exit so the supervisor restarts the worker; this worker's leases then
-    expire and the reconciler hands its jobs back."""
+    expire and the reconciler hands its jobs back. During a shutdown the worker is leaving anyway: its tasks
+    hand their jobs back uncharged (`hand_back_at_shutdown`) and it exits as it was going to."""
+    if shutdown is not None and shutdown.begun.is_set():
+        log.warning("the engine ended during shutdown (%s); its jobs go back to the queue", error)
+        return
     log.critical("the engine is dead (%s); exiting", error)
     os._exit(3)
+
+
+def hand_back_at_shutdown(ctx: WorkerContext, claimed: results.Claimed) -> None:
+    """A run its worker's shutdown ended: the job goes back uncharged and its message back to the queue, where the
+    next worker takes it (`worker.shutdown`). A job that moved on meanwhile needs neither: its message is acked."""
+    ctx.leases.drop(claimed)  # first: the heartbeat must not take a job on its way back for a lost one
+    if not results.give_back(ctx.sessions, claimed, requeued=True):
+        ctx.metrics.refused()
+        return
+    ctx.progress.status(str(claimed.job_id), JobStatus.queued)
+    raise Reject(f"job {claimed.job_id} handed back: the worker is shutting down", requeue=True)
+
+
+def hand_back_stalled(ctx: WorkerContext, claimed: results.Claimed) -> None:
+    """A job whose engine stalled with it inside goes back to the queue and is sent again at once
+    (`results.stalled` decides whether it is charged a crash)."""
+    ctx.leases.drop(claimed)  # first: the heartbeat must not take a job on its way back for a lost one
+    status = results.stalled(ctx.sessions, [claimed], ctx.settings.max_crashes).get(claimed.job_id)
+    if status is None:
+        ctx.metrics.refused()
+        return
+    ctx.progress.status(str(claimed.job_id), status)
+    if status == JobStatus.queued:
+        with ctx.sessions() as session:
+            publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings)
 
 
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, status
+from fastapi import APIRouter, Header, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api.deps import (
@@ -22,7 +23,6 @@ from api.deps import (
 )
 from api.priority import chosen_priority
 from api.service import batches, uploads
-from api.service.batch_ingest import ingest
 from api.service.batch_output import lines as batch_lines
 from jobs.schemas import DEFAULT_BATCH_PRIORITY, BatchLineError, BatchOut, ListOf
 
@@ -36,15 +36,13 @@ NOT_FOUND = errors(e404="No such batch (or another tenant's)")
              responses=errors(
                  e400="An input file that is not a batch input, or has more than CONVOQ_MAX_BATCH_LINES lines",
                  e404="No file input_file_id (or another tenant's)",
-                 e413="The upload is larger than CONVOQ_MAX_UPLOAD_BYTES or has more than CONVOQ_MAX_BATCH_LINES lines",
+                 e413="The upload is larger than CONVOQ_MAX_UPLOAD_BYTES or has more than CONVOQ_MAX_BATCH_LINES lines "
+                      "(a JSON body: larger than CONVOQ_MAX_REQUEST_BYTES)",
                  e415="Neither application/json nor multipart/form-data",
                  e429="Rate limited, or its lines would pass the bound on unfinished jobs (see Retry-After)"))
 async def create_batch(
     request: Request,
-    background: BackgroundTasks,
-    session: SessionDep,
     sessions: SessionsDep,
-    celery: CeleryDep,
     settings: SettingsDep,
     intake: IntakeDep,
     caller: Caller,
@@ -55,12 +53,14 @@ async def create_batch(
 ) -> BatchOut:
     """Create a batch from OpenAI's JSON body (`input_file_id`: a file uploaded with purpose `batch`, as the
     `openai` SDK sends it) or from a multipart/form-data upload of the JSONL itself (`file`, as our client and
-    CLI send it). The lines are checked and run after the answer; bad lines are listed at
-    `GET /v1/batches/{id}/line_errors`."""
-    given = await uploads.batch_input(request, session, caller, settings)
-    priority = chosen_priority(x_convoq_priority, given.priority, DEFAULT_BATCH_PRIORITY)
-    batch = batches.create(session, intake.admission, caller, given, priority)
-    background.add_task(ingest, sessions, celery, settings, intake.check, batch.id, given.source, caller.digest)
+    CLI send it). The lines are checked and run after the answer, by this API process or, should it stop first,
+    by another; bad lines are listed at `GET /v1/batches/{id}/line_errors`."""
+    async with uploads.batch_input(request, settings) as given:  # the body is read here, on the event loop
+        priority = chosen_priority(x_convoq_priority, given.priority, DEFAULT_BATCH_PRIORITY)
+        # storing the upload, admission and the commit wait on the database: never on the event loop
+        batch, lease = await run_in_threadpool(batches.create, sessions, settings, intake.admission, caller, given,
+                                               priority)
+    intake.ingest(batch.id, lease)
     return batch
 
 

@@ -4,7 +4,8 @@ The request becomes a job like any other (stored, published, run by a worker at 
 unless the `X-Convoq-Priority` header or `metadata.priority` says otherwise) and the answer waits for it.
 With `stream: true` the text comes as `chat.completion.chunk` events while it is generated (the job's
 progress stream; with thinking, the reasoning as `delta.reasoning_content`). A client that goes away before
-the answer cancels its job.
+the answer cancels its job. A waiting chat, streamed or not, counts as a stream against the bounds of
+`api.hub.Hub` (429 past them, before anything is stored).
 """
 
 from __future__ import annotations
@@ -18,20 +19,20 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Header, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from api.batch_input import OpenAIBody, openai_job
-from api.deps import V1_ERRORS, Caller, CeleryDep, IntakeDep, SessionsDep, SettingsDep, errors
+from api.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDep, SettingsDep, errors
 from api.errors import openai_error
-from api.events import follow
+from api.events import EventStream, follow, stored_text
+from api.json_body import BoundedJsonRoute
 from api.openai_objects import chat_completion, chunk, usage
 from api.priority import chosen_priority
-from api.service.jobs import cancel, enqueue, load
+from api.service.jobs import Unrunnable, cancel, enqueue, load
 from jobs.chat import split_reasoning, thinking_of
 from jobs.schemas import JobOut, JobStatus, PriorityMetadata, metadata_priority
 
-router = APIRouter(prefix="/v1/chat", tags=["openai"], responses=V1_ERRORS)
+router = APIRouter(prefix="/v1/chat", tags=["openai"], responses=V1_ERRORS, route_class=BoundedJsonRoute)
 
 
 class ChatCompletionRequest(OpenAIBody):
@@ -43,8 +44,9 @@ class ChatCompletionRequest(OpenAIBody):
 
 
 async def _gone(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
+    """Returns once the client went away: its body was read, so the next message can only be the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _finished(request: Request, events: AsyncIterator) -> JobOut | None:
@@ -56,6 +58,7 @@ async def _finished(request: Request, events: AsyncIterator) -> JobOut | None:
             await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 step.cancel()
+                await asyncio.wait({step})  # the generator stops before it is closed below
                 return None
             event = step.result()
             if event is not None and event.event == "result":
@@ -85,8 +88,11 @@ class Deltas:
 @router.post("/completions", responses={
     200: {"description": "A `chat.completion`, or with `stream` its `chat.completion.chunk`s as Server-Sent Events",
           "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}},
-    **errors(e400="A field we cannot honour", e404="The model is not served here",
-             e409="The job was cancelled or expired", e500="The job failed")})
+    **errors(e400="A field we cannot honour, or a prompt the model cannot take (too long, or refused by its chat "
+                  "template)", e404="The model is not served here",
+             e409="The job was cancelled or expired", e500="The job failed",
+             e429="Rate limited, too many unfinished jobs, or too many streams of this key or of this process "
+                  "(CONVOQ_MAX_STREAMS_PER_KEY, CONVOQ_MAX_STREAMS; see Retry-After)")})
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
@@ -94,6 +100,7 @@ async def chat_completions(
     celery: CeleryDep,
     settings: SettingsDep,
     intake: IntakeDep,
+    hub: HubDep,
     caller: Caller,
     # typed `int` so the document says integer (a header is never JSON null); absent, it is None
     x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
@@ -111,9 +118,17 @@ async def chat_completions(
         job_in = openai_job(body, priority)
     except (ValueError, ValidationError) as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from exc
-    job_id = (await run_in_threadpool(enqueue, sessions, celery, settings, intake, caller, job_in)).id
+    release = hub.admit(caller.digest)  # before anything is stored: a refused chat leaves no job behind
+    try:
+        job_id = (await run_in_threadpool(enqueue, sessions, celery, settings, intake, caller, job_in)).id
+    except Unrunnable as exc:  # a prompt the model cannot take is OpenAI's 400
+        release()
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, exc.message) from exc
+    except BaseException:
+        release()
+        raise
     completion_id = f"chatcmpl-{job_id.hex}"
-    events = follow(request.app.state.redis, lambda i: load(sessions, i, caller), job_id)
+    events = follow(hub, lambda i: load(sessions, i, caller), job_id, job_in.sampling.stop, with_text=body.stream)
 
     def give_up() -> None:
         cancel(sessions, celery, job_id, caller)
@@ -121,9 +136,11 @@ async def chat_completions(
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         deltas = Deltas(thinking_of(job_in, settings.default_thinking))
-        return StreamingResponse(_stream(events, deltas, completion_id, body.model, include_usage, give_up),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    job = await _finished(request, events)
+        return EventStream(_stream(events, deltas, completion_id, body.model, include_usage, give_up), release)
+    try:
+        job = await _finished(request, events)
+    finally:
+        release()
     if job is None:
         await run_in_threadpool(give_up)
         raise HTTPException(499, "the client went away; its job was cancelled")
@@ -148,6 +165,10 @@ async def _stream(events: AsyncIterator, deltas: Deltas, completion_id: str, mod
                 yield b": keep-alive\n\n"
             elif event.event == "text" and (delta := deltas(event.text)):
                 yield _data(chunk(completion_id, created, model, delta))
+            elif event.event == "error":  # the job ran again: what was sent is not its answer
+                finished = True
+                yield _data({"error": openai_error(409, event.error, code="stream_restarted")})
+                break
             elif event.event == "result":
                 finished, job = True, event.job
                 if job.status != JobStatus.succeeded:
@@ -156,8 +177,7 @@ async def _stream(events: AsyncIterator, deltas: Deltas, completion_id: str, mod
                     break
                 result = job.result
                 # the stored text is final (stop strings cut, the reasoning split off): send what is still missing
-                final = f"<think>{result.reasoning}</think>{result.text}" if result.reasoning is not None else result.text
-                if delta := deltas(final):
+                if delta := deltas(stored_text(result)):
                     yield _data(chunk(completion_id, created, model, delta))
                 yield _data(chunk(completion_id, created, model, {}, result.finish_reason))
                 if include_usage:

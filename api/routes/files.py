@@ -59,15 +59,16 @@ def get_file(file_id: str, session: SessionDep, sessions: SessionsDep, settings:
                 "application/octet-stream": {}, **JSONL[200]["content"]}}})
 def file_content(file_id: str, session: SessionDep, sessions: SessionsDep, settings: SettingsDep,
                  caller: Caller) -> Response:
-    found = files.content(session, sessions, file_id, settings.model, caller)
-    if isinstance(found, bytes):
-        return Response(found, media_type="application/octet-stream")
-    return StreamingResponse(found, media_type=JSONL_TYPE)
+    size, found = files.content(session, sessions, file_id, settings.model, caller)
+    if size is None:
+        return StreamingResponse(found, media_type=JSONL_TYPE)
+    return StreamingResponse(found, media_type="application/octet-stream", headers={"Content-Length": str(size)})
 
 
 @router.delete("/{file_id}", response_model=FileDeleted,
                responses={**NOT_FOUND, **errors(e400="A batch's output or error file (they are read from the "
-                                                     "batch, not stored)")})
+                                                     "batch, not stored)",
+                                                e409="A batch made from it is still validating (reading its lines)")})
 def delete_file(file_id: str, session: SessionDep, caller: Caller) -> FileDeleted:
     """Delete an upload of this tenant. Batches made from it keep running."""
     return files.remove(session, file_id, caller)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from uuid import UUID
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response, status
+from fastapi import APIRouter, HTTPException, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.deps import V1_ERRORS, Caller, CeleryDep, IntakeDep, SessionsDep, SettingsDep, errors
-from api.events import job_events
-from api.service.jobs import cancel, enqueue, load
+from api.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDep, SettingsDep, errors
+from api.events import EventStream, job_events, wait_finished
+from api.json_body import BoundedJsonRoute
+from api.service.jobs import cancel, enqueue, load, stop_strings
 from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_ERRORS)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_ERRORS, route_class=BoundedJsonRoute)
 
 NOT_FOUND = errors(e404="No such job (or another tenant's)")
 
@@ -40,36 +39,39 @@ async def get_job(
     job_id: UUID,
     sessions: SessionsDep,
     settings: SettingsDep,
+    hub: HubDep,
     caller: Caller,
     wait: float = Query(0.0, ge=0.0, description="seconds to wait for the job to finish (long poll)"),
 ) -> JobOut:
-    deadline = time.monotonic() + min(wait, settings.max_wait_seconds)
-    delay = 0.02
-    while True:
-        job = await run_in_threadpool(load, sessions, job_id, caller)
-        if job is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
-        if job.status in TERMINAL or time.monotonic() >= deadline:
-            return job
-        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 1.5, 0.5)
+    job = await run_in_threadpool(load, sessions, job_id, caller)
+    if job is not None and job.status not in TERMINAL and wait > 0:
+        job = await wait_finished(hub, lambda i: load(sessions, i, caller), job_id,
+                                  min(wait, settings.max_wait_seconds))
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+    return job
 
 
 @router.get(
     "/{job_id}/events",
     response_class=StreamingResponse,
-    responses={200: {"description": "Server-Sent Events: `status`, `text` (all the text so far), then `result` "
-                                    "(see the JobEvent schema)", "content": {"text/event-stream": {}}},
-               **NOT_FOUND},
+    responses={200: {"description": "Server-Sent Events: `status`, `text` (all the text so far), then `result`, "
+                                    "or `error` when the job ran again and its text restarted (see the JobEvent "
+                                    "schema)", "content": {"text/event-stream": {}}},
+               **NOT_FOUND,
+               **errors(e429="Rate limited, or too many streams of this key or of this process "
+                             "(CONVOQ_MAX_STREAMS_PER_KEY, CONVOQ_MAX_STREAMS; see Retry-After)")},
 )
-async def follow_job(job_id: UUID, request: Request, sessions: SessionsDep, caller: Caller) -> StreamingResponse:
+async def follow_job(job_id: UUID, sessions: SessionsDep, hub: HubDep, caller: Caller) -> StreamingResponse:
     """Follow a job as it runs: its status changes and its text as it is generated, then its result. A client
-    that connects late starts from the job's current state."""
-    if await run_in_threadpool(load, sessions, job_id, caller) is None:
+    that connects late starts from the job's current state. Each text event goes on from the one before and
+    from what the job stores; a job run again (after its worker was lost) whose new text does not ends the
+    stream with an `error` event: read the job then."""
+    stops = await run_in_threadpool(stop_strings, sessions, job_id, caller)
+    if stops is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
-    events = job_events(request.app.state.redis, lambda i: load(sessions, i, caller), job_id)
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    release = hub.admit(caller.digest)
+    return EventStream(job_events(hub, lambda i: load(sessions, i, caller), job_id, stops), release)
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut,

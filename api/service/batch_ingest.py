@@ -1,75 +1,217 @@
-"""A new batch's lines becoming jobs: validated one at a time, stored a thousand at a time, then published.
+"""A new batch's lines becoming jobs, by whichever API process holds the batch's ingest lease.
 
-`ingest` needs only the batch's id and its lines (a spooled upload or a stored file's bytes), never the
-request that brought them, so it runs after the answer and could as well resume from what is stored.
+What an ingest needs is stored: the batch row (owner, priority, window) and the file its lines are read from
+(`Batch.source_file_id`, a chunk at a time). The process that stored a batch ingests it at once, under the lease
+it took with it; every API process also runs `Ingests`, which renews the leases of its own ingests and takes over
+the batches whose lease expired (their process died, or lost the database, mid-ingest).
+
+One transaction per ingest, not one per chunk of lines: the jobs, the line errors and the batch's move out of
+`validating` commit together. So a resumed ingest starts from a clean slate (nothing half-done to find and
+skip), the reconciler never sees (and publishes) the jobs of a batch still validating, and a cancel either comes
+first (nothing was committed) or finds every job. The price: an ingest cut off near its end is read again in
+full, seconds for the largest batch. The inserts are idempotent besides (jobs unique per (batch_id, custom_id),
+line errors per (batch_id, line)) and the batch's move is fenced by the lease's token and only from
+`validating`, so an ingest that lost its lease while it still ran (frozen, cut off) changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
-from typing import IO
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from celery import Celery
-from sqlalchemy import insert, select, update
+from sqlalchemy import delete, or_, select, update
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.batch_input import LineError, ParsedLine, parse_lines
 from api.prompt_check import PromptCheck
+from api.service.file_store import pieces
+from api.service.files import UPLOAD_PURPOSE
+from jobs.clock import db_now
+from jobs.db import insert_ignore
 from jobs.publish import publish
 from jobs.schemas import BatchStatus
 from jobs.settings import Settings
-from jobs.tables import Batch, BatchLineError, Job, job_row, utcnow
+from jobs.tables import Batch, BatchLineError, File, Job, job_row, utcnow
 
 log = logging.getLogger(__name__)
 
 INSERT_ROWS = 1000  # job and line-error rows per INSERT
+MAX_FAILURES = 3  # ingests of a batch that raised (not those that died with their process) before it fails
+MAX_MESSAGE = 2000  # characters of a line error's reason
+VALIDATING = BatchStatus.validating.value
+
+
+class Ingests:
+    """This process's ingests, a few at a time on threads of their own, and the resumer: every
+    `CONVOQ_HEARTBEAT_S` it renews their leases (`CONVOQ_DEAD_AFTER_S` ahead, on the database's clock) and claims
+    batches whose lease expired, while a thread is free. It runs on a thread, off the event loop."""
+
+    def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, check: PromptCheck,
+                 threads: int = 2) -> None:
+        self.sessions, self.celery, self.settings, self.check = sessions, celery, settings, check
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ingest")
+        self._held: dict[uuid.UUID, uuid.UUID] = {}  # lease -> batch id, for each ingest submitted here
+        self._lock = threading.Lock()
+        self._closing = threading.Event()  # no more claims
+        self._done = threading.Event()  # no more renewals
+        self._resumer: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._resumer = threading.Thread(target=self._resume, name="ingest-resumer", daemon=True)
+        self._resumer.start()
+
+    def stop(self) -> None:
+        """Finish the ingests under way, their leases renewed meanwhile; those not started are left to lapse."""
+        self._closing.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._done.set()
+        if self._resumer is not None:
+            self._resumer.join()
+
+    def submit(self, batch_id: uuid.UUID, lease: uuid.UUID) -> None:
+        """Ingest the batch under `lease`, which this process holds."""
+        with self._lock:
+            self._held[lease] = batch_id
+        try:
+            self._pool.submit(self._ingest, batch_id, lease)
+        except RuntimeError:  # shutting down: the lease lapses and another process takes the batch over
+            with self._lock:
+                self._held.pop(lease, None)
+            log.warning("batch %s is left to another API process: this one is stopping", batch_id)
+
+    def _ingest(self, batch_id: uuid.UUID, lease: uuid.UUID) -> None:
+        try:
+            ingest(self.sessions, self.celery, self.settings, self.check, batch_id, lease)
+        except (OperationalError, InterfaceError):  # the database went away: the lease lapses, it is resumed
+            log.exception("ingest of batch %s stopped; it will be resumed", batch_id)
+        except Exception as exc:
+            log.exception("ingest of batch %s failed", batch_id)
+            try:
+                failed(self.sessions, batch_id, lease, exc)
+            except Exception:  # not counted: the lease lapses all the same, and the batch is tried again
+                log.exception("could not count the failed ingest of batch %s", batch_id)
+        finally:
+            with self._lock:
+                self._held.pop(lease, None)
+
+    def _resume(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # the database may be away: the next tick tries again
+                log.exception("the ingest resumer's tick failed")
+            if self._done.wait(self.settings.heartbeat_s):
+                return
+
+    def tick(self) -> None:
+        """Renew this process's leases, then claim lapsed ones while a thread is free."""
+        with self._lock:
+            held = dict(self._held)
+        lease_s = self.settings.dead_after_s
+        with self.sessions() as session:
+            if held:
+                session.execute(update(Batch).where(Batch.id.in_(held.values()), Batch.ingest_lease_id.in_(held))
+                                .values(ingest_lease_expires_at=db_now(lease_s)))
+                session.commit()
+            free = 0 if self._closing.is_set() else self.threads - len(held)
+            claimed = claim_lapsed(session, free, lease_s)
+        for batch_id, lease in claimed:
+            log.info("resuming the ingest of batch %s", batch_id)
+            self.submit(batch_id, lease)
+
+
+def claim_lapsed(session: Session, n: int, lease_s: float) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """Take up to `n` batches whose ingest lease expired (or never was), each under a new lease; (batch, lease)
+    of each. A conditional update per batch: of several processes claiming at once, one gets it."""
+    if n <= 0:
+        return []
+    lapsed = Batch.source_file_id.is_not(None) & or_(Batch.ingest_lease_expires_at.is_(None),
+                                                      Batch.ingest_lease_expires_at < db_now())
+    claimed = []
+    for batch_id in session.scalars(select(Batch.id).where(lapsed).order_by(Batch.created_at).limit(n)).all():
+        lease = uuid.uuid4()
+        taken = session.execute(update(Batch).where(Batch.id == batch_id, lapsed)
+                                .values(ingest_lease_id=lease, ingest_lease_expires_at=db_now(lease_s)))
+        if taken.rowcount:
+            claimed.append((batch_id, lease))
+    session.commit()
+    return claimed
 
 
 def ingest(sessions: sessionmaker[Session], celery: Celery, settings: Settings, check: PromptCheck,
-           batch_id: uuid.UUID, source: IO[bytes], owner: str) -> None:
-    """Validate the lines of `source` one by one, create one job per good line (owned by `owner`, the hash of
-    the key that sent the batch), publish them; `source` is closed at the end. Lines are read, checked and
-    inserted a thousand at a time, so memory holds one chunk, never the upload."""
-    try:
-        with sessions() as session:
-            batch = session.get(Batch, batch_id)
-            try:
-                total, invalid = _store_lines(session, batch, check, source, owner)
-            except Exception as exc:
-                session.rollback()
-                log.exception("batch %s could not be ingested", batch_id)
-                session.execute(insert(BatchLineError.__table__), {
-                    "batch_id": batch_id, "line": 0, "custom_id": None,
-                    "message": f"ingest failed: {type(exc).__name__}"})
-                session.execute(update(Batch).where(Batch.id == batch_id).values(
-                    status=BatchStatus.failed.value, failed_at=utcnow(), invalid_lines=1))
-                session.commit()
-                return
-            now = utcnow()
-            moved = (dict(status=BatchStatus.failed.value, failed_at=now) if total == invalid
-                     else dict(status=BatchStatus.in_progress.value, in_progress_at=now))
-            # only from `validating`, in the transaction that holds the jobs: a cancel either came first (and
-            # nothing runs) or waits for this commit and then finds the jobs to cancel
-            opened = session.execute(update(Batch).where(Batch.id == batch_id,
-                                                         Batch.status == BatchStatus.validating.value)
-                                     .values(total=total, invalid_lines=invalid, **moved))
-            if opened.rowcount == 0:  # cancelled while validating: run nothing
-                session.rollback()
-                session.execute(update(Batch).where(Batch.id == batch_id).values(
-                    status=BatchStatus.cancelled.value, cancelled_at=now, total=total))
-                session.commit()
-                return
+           batch_id: uuid.UUID, lease: uuid.UUID) -> None:
+    """Read the batch's stored lines one by one, create a job per good line and a line error per bad one, move the
+    batch on and publish its jobs: if it still holds `lease`. A batch cancelled while validating runs nothing."""
+    with sessions() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.ingest_lease_id != lease or batch.source_file_id is None:
+            return  # deleted, taken over by another process, or done
+        source = batch.source_file_id
+        if batch.status != VALIDATING:  # cancelled while validating
+            release(session, batch_id, lease, source)
             session.commit()
-            # committed before any message exists; what a message needs is a few columns per job
-            jobs = session.execute(select(Job.id, Job.kind, Job.priority).where(Job.batch_id == batch_id)).all()
-            publish(celery, session, jobs, settings)
-    finally:
-        source.close()
+            return
+        total, invalid = _store_lines(session, batch, check, pieces(session, source), settings.max_request_bytes)
+        now = utcnow()
+        moved = (dict(status=BatchStatus.failed.value, failed_at=now) if total == invalid
+                 else dict(status=BatchStatus.in_progress.value, in_progress_at=now))
+        # only from `validating`, in the transaction that holds the jobs: a cancel either came first (and nothing
+        # runs) or waits for this commit and then finds the jobs to cancel
+        opened = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == VALIDATING,
+                                                     Batch.ingest_lease_id == lease)
+                                 .values(total=total, invalid_lines=invalid, source_file_id=None,
+                                         ingest_lease_expires_at=None, **moved))
+        if opened.rowcount == 0:  # cancelled meanwhile (this lease ends it), or taken over (the new one does)
+            session.rollback()
+            release(session, batch_id, lease, source)
+            session.commit()
+            return
+        _drop_upload(session, source)
+        session.commit()
+        # committed before any message exists; what a message needs is a few columns per job
+        jobs = session.execute(select(Job.id, Job.kind, Job.priority).where(Job.batch_id == batch_id)).all()
+        publish(celery, session, jobs, settings)
 
 
-def _store_lines(session: Session, batch: Batch, check: PromptCheck, source: IO[bytes],
-                 owner: str) -> tuple[int, int]:
+def release(session: Session, batch_id: uuid.UUID, lease: uuid.UUID, source: str) -> None:
+    """End the ingest of a batch that will not run (uncommitted): its lines are no longer needed."""
+    released = session.execute(update(Batch).where(Batch.id == batch_id, Batch.ingest_lease_id == lease)
+                               .values(source_file_id=None, ingest_lease_expires_at=None))
+    if released.rowcount:
+        _drop_upload(session, source)
+
+
+def _drop_upload(session: Session, file_id: str) -> None:
+    """A multipart upload's stored lines go once read (its chunks with it); a file uploaded to `/v1/files` stays."""
+    session.execute(delete(File).where(File.id == file_id, File.purpose == UPLOAD_PURPOSE))
+
+
+def failed(sessions: sessionmaker[Session], batch_id: uuid.UUID, lease: uuid.UUID, exc: Exception) -> None:
+    """Count an ingest that raised; at the `MAX_FAILURES`th the batch fails (a line error says why), else its lease
+    lapses and another try comes after it."""
+    with sessions() as session:
+        failures = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.ingest_lease_id == lease)
+                                  .values(ingest_failures=Batch.ingest_failures + 1)
+                                  .returning(Batch.ingest_failures))
+        if failures is not None and failures >= MAX_FAILURES:
+            source = session.scalar(select(Batch.source_file_id).where(Batch.id == batch_id))
+            session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == VALIDATING)
+                            .values(status=BatchStatus.failed.value, failed_at=utcnow(), invalid_lines=1))
+            insert_ignore(session, BatchLineError, {"batch_id": batch_id, "line": 0, "custom_id": None, "message":
+                                                    f"ingest failed {failures} times: {type(exc).__name__}"})
+            if source is not None:
+                release(session, batch_id, lease, source)
+        session.commit()
+
+
+def _store_lines(session: Session, batch: Batch, check: PromptCheck, source: Iterable[bytes],
+                 max_line_bytes: int) -> tuple[int, int]:
     """Insert a job per good line and a `BatchLineError` per bad one (uncommitted); (lines, bad lines)."""
     jobs: list[dict] = []
     bad: list[dict] = []
@@ -78,24 +220,34 @@ def _store_lines(session: Session, batch: Batch, check: PromptCheck, source: IO[
 
     def flush() -> None:
         if jobs:
-            session.execute(insert(Job.__table__), jobs)  # one statement run for every row
+            insert_ignore(session, Job, jobs)  # one statement run for every row
         if bad:
-            session.execute(insert(BatchLineError.__table__), bad)
+            insert_ignore(session, BatchLineError, bad)
         jobs.clear()
         bad.clear()
 
-    for item in parse_lines(source, batch.priority):
+    for item in parse_lines(source, batch.priority, max_line_bytes):
         total += 1
-        if isinstance(item, ParsedLine) and (problem := check.problem(item.job)):
+        if isinstance(item, ParsedLine) and (problem := _problem(check, item)):
             item = LineError(item.line, item.custom_id, f"{problem[0]}: {problem[1]}")
         if isinstance(item, ParsedLine):
             jobs.append(job_row(item.job, now, deadline_at=batch.expires_at, batch_id=batch.id,
-                                custom_id=item.custom_id, owner=owner, tenant=batch.tenant))
+                                custom_id=item.custom_id, owner=batch.owner, tenant=batch.tenant))
         else:
             invalid += 1
+            # PostgreSQL text holds no NUL, and a reason may quote what the line held
             bad.append({"batch_id": batch.id, "line": item.line, "custom_id": item.custom_id,
-                        "message": item.message})
+                        "message": item.message.replace("\x00", "\ufffd")[:MAX_MESSAGE]})
         if len(jobs) + len(bad) >= INSERT_ROWS:
             flush()
     flush()
     return total, invalid
+
+
+def _problem(check: PromptCheck, item: ParsedLine) -> tuple[str, str] | None:
+    """Why the line's job can never run on the model, or None; a check that raises is the line's error too."""
+    try:
+        return check.problem(item.job)
+    except Exception as exc:
+        log.exception("line %d: the prompt check failed", item.line)
+        return "messages", f"could not be checked against the model ({type(exc).__name__})"

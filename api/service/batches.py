@@ -10,16 +10,19 @@ from datetime import datetime, timedelta
 from celery import Celery
 from fastapi import HTTPException, status
 from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.admission import Admission
+from api.batch_input import count_lines
 from api.deps import sees, visible
 from api.openai_objects import unix
 from api.paging import list_of, page
+from api.service import file_store, files
 from api.service.batch_output import batch_file_id
 from api.service.uploads import BatchInput
 from jobs.batch_settle import PENDING, settle_batch
 from jobs.broker import broadcast_cancel
+from jobs.clock import db_now
 from jobs.db import retry_conflicts
 from jobs.publish import publish
 from jobs.schemas import (
@@ -30,6 +33,7 @@ from jobs.schemas import (
     JobStatus,
     ListOf,
     RequestCounts,
+    safe_metadata,
     window_seconds,
 )
 from jobs.settings import ApiKey, Settings
@@ -76,7 +80,7 @@ def batch_out(session: Session, batch: Batch, by_status: dict[str, int] | None =
         input_file_id=batch.input_file_id,
         output_file_id=batch_file_id(batch.id, errors=False) if settled and counts.completed else None,
         error_file_id=batch_file_id(batch.id, errors=True) if settled and has_errors else None,
-        request_counts=counts, metadata=batch.metadata_,
+        request_counts=counts, metadata=safe_metadata(batch.metadata_),
         completion_window=batch.completion_window, created_at=_unix(batch.created_at),
         expires_at=_unix(batch.expires_at), in_progress_at=_unix(batch.in_progress_at),
         finalizing_at=_unix(batch.finalizing_at), completed_at=_unix(batch.completed_at),
@@ -93,23 +97,36 @@ def visible_batch(session: Session, batch_id: uuid.UUID, caller: ApiKey) -> Batc
     return batch
 
 
-def create(session: Session, admission: Admission, caller: ApiKey, given: BatchInput, priority: int) -> BatchOut:
-    """Store the batch, `validating`, once its lines pass the bounds on unfinished jobs (else 429); its lines
-    are ingested afterwards (`batch_ingest.ingest`). `given.source` is closed if it is not stored."""
-    try:
-        admission.admit(session, caller.digest, given.lines)
+def create(sessions: sessionmaker[Session], settings: Settings, admission: Admission, caller: ApiKey,
+           given: BatchInput, priority: int) -> tuple[BatchOut, uuid.UUID]:
+    """Store the batch, `validating`, once its lines pass the bounds on unfinished jobs (else 429), with its lines
+    in a stored file (a multipart upload is stored now, a chunk at a time) and under a new ingest lease: the batch
+    and the lease, for the caller to start its ingest with (`batch_ingest.Ingests.submit`). 400, 404 or 413 as
+    the input deserves."""
+    with sessions() as session:
+        if given.upload is not None:
+            source, lines = file_store.keep(session, caller, files.UPLOAD_PURPOSE, given.name, given.upload, settings,
+                                            max_lines=settings.max_batch_lines)
+        else:
+            source = files.batch_input_file(session, given.input_file_id, caller)
+            lines = count_lines(file_store.pieces(session, source.id), settings.max_request_bytes,
+                                stop_after=settings.max_batch_lines)
+            if lines > settings.max_batch_lines:
+                raise HTTPException(status.HTTP_400_BAD_REQUEST,
+                                    f"file {source.id} has more lines than a batch takes (at most "
+                                    f"{settings.max_batch_lines}): split it into several files")
+        admission.admit(session, caller.digest, lines)
         window = timedelta(seconds=window_seconds(given.completion_window))
         now = utcnow()
-        batch = Batch(priority=priority, input_name=given.name, input_file_id=given.input_file_id,
-                      tenant=caller.tenant, status=BatchStatus.validating.value, total=0, invalid_lines=0,
-                      metadata_=given.metadata, completion_window=given.completion_window, created_at=now,
-                      expires_at=now + window)
+        lease = uuid.uuid4()
+        batch = Batch(priority=priority, input_name=source.filename, input_file_id=given.input_file_id,
+                      tenant=caller.tenant, owner=caller.digest, status=BatchStatus.validating.value, total=0,
+                      invalid_lines=0, metadata_=given.metadata, completion_window=given.completion_window,
+                      created_at=now, expires_at=now + window, source_file_id=source.id, ingest_lease_id=lease,
+                      ingest_lease_expires_at=db_now(settings.dead_after_s))
         session.add(batch)
         session.commit()
-    except BaseException:
-        given.source.close()
-        raise
-    return batch_out(session, batch)
+        return batch_out(session, batch), lease
 
 
 def list_page(session: Session, caller: ApiKey, after: uuid.UUID | None, limit: int) -> ListOf[BatchOut]:
@@ -175,6 +192,9 @@ def retry_failed(session: Session, celery: Celery, settings: Settings, batch_id:
     if jobs:
         for job in jobs:
             job.status, job.error, job.started_at, job.finished_at, job.published_at = "queued", None, None, None, None
+            # a fresh run: a claim fails a job past its attempts, and crashes make it a suspect run alone, or fail
+            job.attempts, job.crashes, job.alone_at, job.worker, job.lease_id = 0, 0, None, None, None
+            job.lease_expires_at, job.message_missing_at, job.cancel_requested_at = None, None, None
         batch.status, batch.completed_at, batch.finalizing_at = BatchStatus.in_progress.value, None, None
         batch.in_progress_at = batch.in_progress_at or utcnow()
         session.commit()

@@ -1,4 +1,5 @@
-"""Jobs: check, admit, store and publish one; read it back as a caller may see it; cancel it."""
+"""Jobs: check, admit, store and publish one; read it back as a caller may see it; cancel it; what streams
+need of them."""
 
 from __future__ import annotations
 
@@ -22,14 +23,22 @@ from jobs.tables import Job, Result, Timing, job_row, utcnow
 log = logging.getLogger(__name__)
 
 
+class Unrunnable(HTTPException):
+    """A job the model can never run: a 422 naming the field, as FastAPI's own validation errors do (OpenAI's
+    routes answer a 400 with `message` instead)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        loc = ["body", "messages"] if field == "messages" else ["body", "sampling", field]
+        super().__init__(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": loc, "msg": message, "type": "value_error"}])
+        self.message = f"{field}: {message}"
+
+
 def enqueue(sessions: sessionmaker[Session], celery: Celery, settings: Settings, intake: Intake, caller: ApiKey,
             job_in: JobIn) -> JobAccepted:
     """Check, store and publish a job (or find the one its idempotency key names in the caller's tenant);
     raises 409, 422 or 429."""
     if problem := intake.check.problem(job_in):
-        field, message = problem
-        loc = ["body", "messages"] if field == "messages" else ["body", "sampling", field]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": loc, "msg": message, "type": "value_error"}])
+        raise Unrunnable(*problem)
     with sessions() as session:
         intake.admission.admit(session, caller.digest, 1)
         row = job_row(job_in, utcnow(), owner=caller.digest, tenant=caller.tenant)
@@ -61,6 +70,8 @@ def load(sessions: sessionmaker[Session], job_id: UUID, caller: ApiKey) -> JobOu
         result = session.get(Result, job_id)
         timing = session.get(Timing, job_id)
         out = JobOut.model_validate(job, from_attributes=True)
+        if "admin" not in caller.scopes:
+            out.worker = None  # a host name inside the fleet: the operators' business, not the tenants'
         if result is not None:
             out.result = ResultOut.model_validate(result, from_attributes=True)
         if timing is not None:
@@ -94,3 +105,26 @@ def cancel(sessions: sessionmaker[Session], celery: Celery, job_id: UUID, caller
         except Exception:  # the worker also finds the request in the row at its next heartbeat
             log.exception("could not broadcast the cancel of %s", job_id)
     return job
+
+
+def stop_strings(sessions: sessionmaker[Session], job_id: UUID, caller: ApiKey) -> list[str] | None:
+    """The job's stop strings (a stream holds back what may become one); None if there is no such job (or it is
+    another tenant's)."""
+    with sessions() as session:
+        found = session.execute(select(Job.tenant, Job.payload["sampling"]["stop"]).where(Job.id == job_id)).first()
+    if found is None or not sees(caller, found[0]):
+        return None
+    return list(found[1] or [])
+
+
+STATUS_ROWS = 5000  # ids per statement
+
+
+def statuses(sessions: sessionmaker[Session], job_ids: list[UUID]) -> dict[UUID, str]:
+    """The status of each of these jobs that still exists: what the streams' shared poll reads."""
+    found: dict[UUID, str] = {}
+    with sessions() as session:
+        for start in range(0, len(job_ids), STATUS_ROWS):
+            rows = session.execute(select(Job.id, Job.status).where(Job.id.in_(job_ids[start:start + STATUS_ROWS])))
+            found.update((job_id, status) for job_id, status in rows)
+    return found

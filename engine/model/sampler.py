@@ -1,9 +1,9 @@
 """Next tokens from last-position logits, every row at once.
 
 Penalties first (transformers' repetition penalty over prompt and output, OpenAI's presence penalty over the
-output), then greedy rows take the argmax and sampled rows are scaled by their temperature, filtered by
-top-k, top-p and min-p in that order (transformers' warpers) and all drawn in one call by inverting their
-cumulative distribution. A seeded row's uniform number comes from a counter-based hash of (seed, tokens drawn
+output), then greedy rows (a temperature under `GREEDY_BELOW`) take the argmax and sampled rows are scaled by
+their temperature, filtered by top-k, top-p and min-p in that order (transformers' warpers) and all drawn in one
+call by inverting their cumulative distribution. A seeded row's uniform number comes from a counter-based hash of (seed, tokens drawn
 so far), so its draws never depend on its batch-mates, pre-emptions or the device.
 
 On the CPU, sorting, selecting and argmax go through numpy, many times faster than torch on rows this short;
@@ -130,7 +130,7 @@ def seeded_uniforms(seeds: list[int], counters: list[int], device: torch.device)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], drawn: np.ndarray) -> torch.Tensor:
-    """One token per row of `logits`, every row sampled (temperature > 0); `drawn`: each row's draws so far."""
+    """One token per row of `logits`, every row sampled (not greedy); `drawn`: each row's draws so far."""
     vocab = logits.shape[1]
     scaled = logits / _column([p.temperature for p in params], logits.device)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -155,7 +155,7 @@ def sample(logits: torch.Tensor, rows: SamplingInputs) -> list[int]:
     """One token per row of `logits [rows, vocab]` (fp32)."""
     logits = penalize(logits, rows)
     params = rows.params
-    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return argmax(logits).tolist()
     if len(sampled) == len(params):

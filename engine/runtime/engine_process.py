@@ -2,15 +2,18 @@
 
 A worker's Celery threads share one interpreter lock; with the engine among them every step waits for it and
 a GPU idles as long. So the model and its loop (an `EngineThread`) live in a spawned process that runs nothing
-else; its main thread reads the pipe, an `Outbox` thread sends what queued since its last write as one list.
-Messages are small dataclasses; each side has one table from message type to handler:
+else; on each side a reader thread takes lists of messages off the pipe and an `Outbox` thread sends what
+queued since its last write as one list. Messages are small dataclasses; each side has one table from message
+type to handler:
 
     parent -> child   Submit(request, streams)  Cancel(request_id, reason)  StatsQuery(number)  Close()
     child -> parent   Ready(max_model_len)  Failed(traceback)  Done(completion)  Tokens(request_id, new_tokens)
-                      StatsReply(number, stats)  Dead(error)
+                      StatsReply(number, stats)  Dead(error)  Beat(turns, busy)
 
 `arrival` and `deadline` are `time.monotonic()` readings, a clock both processes share. When the child dies the
-pipe closes and pending futures fail with `EngineDead`. The child ignores SIGINT and SIGTERM, which reach a whole
+pipe closes and pending futures fail with `EngineDead`. A child that stalls (no beat, or beats with the same
+count of loop turns, for `stall_s` while requests wait on it) is killed: its pending futures fail with
+`EngineStalled` and a new child takes its place. The child ignores SIGINT and SIGTERM, which reach a whole
 process group: it stops when its parent says so or is gone.
 """
 
@@ -24,14 +27,18 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from engine.interface import Completion, Request, StepEngine, TokensCallback
-from engine.runtime.engine_thread import EngineDead, EngineThread
+from engine.runtime.engine_thread import EngineDead, EngineStalled, EngineThread
+from engine.runtime.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -94,107 +101,181 @@ class Dead(Message):
     error: str  # the engine thread died of it
 
 
+@dataclass
+class Beat(Message):
+    turns: int  # passes of the engine loop so far (`EngineThread.progress`)
+    busy: bool  # it has work
+
+
+class Spawned:
+    """One engine process, and this side of its pipe."""
+
+    def __init__(self, process: BaseProcess, conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+        self.outbox = Outbox(conn)
+        self.reader: threading.Thread | None = None
+        self.death = "the engine process exited"  # why the pipe closed, as far as the child said
+        self.stalled: str | None = None  # why the watchdog killed it
+
+
 class EngineProcess:
     def __init__(self, factory: Callable[[], StepEngine], tokenizer: object, name: str = "engine",
-                 on_death: Callable[[EngineDead], None] | None = None, start_timeout: float = 1800.0) -> None:
+                 on_death: Callable[[EngineDead], None] | None = None, start_timeout: float = 1800.0,
+                 stall_s: float | None = None) -> None:
         """Spawn a process that builds its engine with `factory` (picklable: a module-level function or a
         `functools.partial` of one) and runs it. `tokenizer` is this side's copy, for rendering prompts and
-        reading progress. Blocks until the engine is loaded."""
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_end = context.Pipe()
-        self._process = context.Process(target=serve, args=(factory, child_end, logging.getLogger().level),
-                                        name=name, daemon=True)
-        self._process.start()
-        child_end.close()
+        reading progress. Blocks until the engine is loaded.
+
+        With `stall_s`, a watchdog kills an engine whose loop has made no progress for that long while requests
+        wait on it (they fail with `EngineStalled`) and starts a new one; submits meanwhile wait for it. If the
+        new one cannot start, the engine is dead (`on_death`)."""
+        self._factory, self._name, self._start_timeout = factory, name, start_timeout
+        self._beat_s = 1.0 if stall_s is None else min(1.0, stall_s / 4)
         self.tokenizer = tokenizer
         self.on_death = on_death
         self.error: BaseException | None = None
-        if not self._conn.poll(start_timeout):
-            self._process.kill()
-            raise RuntimeError(f"the engine process did not load its engine within {start_timeout:.0f}s")
-        try:
-            [first] = self._conn.recv()
-        except EOFError:
-            self._process.join(5)
-            raise RuntimeError(f"the engine process exited while loading (exit code {self._process.exitcode})"
-                               ) from None
-        if isinstance(first, Failed):
-            self._process.join(5)
-            raise RuntimeError(f"the engine process could not load its engine:\n{first.traceback}")
-        self.max_model_len: int = first.max_model_len
-        self._send_lock = threading.Lock()  # many Celery threads submit; a pipe write must not interleave
-        self._lock = threading.Lock()
+        self.restarts = 0
+        self._child, self.max_model_len = self._spawn()
+        self._lock = threading.Condition()  # also signals the end of a restart
         self._futures: dict[str, Future[Completion]] = {}
         self._watched: dict[str, tuple[TokensCallback, list[int]]] = {}  # request id -> (callback, tokens so far)
         self._stats: dict[int, Future[dict[str, float]]] = {}
         self._stats_numbers = itertools.count()
         self._closing = False
-        self._death = "the engine process exited"  # why the pipe closed, as far as the child said
-        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
-        self._reader.start()
+        self._restarting = False
+        self._read_from(self._child)
+        self._watchdog = None if stall_s is None else Watchdog(stall_s, lambda: bool(self._futures), self._stalled,
+                                                                name=f"{name}-watchdog")
 
     @property
     def alive(self) -> bool:
-        return self._reader.is_alive() and self.error is None
+        return self.error is None and not self._closing
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return self._child.process.pid
 
     def submit(self, request: Request, on_tokens: TokensCallback | None = None) -> Future[Completion]:
         future: Future[Completion] = Future()
         with self._lock:
+            self._lock.wait_for(lambda: not self._restarting)
             if not self.alive:
                 raise EngineDead(f"engine process is dead: {self.error!r}")
             self._futures[request.request_id] = future
             if on_tokens is not None:
                 self._watched[request.request_id] = (on_tokens, [])
-        self._send(Submit(request, on_tokens is not None))
+            child = self._child
+        child.outbox.put(Submit(request, on_tokens is not None))
         return future
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        """Stop a request before its next step; its completion's finish reason is `reason`."""
-        self._send(Cancel(request_id, reason))
+        """Stop a request before its next step; its completion's finish reason is `reason`. Never waits on the
+        engine: a cancel meant for an engine that is gone has nothing left to stop."""
+        self._child.outbox.put(Cancel(request_id, reason))
 
     def stats(self, timeout: float = 10.0) -> dict[str, float]:
         """The engine's counters and the loop's gaps, as the child has them now."""
         number = next(self._stats_numbers)
         future: Future[dict[str, float]] = Future()
         with self._lock:
-            if not self.alive:
-                raise EngineDead(f"engine process is dead: {self.error!r}")
+            if not self.alive or self._restarting:
+                raise EngineDead(f"engine process is dead or restarting: {self.error!r}")
             self._stats[number] = future
-        self._send(StatsQuery(number))
-        return future.result(timeout)
+            child = self._child
+        child.outbox.put(StatsQuery(number))
+        try:
+            return future.result(timeout)
+        finally:
+            with self._lock:
+                self._stats.pop(number, None)
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True
-        with contextlib.suppress(EngineDead):  # already gone
-            self._send(Close())
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(timeout)
-        self._reader.join(timeout)
+        if self._watchdog is not None:
+            self._watchdog.close()
+        with self._lock:
+            self._lock.wait_for(lambda: not self._restarting, timeout)
+            child = self._child
+        child.outbox.put(Close())
+        child.outbox.close()
+        child.process.join(timeout)
+        if child.process.is_alive():
+            child.process.kill()
+            child.process.join(timeout)
+        child.reader.join(timeout)
 
-    def _send(self, message: Message) -> None:
+    def _spawn(self) -> tuple[Spawned, int]:
+        """A new engine process, once it has loaded its engine; and its context length."""
+        context = multiprocessing.get_context("spawn")
+        conn, child_end = context.Pipe()
+        process = context.Process(target=serve, args=(self._factory, child_end, logging.getLogger().level,
+                                                      self._beat_s), name=self._name, daemon=True)
+        process.start()
+        child_end.close()
+        if not conn.poll(self._start_timeout):
+            process.kill()
+            raise RuntimeError(f"the engine process did not load its engine within {self._start_timeout:.0f}s")
         try:
-            with self._send_lock:
-                self._conn.send(message)
-        except OSError as exc:  # the child is gone; the reader fails what is pending
-            raise EngineDead(f"engine process is gone: {exc!r}") from exc
+            first = conn.recv()[0]
+        except EOFError:
+            process.join(5)
+            raise RuntimeError(f"the engine process exited while loading (exit code {process.exitcode})") from None
+        if isinstance(first, Failed):
+            process.join(5)
+            raise RuntimeError(f"the engine process could not load its engine:\n{first.traceback}")
+        return Spawned(process, conn), first.max_model_len
 
-    def _read(self) -> None:
+    def _read_from(self, child: Spawned) -> None:
+        child.reader = threading.Thread(target=self._read, args=(child,), name=f"{self._name}-reader", daemon=True)
+        child.reader.start()
+
+    def _stalled(self, why: str) -> None:
+        """The watchdog's verdict: kill the engine process (what waits on it fails with `EngineStalled`) and
+        start a new one; if that fails, the engine is dead."""
+        with self._lock:
+            if self._closing or self.error is not None:
+                return
+            self._restarting = True
+            child = self._child
+        child.stalled = why
+        log.error("the engine process %s stalled (%s): killing it and starting a new one", child.process.pid, why)
+        child.process.kill()
+        child.reader.join()  # every request of the stalled engine has failed before a new one is taken
+        child.outbox.close()
+        child.conn.close()
+        try:
+            new, _ = self._spawn()
+        except Exception as exc:
+            error = EngineDead(f"the engine stalled ({why}) and could not be started again: {exc}")
+            with self._lock:
+                self.error = error
+                self._restarting = False
+                self._lock.notify_all()
+            log.critical("%s", error)
+            if self.on_death is not None:
+                self.on_death(error)
+            return
+        self._read_from(new)
+        with self._lock:
+            self._child = new
+            self._restarting = False
+            self.restarts += 1
+            self._lock.notify_all()
+        log.warning("a new engine process (%s) took over from the stalled one", new.process.pid)
+
+    def _read(self, child: Spawned) -> None:
         handlers: dict[type[Message], Callable] = {Done: self._on_done, Tokens: self._on_tokens,
-                                                   StatsReply: self._on_stats, Dead: self._on_dead}
+                                                   StatsReply: self._on_stats, Beat: self._on_beat,
+                                                   Dead: partial(self._on_dead, child)}
         try:
             while True:
-                for message in self._conn.recv():
+                for message in child.conn.recv():
                     handlers[type(message)](message)
         except (EOFError, OSError):
             pass
         finally:
-            self._fail_pending(self._death)
+            self._fail_pending(child)
 
     def _on_done(self, message: Done) -> None:
         completion = message.completion
@@ -221,15 +302,25 @@ class EngineProcess:
         if future is not None:
             future.set_result(message.stats)
 
-    def _on_dead(self, message: Dead) -> None:
-        self._death = f"the engine failed: {message.error}"
+    def _on_beat(self, message: Beat) -> None:
+        if self._watchdog is not None:
+            self._watchdog.beat(message.turns, message.busy)
 
-    def _fail_pending(self, reason: str) -> None:
-        self._process.join(1)
-        code = self._process.exitcode
-        error = EngineDead(reason if self._closing else f"{reason} (exit code {code})")
+    def _on_dead(self, child: Spawned, message: Dead) -> None:
+        child.death = f"the engine failed: {message.error}"
+
+    def _fail_pending(self, child: Spawned) -> None:
+        """The child is gone: what waits on it fails, with `EngineStalled` if the watchdog killed it (a new one
+        is on its way), else with `EngineDead`, and the engine is dead."""
+        child.process.join(1)
+        code = child.process.exitcode
+        if child.stalled is not None:
+            error: EngineDead = EngineStalled(f"the engine stalled ({child.stalled}) and was killed")
+        else:
+            error = EngineDead(child.death if self._closing else f"{child.death} (exit code {code})")
         with self._lock:
-            self.error = error
+            if child.stalled is None:
+                self.error = error
             pending = list(self._futures.values()) + list(self._stats.values())
             self._futures.clear()
             self._watched.clear()
@@ -237,15 +328,15 @@ class EngineProcess:
         for future in pending:
             if not future.done():
                 future.set_exception(error)
-        if not self._closing:
+        if child.stalled is None and not self._closing:
             log.critical("%s", error)
             if self.on_death is not None:
                 self.on_death(error)
 
 
-def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int) -> None:
-    """The child's main: load the engine, run its loop on an `EngineThread`, and serve the pipe until the parent
-    says close or goes away."""
+def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int, beat_s: float = 1.0) -> None:
+    """The child's main: load the engine, run its loop on an `EngineThread`, beat every `beat_s`, and serve the
+    pipe until the parent says close or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="[%(asctime)s: %(levelname)s/engine-process] %(message)s")
@@ -257,10 +348,11 @@ def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int) -
     child = Child(EngineThread(engine), Outbox(conn))
     threading.Thread(target=child.watch, name="engine-watch", daemon=True).start()
     child.outbox.put(Ready(engine.max_model_len))
+    threading.Thread(target=child.beat, args=(beat_s,), name="engine-beat", daemon=True).start()
     try:
         while not child.closing:
-            message = conn.recv()
-            child.handlers[type(message)](message)
+            for message in conn.recv():
+                child.handlers[type(message)](message)
     except EOFError:  # the parent is gone
         pass
     except EngineDead as exc:  # a submit after the engine thread died
@@ -298,6 +390,13 @@ class Child:
         if future.exception() is None:  # else the engine thread died: `watch` ends this process
             self.outbox.put(Done(future.result()))
 
+    def beat(self, every_s: float) -> None:
+        """Tell the parent how far the engine loop has got, from a thread that is not the loop: a loop stuck in
+        a step still beats, with the same count; a frozen process does not beat at all."""
+        while True:
+            time.sleep(every_s)
+            self.outbox.put(Beat(*self.thread.progress()))
+
     def watch(self) -> None:
         self.thread.join()
         if self.thread.error is not None:
@@ -311,10 +410,11 @@ class Child:
 
 
 class Outbox:
-    """The child's messages to its parent, sent by a thread of their own: the step loop only queues them, and
-    whatever queued up while a message was being sent goes in the next single write. Pickling and writing
-    completions and progress then overlap the next step (the forward releases the interpreter lock) instead of
-    adding to the gap before it."""
+    """One side's messages to the other, sent by a thread of their own; whatever queued up while a message was
+    being sent goes in the next single write. In the child, the step loop only queues its completions and
+    progress, so pickling and writing them overlap the next step (the forward releases the interpreter lock)
+    instead of adding to the gap before it; in the parent, no caller ever blocks on a pipe that a frozen child
+    has stopped reading (the heartbeat sending a cancel, say)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn

@@ -1,0 +1,151 @@
+"""Batch ingest: how fast an upload's lines become jobs, and what it costs the API process in memory.
+
+    python -m bench.ingest --json
+
+Starts a PostgreSQL, a Redis and the API of its own (real processes, loopback only; no worker: the jobs are
+not run), warms the API up with a small batch, then uploads one batch of `--lines` lines (OpenAI Batch lines of
+about a kilobyte each: 20,000 make 22 MB) as our client and CLI do (multipart). `lines_per_s` counts the lines
+over the time from the upload's 202 to the batch seen `in_progress` (polled every 50 ms: every line validated,
+checked against the model's context and stored as a job); `upload_s` is the upload itself (sent, stored, 202).
+`api_rss_growth_mb` is the API process's peak resident memory from the upload's start to `in_progress`, over
+its resident memory before it: the kernel's own peak (`VmHWM`, reset first through `clear_refs`) where it can
+be reset, else the largest of samples taken every 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import sqlalchemy as sa
+
+from bench.common import report, tiny_model
+from cli.servers import PostgresServer, RedisServer
+from cli.stack import Stack
+from migrations.apply import upgrade
+
+KEY = "bench-key-not-a-secret"
+MB = 10**6
+
+
+def batch_lines(n: int) -> bytes:
+    """`n` OpenAI Batch lines of about a kilobyte (a customer's long message)."""
+    words = "my parcel was due on Monday and has not arrived, the tracking page says nothing new; "
+    return b"".join(json.dumps({
+        "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "tiny", "max_tokens": 8,
+                 "messages": [{"role": "user", "content": f"Order {i}: " + words * 11}]}}).encode() + b"\n"
+        for i in range(n))
+
+
+def _status_kb(pid: int, field: str) -> int:
+    for row in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if row.startswith(field + ":"):
+            return int(row.split()[1])
+    raise KeyError(field)
+
+
+class PeakRss:
+    """The peak resident memory of a process between `start` and `stop`, in bytes."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sampled = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.exact = False
+
+    def start(self) -> None:
+        try:  # "5" resets the kernel's peak (VmHWM) to the current resident size
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+            self.exact = True
+        except OSError:
+            self.exact = False
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.01):
+            self.sampled = max(self.sampled, _status_kb(self.pid, "VmRSS") * 1024)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.sampled, _status_kb(self.pid, "VmHWM") * 1024 if self.exact else 0)
+
+
+def wait_in_progress(db: sa.Engine, batch_id: str, timeout: float) -> tuple[str, int]:
+    """Poll until the batch leaves `validating`: its status and its jobs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with db.connect() as conn:
+            status = conn.execute(sa.text("SELECT status FROM batches WHERE id = :i"), {"i": batch_id}).scalar_one()
+            if status != "validating":
+                jobs = conn.execute(sa.text("SELECT count(*) FROM jobs WHERE batch_id = :i"), {"i": batch_id}).scalar_one()
+                return status, jobs
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch {batch_id} still validating after {timeout}s")
+        time.sleep(0.05)
+
+
+def run(n_lines: int, timeout: float) -> dict:
+    data = batch_lines(n_lines)
+    pg, broker = PostgresServer().start(), RedisServer().start()
+    try:
+        upgrade(pg.url)
+        db = sa.create_engine(pg.url)
+        env = {"CONVOQ_DATABASE_URL": pg.url, "CONVOQ_BROKER_URL": broker.url, "CONVOQ_MODEL": str(tiny_model()),
+               "CONVOQ_API_KEYS": KEY}
+        with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-ingest-"))) as stack, \
+                httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as http:
+            stack.start_api()
+
+            def upload(body: bytes) -> str:
+                answer = http.post("/v1/batches", files={"file": ("batch.jsonl", body, "application/jsonl")})
+                answer.raise_for_status()
+                return answer.json()["id"]
+
+            wait_in_progress(db, upload(batch_lines(50)), timeout)  # warm-up: pools, parsers, the tokenizer
+            before = _status_kb(stack.api.pid, "VmRSS") * 1024
+            peak = PeakRss(stack.api.pid)
+            peak.start()
+            start = time.monotonic()
+            batch_id = upload(data)
+            accepted = time.monotonic()
+            status, jobs = wait_in_progress(db, batch_id, timeout)
+            ingest_s = time.monotonic() - accepted
+            peak_rss = peak.stop()
+        db.dispose()
+    finally:
+        pg.stop()
+        broker.stop()
+    return {
+        "lines": n_lines,
+        "upload_mb": round(len(data) / MB, 1),
+        "status": status,
+        "jobs": jobs,
+        "upload_s": round(accepted - start, 2),
+        "ingest_s": round(ingest_s, 2),
+        "lines_per_s": round(n_lines / ingest_s, 1),
+        "api_rss_before_mb": round(before / MB, 1),
+        "api_rss_peak_mb": round(peak_rss / MB, 1),
+        "api_rss_growth_mb": round((peak_rss - before) / MB, 1),
+        "peak_is_exact": peak.exact,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=20_000)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for the batch to open")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    args = parser.parse_args()
+    report(run(args.lines, args.timeout), args.json)
+
+
+if __name__ == "__main__":
+    main()
