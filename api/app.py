@@ -24,6 +24,7 @@ from api.routes import batches, chat, files, health, jobs, models
 from api.service.batch_ingest import Ingests
 from api.service.health import Probe
 from api.service.jobs import statuses
+from jobs.affinity import Router
 from jobs.broker import create_celery
 from jobs.db import make_db_engine, make_sessions
 from jobs.publish import stamp_writer
@@ -53,7 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     broker = metrics.broker_client(settings)
     celery = create_celery(settings)
     celery.conf.broker_pool_limit = (settings.api_redis_connections - 2) // 2
-    ingests = Ingests(sessions, celery, settings, check)
+    router = Router(settings)
+    ingests = Ingests(sessions, celery, settings, check, router)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -80,7 +82,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.broker = broker
     app.state.probe = Probe(sessions, celery, broker)
     app.state.prompt_check = check
-    app.state.intake = Intake(check=check, admission=Admission(settings), stamp=stamps.submit, ingest=ingests.submit)
+    app.state.intake = Intake(check=check, admission=Admission(settings), stamp=stamps.submit, ingest=ingests.submit,
+                               router=router)
     app.add_middleware(Gate, settings=settings,
                        per_key=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
                        failures=RateLimiter(settings.auth_failures_per_s, settings.auth_failures_burst))

@@ -23,6 +23,7 @@ from api.admission import Admission
 from api.hub import Hub
 from api.prompt_check import PromptCheck
 from api.service.health import Probe
+from jobs.affinity import Router
 from jobs.schemas import ErrorOut
 from jobs.settings import ApiKey, Settings
 
@@ -58,13 +59,14 @@ def get_probe(request: Request) -> Probe:
 @dataclass(frozen=True)
 class Intake:
     """What new work passes on its way in, one of each per API process: the prompt check (what can never run is
-    refused), admission (the bounds on unfinished jobs), the writer of `published_at` stamps, and what starts a
-    stored batch's ingest under its lease (`batch_ingest.Ingests.submit`)."""
+    refused), admission (the bounds on unfinished jobs), the writer of `published_at` stamps, what starts a
+    stored batch's ingest under its lease (`batch_ingest.Ingests.submit`), and the conversations' router."""
 
     check: PromptCheck
     admission: Admission
     stamp: Callable[[list[uuid.UUID]], object]
     ingest: Callable[[uuid.UUID, uuid.UUID], object]
+    router: Router  # where a job with a conversation is published (`jobs.affinity`)
 
 
 def get_intake(request: Request) -> Intake:

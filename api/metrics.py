@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from api.deps import SessionsDep, SettingsDep
-from jobs.broker import UNACKED_KEY, queue_lists
+from jobs.broker import UNACKED_KEY, home_lists, queue_lists
 from jobs.counts import counts
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.settings import Settings
@@ -92,9 +92,9 @@ class ServiceCollector(Collector):
             return []
 
     def _read_broker(self, client: redis.Redis) -> list[Metric]:
-        lists = queue_lists(self.settings)
+        lists, homes = queue_lists(self.settings), home_lists(client, self.settings)
         pipe = client.pipeline(transaction=False)
-        for names in lists.values():
+        for names in [*lists.values(), *homes.values()]:
             for name in names:
                 pipe.llen(name)
         pipe.hlen(UNACKED_KEY)
@@ -105,7 +105,11 @@ class ServiceCollector(Collector):
         for queue, names in lists.items():
             for priority in range(len(names)):
                 depth.add_metric([queue, str(priority)], next(counts))
-        return [depth, GaugeMetricFamily("convoq_broker_unacked_messages",
+        home = GaugeMetricFamily("convoq_home_queue_messages", "Messages waiting in the workers' own queues "
+                                 "(`jobs.affinity`), by the shared queue of their class", labels=["queue"])
+        for queue, names in homes.items():
+            home.add_metric([queue], sum(next(counts) for _ in names))
+        return [depth, home, GaugeMetricFamily("convoq_broker_unacked_messages",
                                          "Messages delivered to a worker and not yet acknowledged", value=unacked)]
 
     def _database(self) -> list[Metric]:

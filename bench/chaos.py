@@ -22,7 +22,16 @@ can be broken. Two runs of the same jobs: one undisturbed, one with the `--fault
   mid-ingest; a new API process is started, as a supervisor would, and must take the ingest over. The batch's
   jobs are audited with the others, and a line that never became a job counts as lost.
 With `--lost-reply-every N` (20), one database commit in N of the workers loses its reply (`bench.faults`)
-throughout the faulty run (not with `engine-stall`: lost replies need the engine in the worker's process). A worker that dies meanwhile is restarted too. The figures come from `bench.audit` (runs, refused writes,
+throughout the faulty run (not with `engine-stall`: lost replies need the engine in the worker's process). A worker that dies meanwhile is restarted too.
+With `--affinity`, every job has a conversation (`chaos-{i % 50}`), and the jobs are submitted in `len(faults) + 1`
+waves while workers live, so that prefix affinity sends them to a worker's own queues (`jobs.affinity`; with
+`CONVOQ_AFFINITY_MAX_WAITING` so high that none spills to the shared queues): the first wave once the first worker
+is ready (8 submissions at a time, faster than a worker runs them), each fault while its wave is going out (a
+worker fault once its worker holds jobs with messages still waiting in its own queues, or once nothing more can
+come before it), the next wave once a killed, deployed or frozen worker is no longer live, so that it goes to the
+new worker. What the gone worker's own queues held must reach the shared queues (the sweep, or a
+clean shutdown) and run once; `home_messages_at_faults` counts the messages waiting in the faulted worker's own
+queues just before each worker fault. The figures come from `bench.audit` (runs, refused writes,
 statuses); targets: lost, stuck, failed, duplicate_results, duplicate_executions and crashes_uncaused (crashes
 charged to jobs that no worker death or repeated stall explains) all 0.
 """
@@ -33,16 +42,19 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import redis
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 from tqdm import tqdm
 
 from api.client import Client
@@ -51,6 +63,8 @@ from bench.common import report, tiny_model
 from bench.faults import lost_replies_env
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
+from jobs.affinity import live_workers
+from jobs.queues import HOME_SEP, home_tag
 from jobs.schemas import TERMINAL, BatchStatus, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Batch, Job
@@ -64,6 +78,7 @@ SHUTDOWN_GRACE_S = 0  # the jobs here take under a second: any grace would let t
 STOP_GRACE_S = SHUTDOWN_GRACE_S + 10
 STALL_S = 4
 INGEST_LINES = 1000  # enough that the kill lands while the lines are still being read
+LEAVING_FAULTS = ("kill", "deploy", "freeze")  # the worker is gone afterwards: its own queues' messages must move
 
 
 def statuses(db: sa.Engine, ids: list[uuid.UUID]) -> dict[str, int]:
@@ -83,6 +98,15 @@ def held_by(db: sa.Engine, pid: int) -> int:
                                 {"w": f"%:{pid}:%"}).scalar_one()
     except sa.exc.OperationalError:
         return 0
+
+
+def is_live(db: sa.Engine, pid: int) -> bool:
+    """Whether the worker process `pid` is among the live workers that publishes route to (`jobs.affinity`)."""
+    try:
+        with Session(db) as session:
+            return any(f":{pid}:" in name for name in live_workers(session, LEASE_S))
+    except sa.exc.OperationalError:
+        return True
 
 
 def still_validating(url: str, batch_id: uuid.UUID) -> bool:
@@ -107,19 +131,37 @@ def engine_of(worker_pid: int) -> int | None:
 
 
 class Chaos:
-    def __init__(self, stack: Stack, pg: PostgresServer, broker: RedisServer, outage_s: float) -> None:
-        self.stack, self.pg, self.broker, self.outage_s = stack, pg, broker, outage_s
+    def __init__(self, stack: Stack, pg: PostgresServer, broker: RedisServer, outage_s: float,
+                 settings: Settings) -> None:
+        self.stack, self.pg, self.broker, self.outage_s, self.settings = stack, pg, broker, outage_s, settings
+        self.redis = redis.Redis.from_url(broker.url)
         self.frozen: list[tuple[int, float]] = []  # (pid, when)
         self.dead: set[int] = set()  # workers killed, frozen past their leases, or exited: the crashes they explain
         self.batches: list[uuid.UUID] = []  # uploaded by `api-kill-during-ingest`, INGEST_LINES lines each
         self.ingests_cut = 0  # of those, the ones the kill caught still validating: an ingest a new API took over
+        self.stranded: list[int] = []  # messages waiting in the worker's own queues at each worker fault
+        self.left: int | None = None  # the worker the last kill, deploy or freeze removed
 
     def keep_a_worker(self) -> None:
         if self.stack.workers[-1].poll() is not None:
             self.dead.add(self.stack.workers[-1].pid)
             self.stack.start_worker()
 
+    def waiting(self, pid: int) -> int:
+        """Messages waiting in the own queues of the worker process `pid` (`jobs.queues.home_queue`), priority
+        lists included."""
+        tag = home_tag(f"{socket.gethostname()}:{pid}:")
+        try:
+            return sum(self.redis.llen(key) for queue in (self.settings.interactive_queue, self.settings.bulk_queue)
+                       for key in self.redis.scan_iter(f"{queue}{HOME_SEP}{tag}*"))
+        except redis.ConnectionError:
+            return 0
+
     def inject(self, fault: str) -> None:
+        if fault in WORKER_FAULTS:
+            self.stranded.append(self.waiting(self.stack.workers[-1].pid))
+        if fault in LEAVING_FAULTS:
+            self.left = self.stack.workers[-1].pid
         if fault == "kill":
             self.dead.add(self.stack.workers[-1].pid)
             self.stack.kill_worker(sig=signal.SIGKILL)
@@ -178,7 +220,8 @@ class Chaos:
             self.frozen.remove((pid, at))
 
 
-def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: float, lost_reply_every: int) -> dict:
+def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: float, lost_reply_every: int,
+        affinity: bool) -> dict:
     pg, broker = PostgresServer().start(), RedisServer().start()
     try:
         upgrade(pg.url)
@@ -189,20 +232,35 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
                "CONVOQ_SHUTDOWN_GRACE_S": str(SHUTDOWN_GRACE_S)}
         if lost_reply_every:
             env |= lost_replies_env(lost_reply_every)
+        if affinity:
+            env["CONVOQ_AFFINITY_MAX_WAITING"] = "100000"  # they pile up in a worker's own queues, none spills
+        settings = Settings(broker_url=broker.url, database_url=pg.url)
         db = sa.create_engine(pg.url)
+        jobs = [JobIn(messages=[{"role": "user", "content": f"Refund for order {i}?"}], priority=i % 10,
+                      sampling={"max_new_tokens": 16}, conversation_id=f"chaos-{i % 50}" if affinity else None)
+                for i in range(n_jobs)]
+        n_waves = len(faults) + 1 if affinity else 1
+        waves = [jobs[n_jobs * k // n_waves:n_jobs * (k + 1) // n_waves] for k in range(n_waves)]
         with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-chaos-"))) as stack:
             stack.start_api()
-            with Client(stack.api_url, KEY) as client:
-                ids = [client.submit(JobIn(messages=[{"role": "user", "content": f"Refund for order {i}?"}],
-                                           priority=i % 10, sampling={"max_new_tokens": 16})).id
-                       for i in range(n_jobs)]
-            chaos = Chaos(stack, pg, broker, outage_s)
+
+            def submit(wave: list[JobIn]) -> list[uuid.UUID]:  # many at a time: faster than one worker runs them
+                with Client(stack.api_url, KEY) as client, ThreadPoolExecutor(8) as submitters:
+                    return list(submitters.map(lambda job: client.submit(job).id, wave))
+
+            # without affinity, everything waits in the shared queues before the first worker starts
+            ids = [] if affinity else submit(waves.pop(0))
+            sending: Future | None = None  # the wave being submitted (with affinity), while the run goes
+            chaos = Chaos(stack, pg, broker, outage_s, settings)
             start = time.monotonic()
             stack.start_worker()
             marks = [round(n_jobs * (k + 1) / (len(faults) + 1)) for k in range(len(faults))]
             pending = list(faults)
-            with tqdm(total=n_jobs, desc=f"{len(faults)} faults", file=sys.stderr) as bar:
+            with tqdm(total=n_jobs, desc=f"{len(faults)} faults", file=sys.stderr) as bar, \
+                    ThreadPoolExecutor(1) as sender:
                 while time.monotonic() - start < timeout:
+                    if sending is not None and sending.done():
+                        ids, sending = ids + sending.result(), None
                     audited = ids + chaos.batch_jobs(db)
                     counts = statuses(db, audited)
                     done = sum(counts.get(s.value, 0) for s in TERMINAL)
@@ -210,20 +268,31 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
                     if done >= n_jobs + INGEST_LINES * len(chaos.batches):
                         break
                     chaos.keep_a_worker()
-                    due = pending and counts.get(JobStatus.succeeded.value, 0) >= marks[len(faults) - len(pending)]
+                    injected = len(faults) - len(pending)
+                    # with affinity, the next wave once the last fault is in and the worker it removed is not live
+                    if (waves and sending is None and n_waves - len(waves) <= injected
+                            and (chaos.left is None or not is_live(db, chaos.left))):
+                        sending, chaos.left = sender.submit(submit, waves.pop(0)), None
+                    if affinity:  # a fault once its wave is going out (all out, but for a worker's)
+                        due = pending and n_waves - len(waves) > injected and (
+                            sending is None or pending[0] in WORKER_FAULTS)
+                    else:
+                        due = pending and counts.get(JobStatus.succeeded.value, 0) >= marks[injected]
                     # a worker stores a batch's results together, then claims the next: kill, freeze, deploy or
-                    # cut off one that holds jobs, or the fault tests nothing
-                    if due and (pending[0] not in WORKER_FAULTS or held_by(db, stack.workers[-1].pid) > 0):
+                    # cut off one that holds jobs (with affinity: and has messages waiting in its own queues), or
+                    # the fault tests nothing; unless nothing more comes before it (its count then says 0)
+                    worker, idle = stack.workers[-1].pid, affinity and sending is None and done >= len(audited)
+                    if due and (pending[0] not in WORKER_FAULTS or idle
+                                or (held_by(db, worker) > 0 and (not affinity or chaos.waiting(worker) > 0))):
                         chaos.inject(pending.pop(0))
                     chaos.thaw(frozen_for_s=2 * LEASE_S)  # well past the lease: its jobs have moved on
                     time.sleep(0.2)
             elapsed = time.monotonic() - start
             chaos.thaw()
             time.sleep(LEASE_S)  # a thawed worker's late writes land (refused) before the count
-            client = redis.Redis.from_url(broker.url)
             audited = ids + chaos.batch_jobs(db)
-            figures = audit(db, audited, client, Settings(broker_url=broker.url, database_url=pg.url), chaos.dead)
-            client.close()
+            figures = audit(db, audited, chaos.redis, settings, chaos.dead)
+            chaos.redis.close()
             never_jobs = INGEST_LINES * len(chaos.batches) - (len(audited) - len(ids))  # lines lost in an ingest
             figures["submitted"] += never_jobs
             figures["lost"] += never_jobs
@@ -231,7 +300,7 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
     finally:
         pg.stop()
         broker.stop()
-    return {**figures, "elapsed": elapsed, "ingests_cut": chaos.ingests_cut}
+    return {**figures, "elapsed": elapsed, "ingests_cut": chaos.ingests_cut, "stranded": chaos.stranded}
 
 
 def main() -> None:
@@ -242,17 +311,19 @@ def main() -> None:
     parser.add_argument("--lost-reply-every", type=int, default=20, help="0: no commit loses its reply")
     parser.add_argument("--outage-s", type=float, default=60.0, help="how long PostgreSQL stays down")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for each run")
+    parser.add_argument("--affinity", action="store_true",
+                        help="jobs with conversations, submitted in waves while workers live (see above)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     if unknown := set(faults) - set(FAULTS):
         parser.error(f"unknown faults: {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
     model = tiny_model()
-    calm = run(args.jobs, [], model, args.outage_s, args.timeout, 0)
+    calm = run(args.jobs, [], model, args.outage_s, args.timeout, 0, args.affinity)
     # lost replies are installed where the engine is built (`bench.faults`), so they need the engine in the
     # worker's process, and an engine stall needs it in a process of its own: one or the other
     lost_reply_every = 0 if "engine-stall" in faults else args.lost_reply_every
-    chaos = run(args.jobs, faults, model, args.outage_s, args.timeout, lost_reply_every)
+    chaos = run(args.jobs, faults, model, args.outage_s, args.timeout, lost_reply_every, args.affinity)
     result = {
         "faults": ",".join(faults),
         "lost_reply_every": lost_reply_every,
@@ -261,6 +332,7 @@ def main() -> None:
         "calm_s": round(calm["elapsed"], 1),
         "chaos_s": round(chaos["elapsed"], 1),
         "ingests_cut": chaos["ingests_cut"],
+        **({"home_messages_at_faults": chaos["stranded"]} if args.affinity else {}),
     }
     report(result, args.json)
 

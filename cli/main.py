@@ -47,15 +47,17 @@ def worker(
 
     from jobs.broker import worker_node_name
     from worker.engine_factory import WorkerSettings
-    from worker.tasks import worker_app
+    from worker.tasks import consumed_queues, worker_app, worker_name
 
     settings = WorkerSettings()
-    worker_app(settings).worker_main([
+    name = worker_name()
+    listed = queues.split(",") if queues else None
+    worker_app(settings, name).worker_main([
         "worker",
         "--pool=threads",
         f"--concurrency={concurrency or settings.worker_concurrency}",
         # interactive first: on equal broker priority BRPOP serves the first listed queue
-        f"--queues={queues or settings.interactive_queue + ',' + settings.bulk_queue}",
+        f"--queues={','.join(consumed_queues(settings, name, listed))}",
         "--task-events",
         "--without-mingle",
         "--without-gossip",

@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
 from matplotlib.figure import Figure
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from cli.spans import parse_span
@@ -60,14 +60,17 @@ class Finished:
     host_reused: np.ndarray
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
+    worker: np.ndarray  # the worker that ran it
+    previous_worker: np.ndarray  # the one that took its conversation's previous job ("" for none)
 
     @classmethod
     def from_rows(cls, rows: list) -> Finished:
         columns = list(zip(*rows, strict=True)) if rows else [()] * len(fields(cls))
-        priority, at, e2e, wait, ttft, prefill, decode, *counts = columns
+        priority, at, e2e, wait, ttft, prefill, decode, *counts, worker, previous = columns
         seconds = [np.asarray(c, dtype=float) / 1e3 for c in (e2e, wait, ttft, prefill, decode)]
         return cls(np.asarray(priority, dtype=int), np.asarray([as_utc(t).timestamp() for t in at], dtype=float),
-                   *seconds, *(np.asarray(c, dtype=int) for c in counts))
+                   *seconds, *(np.asarray(c, dtype=int) for c in counts),
+                   *(np.asarray([w or "" for w in c], dtype=object) for c in (worker, previous)))
 
     def __len__(self) -> int:
         return len(self.at)
@@ -78,10 +81,13 @@ def load(session: Session, since: datetime) -> tuple[dict[str, int], Finished]:
     statuses = dict(session.execute(
         select(Job.status, func.count()).where(Job.created_at >= since).group_by(Job.status)
     ).all())
+    previous_worker = func.lag(Job.worker).over(partition_by=(Job.tenant, Job.conversation_id),
+                                                order_by=Job.created_at)
     rows = session.execute(
         select(Job.priority, Timing.created_at, Timing.end_to_end_ms, Timing.queue_wait_ms, Timing.ttft_ms,
                Timing.prefill_ms, Timing.decode_ms, Timing.batch_size, Timing.prompt_tokens_reused,
-               Timing.host_tokens_reused, Result.prompt_tokens, Result.completion_tokens)
+               Timing.host_tokens_reused, Result.prompt_tokens, Result.completion_tokens, Job.worker,
+               case((Job.conversation_id.is_(None), None), else_=previous_worker))
         .join(Timing, Timing.job_id == Job.id)
         .join(Result, Result.job_id == Job.id)
         .where(Job.created_at >= since)
@@ -263,6 +269,18 @@ def priority_rows(jobs: Finished) -> list[list[str]]:
     return rows
 
 
+def worker_rows(jobs: Finished) -> list[list[str]]:
+    """One row per worker: jobs, prefix reuse, and of the later turns of conversations, the share that ran where
+    the conversation's previous turn had (`jobs.affinity`)."""
+    rows = []
+    for name in sorted(set(jobs.worker)):
+        mask = jobs.worker == name
+        later = mask & (jobs.previous_worker != "")
+        home = f"{100 * (jobs.previous_worker[later] == name).mean():.1f}" if later.any() else "-"
+        rows.append([name or "-", str(mask.sum()), reused_percent(jobs, mask), str(later.sum()), home])
+    return rows
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
@@ -300,7 +318,9 @@ def finished_sections(jobs: Finished, settings: Settings) -> list[str]:
         section("wait-vs-compute", "Queue wait vs compute",
                 image(wait_vs_compute_plot(jobs), "queue wait vs compute by priority")),
         section("batch-size", "Batch size", image(batch_size_plot(jobs), "batch size distribution")),
-        section("prefix-reuse", "Prefix reuse", image(reuse_plot(jobs, buckets), "prefix reuse over time")),
+        section("prefix-reuse", "Prefix reuse", image(reuse_plot(jobs, buckets), "prefix reuse over time") + table(
+            ["worker", "succeeded", "prompt tokens reused (%)", "later turns of conversations",
+             "of those, on the previous turn's worker (%)"], worker_rows(jobs))),
     ]
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import redis
 from celery import Celery
 from kombu import Queue
 
-from jobs.queues import broker_priority
+from jobs.queues import HOME_SEP, broker_priority
 from jobs.settings import Settings
 
 PRIORITY_SEP = ":"
@@ -54,6 +55,13 @@ def queue_lists(settings: Settings) -> dict[str, list[str]]:
 
 
 PAGE = 1000  # messages read per Redis call
+
+
+def home_lists(client: redis.Redis, settings: Settings) -> dict[str, list[str]]:
+    """Each shared queue -> the Redis lists of every worker's own queue of its class (`jobs.queues.home_queue`,
+    every priority), gone workers' included: only those holding messages exist."""
+    return {queue: sorted(key.decode() for key in client.scan_iter(f"{queue}{HOME_SEP}*", count=PAGE))
+            for queue in (settings.interactive_queue, settings.bulk_queue)}
 
 
 def message_headers(raw: bytes) -> dict:
@@ -107,7 +115,8 @@ class BrokerView:
         if self.client is None:
             return None
         present: set[uuid.UUID] = set()
-        for name in (n for names in queue_lists(self.settings).values() for n in names):
+        shared = (n for names in queue_lists(self.settings).values() for n in names)
+        for name in [*shared, *(n for names in home_lists(self.client, self.settings).values() for n in names)]:
             # Producers push at the head and consumers pop at the tail: paging from the head can see a message
             # twice, never miss one that stays
             start = 0
@@ -132,6 +141,26 @@ class BrokerView:
             if cursor == 0:
                 return present
 
+    def rehome(self, gone: Callable[[str], bool]) -> int:
+        """Move the messages waiting in the own queues of the workers that are `gone` (by their queues' worker
+        part, `jobs.queues.home_tag`) to the shared queue of their class, at the same priority; returns how
+        many moved. Each message is rewritten to say it was routed to the shared queue, so that a consumer that
+        dies with it restores it there. One message at a time, popped then pushed: one lost between the two
+        (this process killed) is a queued job without a message, which the sweep sends again."""
+        if self.client is None:
+            return 0
+        moved = 0
+        for name in (n for names in home_lists(self.client, self.settings).values() for n in names):
+            queue, _, rest = name.partition(HOME_SEP)
+            worker, _, level = rest.partition(PRIORITY_SEP)
+            if not gone(worker):
+                continue
+            target = f"{queue}{PRIORITY_SEP}{level}" if level else queue
+            while (raw := self.client.rpop(name)) is not None:
+                self.client.lpush(target, routed_to(raw, queue))
+                moved += 1
+        return moved
+
     def forget(self, job_ids: list[uuid.UUID]) -> None:
         tags = [tag for i in job_ids for tag in self.stale.get(i, [])]
         if self.client is not None and tags:
@@ -140,6 +169,17 @@ class BrokerView:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+
+
+def routed_to(raw: bytes, queue: str) -> bytes:
+    """A message of Kombu's Redis transport, as if it had been published to `queue` (its delivery info is where
+    a consumer restores it to, and what `worker.bulk_gate` tells bulk by)."""
+    try:
+        message = json.loads(raw)
+        message["properties"]["delivery_info"].update(exchange=queue, routing_key=queue)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return raw
+    return json.dumps(message).encode()
 
 
 def progress_channel(job_id: str) -> str:

@@ -11,9 +11,10 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.affinity import Router, Waiting, direct_queue
 from jobs.clock import db_now
 from jobs.group_commit import GroupCommit
-from jobs.queues import TASK_RUN_JOB, broker_priority, queue_for
+from jobs.queues import TASK_RUN_JOB, broker_priority, home_queue, queue_for
 from jobs.settings import Settings
 from jobs.tables import Job
 
@@ -22,25 +23,31 @@ log = logging.getLogger(__name__)
 
 def publish(
     celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings, countdown: float = 0,
-    stamp: Callable[[list[uuid.UUID]], object] | None = None,
+    stamp: Callable[[list[uuid.UUID]], object] | None = None, router: Router | None = None,
 ) -> list[uuid.UUID]:
     """Send one message per job over one connection, then stamp `published_at` on those that went out: in
-    this session, or by handing their ids to `stamp` (a `stamp_writer`'s `submit`).
+    this session, or by handing their ids to `stamp` (a `stamp_writer`'s `submit`). With a `router`, a job
+    with a conversation goes to its home worker's queue while that queue has room (`jobs.affinity`).
 
     A job whose message could not be sent stays `queued` with no `published_at`: the row keeps it, and the
     reconciler publishes it later. A stamp that fails is only logged: a sweep finds the message and stamps
     it (it never sends a second one). Returns the ids of the jobs that went out.
     """
     sent = []
+    homes = router.homes(session, jobs) if router is not None else {}
     try:
         with celery.producer_or_acquire() as producer:
+            waiting = Waiting(producer.channel, settings.affinity_max_waiting)
             for job in jobs:
+                queue = queue_for(job.priority, settings)
+                if (home := homes.get(job.id)) is not None and waiting.room(own := home_queue(queue, home)):
+                    queue = direct_queue(own)
                 celery.send_task(
                     TASK_RUN_JOB,
                     args=[str(job.id)],
                     kwargs={"kind": job.kind, "priority": job.priority},  # labels for Flower
                     task_id=str(job.id),
-                    queue=queue_for(job.priority, settings),
+                    queue=queue,
                     priority=broker_priority(job.priority),
                     producer=producer,
                     countdown=countdown or None,

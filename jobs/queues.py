@@ -22,3 +22,17 @@ def queue_for(priority: int, settings: Settings) -> str:
     """Interactive jobs and bulk jobs travel apart, so that a worker full of bulk work still fetches the next
     interactive message (see `worker.bulk_gate`)."""
     return settings.interactive_queue if is_interactive(priority, settings) else settings.bulk_queue
+
+
+HOME_SEP = "@"
+
+
+def home_tag(worker: str) -> str:
+    """The part of a worker's own queues that names it (its `workers` row's name): no ':' in it, which separates
+    a queue from its priority lists in Redis."""
+    return worker.replace(":", ".")
+
+
+def home_queue(queue: str, worker: str) -> str:
+    """The queue of `queue`'s class that only the worker named `worker` consumes (`jobs.affinity`)."""
+    return f"{queue}{HOME_SEP}{home_tag(worker)}"

@@ -134,6 +134,11 @@ class Settings(BaseSettings):
     bulk_share: float = Field(0.75, gt=0, le=1)
     interactive_queue: str = "convoq.interactive"
     bulk_queue: str = "convoq.bulk"
+    # Prefix affinity (`jobs.affinity`): a job with a conversation_id goes to the queue of the worker that holds
+    # its conversation's prefix, unless that queue already has affinity_max_waiting messages of its class waiting
+    # (the worker is saturated: the shared queue serves it sooner than the prefix would save).
+    affinity: bool = True
+    affinity_max_waiting: int = Field(8, ge=1)
     # Seconds a delivered but unacknowledged message stays invisible before Redis hands it out again:
     # longer than the longest queue wait plus run time, or long jobs would run twice.
     visibility_timeout: int = Field(4 * 3600, ge=60)

@@ -64,7 +64,13 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
             conn.execute(sa.text("INSERT INTO batches (id, status, priority, total, metadata, created_at)"
                                  " VALUES (:id, 'in_progress', 1, 0, '{}', now())"), {"id": uuid.uuid4()})
         engine.dispose()
-        redis.Redis.from_url(broker).hset("unacked", "delivery-tag", "message")
+        broker_client = redis.Redis.from_url(broker)
+        broker_client.hset("unacked", "delivery-tag", "message")
+        # workers' own queues (`jobs.affinity`), at two priorities, and a message of another worker's bulk queue
+        broker_client.lpush("convoq.interactive@h.1.1", "message")
+        broker_client.lpush("convoq.interactive@h.1.1:3", "message")
+        broker_client.lpush("convoq.bulk@h.2.1:8", "message")
+        broker_client.close()
 
         samples = scrape(client)
 
@@ -75,6 +81,8 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
     levels = [depth(samples, q, p) for q in ("convoq.interactive", "convoq.bulk") for p in range(10)]
     assert sum(levels) == 7 and len(levels) == 20
     assert samples["convoq_broker_unacked_messages", frozenset()] == 1
+    assert samples["convoq_home_queue_messages", frozenset({"queue": "convoq.interactive"}.items())] == 2
+    assert samples["convoq_home_queue_messages", frozenset({"queue": "convoq.bulk"}.items())] == 1
     assert samples["convoq_jobs", frozenset({"status": "queued"}.items())] == 6
     assert samples["convoq_jobs", frozenset({"status": "succeeded"}.items())] == 1
     assert samples["convoq_jobs", frozenset({"status": "failed"}.items())] == 0
@@ -171,14 +179,18 @@ def test_worker_metrics_observe_a_stored_job():
     assert value("convoq_host_tokens_reused_total") == 16
 
 
-def test_worker_metrics_count_failures_retries_and_cancellations():
+def test_worker_metrics_count_failures_retries_cancellations_and_conversation_routes():
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry)
     claimed, done = outcome("cancelled")
     metrics.observe(7, stored(claimed, done), 0)
     metrics.retried()
     metrics.gave_up()
+    for home in (True, True, False):
+        metrics.conversation_job(home)
     value = registry.get_sample_value
+    assert value("convoq_conversation_jobs_total", {"queue": "home"}) == 2
+    assert value("convoq_conversation_jobs_total", {"queue": "shared"}) == 1
     assert value("convoq_jobs_finished_total", {"status": "cancelled"}) == 1
     assert value("convoq_jobs_finished_total", {"status": "failed"}) == 1
     assert value("convoq_job_retries_total") == 1

@@ -27,11 +27,23 @@ def e2e_ms(i: int) -> float:
     return (i + 1) * 10.0  # 10 ms .. 2.4 s: a distribution whose percentiles are known
 
 
+def conversation(i: int) -> str | None:
+    """The first 80 jobs are 20 conversations of 4 turns."""
+    return f"c{i // 4}" if i < 80 else None
+
+
+def worker(i: int) -> str:
+    """A conversation's turns run on one worker, but for the last turn of the first; other jobs alternate."""
+    if i < 80 and i != 3:
+        return "w-a" if (i // 4) % 2 == 0 else "w-b"
+    return "w-a" if i % 2 == 0 and i != 3 else "w-b"
+
+
 def succeeded(i: int, created: datetime) -> tuple[dict, dict, dict]:
     job_id = uuid.uuid4()
     finished = created + timedelta(milliseconds=e2e_ms(i))
     job = dict(id=job_id, status="succeeded", kind="chat", priority=PRIORITIES[i % 3], payload={},
-               created_at=created, finished_at=finished)
+               created_at=created, finished_at=finished, conversation_id=conversation(i), worker=worker(i))
     result = dict(job_id=job_id, text="ok", prompt_tokens=100, completion_tokens=20, finish_reason="stop",
                   created_at=finished)
     timing = dict(job_id=job_id, queue_wait_ms=e2e_ms(i) / 2, ttft_ms=e2e_ms(i) * 0.6, prefill_ms=e2e_ms(i) / 10,
@@ -49,7 +61,8 @@ def seed(database: str) -> None:
     for status, n in OTHERS.items():
         created = NOW - timedelta(minutes=n + 1)
         jobs += [dict(id=uuid.uuid4(), status=status, kind="summarize", priority=1, payload={}, created_at=created,
-                      finished_at=None if status == "queued" else created) for _ in range(n)]
+                      finished_at=None if status == "queued" else created, conversation_id=None, worker=None)
+                 for _ in range(n)]
     engine = sa.create_engine(database)
     with engine.begin() as conn:
         conn.execute(sa.insert(Job), jobs)
@@ -76,6 +89,12 @@ def test_report_of_a_seeded_database(database, tmp_path):
     assert f"<tr><td>all</td><td>240</td><td>{p50}</td><td>{p95}</td><td>{p99}</td>" in page
     # mean batch size, share of prompt tokens reused, output tokens: all priorities
     assert f"<td>8.5</td><td>30.0</td><td>{SUCCEEDED * 20}</td></tr></tbody>" in page
+    # by worker: jobs, reuse, later turns of conversations and the share on their previous turn's worker (one
+    # turn of w-a's first conversation ran on w-b)
+    for name, later, home in (("w-a", 29, "100.0"), ("w-b", 31, f"{100 * 30 / 31:.1f}")):
+        ran = [i for i in range(SUCCEEDED) if worker(i) == name]
+        reused = f"{100 * sum((i % 3) * 30 for i in ran) / (100 * len(ran)):.1f}"
+        assert f"<tr><td>{name}</td><td>{len(ran)}</td><td>{reused}</td><td>{later}</td><td>{home}</td></tr>" in page
 
 
 def test_report_of_an_empty_window(database, tmp_path):

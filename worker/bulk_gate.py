@@ -3,8 +3,9 @@
 Every Celery thread of a worker blocks on its job until the engine finishes it, and Redis has no per-queue
 prefetch. Without a limit, a bulk batch fills every thread (and every prefetch slot), and an urgent message
 then waits in Redis until some bulk job ends. This consumer bootstep counts the bulk messages the worker
-holds (received, not finished) and stops consuming the bulk queue when they reach `share` of the worker's
-threads, starting again below it; interactive messages are then fetched within one broker round trip.
+holds (received, not finished) and stops consuming the bulk queues (the shared one and the worker's own) when
+they reach `share` of the worker's threads, starting again below it; interactive messages are then fetched within
+one broker round trip.
 
 All state lives on the consumer's event-loop thread: the count goes up in `task_received` (sent there, from
 inside the read that delivered the message, before the next fetch is issued, so the cancel lands before
@@ -33,7 +34,7 @@ def bulk_cap(share: float, concurrency: int) -> int:
 
 class BulkGate(bootsteps.StartStopStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)
-    queue = "convoq.bulk"  # set by `bulk_gate`
+    queues: tuple[str, ...] = ("convoq.bulk",)  # set by `bulk_gate`: the shared bulk queue and the worker's own
     share = 0.75
 
     def __init__(self, c, **kwargs) -> None:
@@ -41,14 +42,14 @@ class BulkGate(bootsteps.StartStopStep):
         self.c = c
         self.cap = bulk_cap(self.share, c.controller.concurrency)
         self.held: Counter[str] = Counter()  # task id -> bulk deliveries received and not finished
-        self.consumes_bulk: bool | None = None  # whether this worker was started on the bulk queue at all
+        self.gated: list[str] | None = None  # the bulk queues this worker was started on
         signals.task_received.connect(self._received, sender=c, weak=False)
         signals.task_postrun.connect(self._postrun, weak=False)
         signals.task_revoked.connect(self._revoked, weak=False)
 
     def start(self, c) -> None:  # every (re)connect, after the task consumer exists
-        if self.consumes_bulk is None:
-            self.consumes_bulk = self.queue in c.app.amqp.queues.consume_from
+        if self.gated is None:
+            self.gated = [q for q in self.queues if q in c.app.amqp.queues.consume_from]
             log.info("bulk jobs may hold %d of %d threads", self.cap, c.controller.concurrency)
         # the event loop starts consuming after this: decide on its first turn
         c.call_soon(self._reconcile)
@@ -59,7 +60,7 @@ class BulkGate(bootsteps.StartStopStep):
 
     # on the event loop's thread
     def _received(self, sender=None, request=None, **_) -> None:
-        if request.delivery_info.get("routing_key") == self.queue:
+        if request.delivery_info.get("routing_key") in self.queues:
             self.held[request.id] += 1
             self._reconcile()
 
@@ -72,14 +73,15 @@ class BulkGate(bootsteps.StartStopStep):
 
     def _reconcile(self) -> None:
         c = self.c
-        if not self.consumes_bulk or c.task_consumer is None:
+        if not self.gated or c.task_consumer is None:
             return
-        consuming = c.task_consumer.consuming_from(self.queue)
-        if consuming and self.holding >= self.cap:
-            c.cancel_task_queue(self.queue)
-        elif (not consuming and self.holding < self.cap and c.blueprint.state == RUN
-              and not worker_state.should_stop and not worker_state.should_terminate):
-            c.add_task_queue(self.queue)
+        for queue in self.gated:
+            consuming = c.task_consumer.consuming_from(queue)
+            if consuming and self.holding >= self.cap:
+                c.cancel_task_queue(queue)
+            elif (not consuming and self.holding < self.cap and c.blueprint.state == RUN
+                  and not worker_state.should_stop and not worker_state.should_terminate):
+                c.add_task_queue(queue)
 
     # on any thread
     def _postrun(self, task_id=None, **_) -> None:
@@ -89,6 +91,6 @@ class BulkGate(bootsteps.StartStopStep):
         self.c.call_soon(self._finished, request.id)
 
 
-def bulk_gate(queue: str, share: float) -> type[BulkGate]:
-    """The gate for a worker's bulk `queue`, letting bulk hold `share` of its threads."""
-    return type("BulkGate", (BulkGate,), {"queue": queue, "share": share})
+def bulk_gate(queues: list[str], share: float) -> type[BulkGate]:
+    """The gate for a worker's bulk `queues` (shared and its own), letting bulk hold `share` of its threads."""
+    return type("BulkGate", (BulkGate,), {"queues": tuple(queues), "share": share})

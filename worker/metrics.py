@@ -92,6 +92,10 @@ class WorkerMetrics:
         self.host_reused = Counter("convoq_host_tokens_reused",
                                    "Reused prompt tokens brought back from the host-memory tier",
                                    registry=self.registry)
+        self.conversation_jobs = Counter(
+            "convoq_conversation_jobs", "Jobs with a conversation claimed here, by the queue their message came from: "
+            "`home` (this worker's own: affinity sent it here), `shared` (any worker's)", ["queue"],
+            registry=self.registry)
         self.retries = Counter("convoq_job_retries", "Failed attempts sent back to the queue for another try",
                                registry=self.registry)
         self.stale_writes = Counter("convoq_stale_writes_refused",
@@ -135,6 +139,10 @@ class WorkerMetrics:
         self.generated.inc(generated_tokens)
         self.reused.inc(t["prompt_tokens_reused"])
         self.host_reused.inc(t["host_tokens_reused"])
+
+    def conversation_job(self, home: bool) -> None:
+        """A job with a conversation was claimed here, from this worker's own queue or a shared one."""
+        self.conversation_jobs.labels("home" if home else "shared").inc()
 
     def gave_up(self) -> None:
         """A job failed for good after its last attempt."""

@@ -29,11 +29,13 @@ from sqlalchemy import Row, bindparam, case, or_, select, text, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobs.affinity import Router, live_workers
 from jobs.broker import BrokerView
 from jobs.clock import db_now
 from jobs.counts import fold
 from jobs.db import insert_ignore
 from jobs.publish import mark_published, publish
+from jobs.queues import home_tag
 from jobs.retention import prune, retention_period
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
@@ -190,7 +192,7 @@ def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int, hold: H
 # --- messages -----------------------------------------------------------------------------------------------
 
 def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings, broker: BrokerView,
-           hold: Hold = None) -> tuple[list[uuid.UUID], int]:
+           router: Router, hold: Hold = None) -> tuple[list[uuid.UUID], int]:
     """Send again the queued jobs with no live message (see the module's doc), in chunks (`hold` before each);
     returns the ids sent and how many published jobs were seen without a message for the first time
     (`message_missing_at`: the next sweep, by whichever worker, sends those still missing)."""
@@ -202,7 +204,7 @@ def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
         sent_long_ago = jobs.c.published_at < db_now(-settings.republish_after_s)
         with sessions() as session:
             due = list(session.scalars(select(jobs.c.id).where(jobs.c.status == QUEUED, or_(never, sent_long_ago))))
-        return _send(sessions, celery, settings, broker, due, hold), 0
+        return _send(sessions, celery, settings, broker, router, due, hold), 0
     found, reappeared, missing, due = [], [], [], []
     page = select(jobs.c.id, jobs.c.published_at, jobs.c.message_missing_at).where(
         jobs.c.status == QUEUED, or_(never, jobs.c.published_at < grace)).order_by(jobs.c.id).limit(CHUNK)
@@ -234,7 +236,7 @@ def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
             with sessions.begin() as session:
                 session.execute(update(jobs).where(jobs.c.id.in_(chunk), jobs.c.status == QUEUED)
                                 .values(message_missing_at=value))
-    return _send(sessions, celery, settings, broker, due, hold), len(missing)
+    return _send(sessions, celery, settings, broker, router, due, hold), len(missing)
 
 
 def _chunks(ids: list[uuid.UUID]) -> Iterator[list[uuid.UUID]]:
@@ -242,18 +244,27 @@ def _chunks(ids: list[uuid.UUID]) -> Iterator[list[uuid.UUID]]:
         yield ids[start:start + CHUNK]
 
 
-def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, broker: BrokerView,
+def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, broker: BrokerView, router: Router,
           job_ids: list[uuid.UUID], hold: Hold) -> list[uuid.UUID]:
     sent: list[uuid.UUID] = []
     for chunk in _chunks(job_ids):
         _hold(hold)
         with sessions() as session:
             stranded = list(session.scalars(select(Job).where(Job.id.in_(chunk), Job.status == QUEUED)))
-            sent += publish(celery, session, stranded, settings) if stranded else []
+            sent += publish(celery, session, stranded, settings, router=router) if stranded else []
     broker.forget(sent)
     if job_ids:
         log.warning("reconciler: %d of %d queued jobs with no message sent again", len(sent), len(job_ids))
     return sent
+
+
+def rehome_gone(sessions: sessionmaker[Session], broker: BrokerView, dead_after_s: float) -> int:
+    """Move what the own queues of workers not alive (`jobs.affinity`) still hold to the shared queues."""
+    with sessions() as session:
+        alive = {home_tag(name) for name in live_workers(session, dead_after_s)}
+    if rehomed := broker.rehome(lambda tag: tag not in alive):
+        log.warning("reconciler: %d messages of gone workers' own queues moved to the shared queues", rehomed)
+    return rehomed
 
 
 # --- the sweep ----------------------------------------------------------------------------------------------
@@ -337,6 +348,10 @@ class Sweeper:
     sessions: sessionmaker[Session]
     celery: Celery
     settings: Settings
+    router: Router = field(init=False)  # the jobs it sends again go to their conversations' workers
+
+    def __post_init__(self) -> None:
+        self.router = Router(self.settings)
 
     def sweep(self, force: bool = False, hand_back: bool = True) -> dict[str, int] | None:
         """One sweep if this process gets the lock and the turn (`force`: whenever it gets the lock); None if
@@ -352,22 +367,25 @@ class Sweeper:
 
     def _sweep(self, hold: Hold, hand_back: bool) -> dict[str, int]:
         s, sessions = self.settings, self.sessions
-        verdicts = hand_back_expired(sessions, s.max_crashes, hold) if hand_back else Counter()
-        expired = expire_queued(sessions, hold)
-        with sessions.begin() as session:
-            session.execute(update(Worker.__table__).where(
-                Worker.stopped_at.is_(None), Worker.heartbeat_at < db_now(-s.dead_after_s)).values(stopped_at=db_now()))
-            fold(session)  # the status counts' deltas since the last sweep, into one row per status
-        for batch_id in {b for _, b in expired if b is not None}:
-            retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
         broker = BrokerView(s)
         try:
-            sent, missing = resend(sessions, self.celery, s, broker, hold)
+            # first, and on a read of its own: whatever of the rest fails, what waits in a gone worker's own queues
+            # reaches the shared ones (and counts as live messages below, not as missing ones)
+            rehomed = rehome_gone(sessions, broker, s.dead_after_s)
+            verdicts = hand_back_expired(sessions, s.max_crashes, hold) if hand_back else Counter()
+            expired = expire_queued(sessions, hold)
+            with sessions.begin() as session:
+                session.execute(update(Worker.__table__).where(Worker.stopped_at.is_(None),
+                                Worker.heartbeat_at < db_now(-s.dead_after_s)).values(stopped_at=db_now()))
+                fold(session)  # the status counts' deltas since the last sweep, into one row per status
+            for batch_id in {b for _, b in expired if b is not None}:
+                retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")
+            sent, missing = resend(sessions, self.celery, s, broker, self.router, hold)
         finally:
             broker.close()
         return {"handed_back": verdicts["crashed"] + verdicts["spared"], "condemned": verdicts["condemned"],
                 "exhausted": verdicts["exhausted"], "expired": len(expired), "published": len(sent),
-                "awaiting_confirmation": missing}
+                "awaiting_confirmation": missing, "rehomed": rehomed}
 
 
 class Reconciler:

@@ -1,7 +1,7 @@
 """The task every job message runs: claim the row under a lease, run the job by its kind through the engine,
 store the outcome (only while the lease is still this run's).
 
-`worker_app(settings)` is the Celery app of a worker process: the shared app (`jobs.broker`) with this task
+`worker_app(settings, name)` is the Celery app of a worker process: the shared app (`jobs.broker`) with this task
 registered, and the process's context (database, engine, reconciler, metrics) created when the worker starts.
 """
 
@@ -22,12 +22,13 @@ from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.runtime.engine_thread import EngineDead, EngineStalled
-from jobs.broker import CANCEL_COMMAND, create_celery
+from jobs.affinity import Router, direct_queue
+from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
 from jobs.group_commit import GroupCommit
 from jobs.publish import publish
-from jobs.queues import TASK_RUN_JOB
+from jobs.queues import TASK_RUN_JOB, home_queue, home_tag
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
@@ -68,6 +69,7 @@ class WorkerContext:
     settings: Settings
     celery: Celery
     sessions: sessionmaker[Session]
+    router: Router  # where the jobs it sends again go (`jobs.affinity`)
     bridge: Bridge
     reconciler: Reconciler
     name: str
@@ -80,9 +82,10 @@ class WorkerContext:
     shutdown: Shutdown  # the grace of a warm shutdown, then its hand-back
 
     @classmethod
-    def start(cls, settings: Settings, celery: Celery,
+    def start(cls, settings: Settings, celery: Celery, name: str,
               on_stall: Callable[[EngineStalled], None] | None = None) -> WorkerContext:
-        """`on_stall`: what to do when an engine thread stalls (an engine process is restarted instead)."""
+        """`name`: this worker's row in `workers` (`worker_name`); `on_stall`: what to do when an engine thread
+        stalls (an engine process is restarted instead)."""
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
         db = make_db_engine(settings.database_url.get_secret_value(), pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
         sessions = make_sessions(db)
@@ -90,16 +93,16 @@ class WorkerContext:
         bridge = Bridge.for_settings(start_engine(settings, on_death=partial(engine_died, shutdown=shutdown),
                                                   on_stall=on_stall), settings)
         shutdown.start(lambda reason: bridge.stop(bridge.running(), reason))
-        name = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
         leases = Leases()
+        router = Router(settings)
         reconciler = Reconciler(sessions, celery, settings, name, leases, bridge.stop).start()
         metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
         progress = ProgressPublisher(settings.broker_url.get_secret_value(), bridge.tokenizer)
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
                                                            settings.dead_after_s), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, worker=name), "stores")
-        return cls(settings, celery, sessions, bridge, reconciler, name, metrics, progress, leases, Solo(), claim,
-                   store, shutdown)
+        return cls(settings, celery, sessions, router, bridge, reconciler, name, metrics, progress, leases, Solo(),
+                   claim, store, shutdown)
 
     def close(self) -> int:
         """Hand back the jobs this worker still holds, then close the engine and the rest; returns how many went
@@ -107,27 +110,63 @@ class WorkerContext:
         its job to expire and be charged."""
         self.shutdown.begin(cold=True)  # whatever still runs stops now, and an engine gone from here is no crash
         self.reconciler.stop()
-        returned = hand_back(self.sessions, self.name)
-        self.bridge.close()
-        self.claim.close()
-        self.store.close()
-        self.progress.close()
-        return returned
+        try:
+            return results.retrying(lambda: hand_back(self.sessions, self.name), "hand back at shutdown", deadline_s=10.0)
+        finally:  # a hand-back that failed is the sweep's to finish (leases); the rest closes all the same
+            rehome_own(self.settings, self.name)
+            self.bridge.close()
+            self.claim.close()
+            self.store.close()
+            self.progress.close()
+
+
+def worker_name() -> str:
+    """This process's row in `workers`: unique per process, and per start of a reused pid."""
+    return f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
+
+
+def own_queues(settings: Settings, name: str) -> list[str]:
+    """The queues only the worker `name` consumes, one per class (`jobs.affinity`); none with affinity off."""
+    if not settings.affinity:
+        return []
+    return [home_queue(settings.interactive_queue, name), home_queue(settings.bulk_queue, name)]
+
+
+def consumed_queues(settings: Settings, name: str, queues: list[str] | None = None) -> list[str]:
+    """What the worker `name` consumes, most urgent first: each shared queue of `queues` (default both) right
+    after its own queue of that class, which wins on equal broker priority (BRPOP serves the first listed)."""
+    listed = queues or [settings.interactive_queue, settings.bulk_queue]
+    own = dict(zip((settings.interactive_queue, settings.bulk_queue), own_queues(settings, name), strict=False))
+    return [q for shared in listed for q in ([own[shared]] if shared in own else []) + [shared]]
+
+
+def rehome_own(settings: Settings, name: str) -> None:
+    """At shutdown: what still waits in this worker's own queues goes to the shared ones, where the next worker
+    takes it now rather than after the sweep has seen this worker gone."""
+    broker = BrokerView(settings)
+    try:
+        if moved := broker.rehome(lambda tag: tag == home_tag(name)):
+            log.info("moved %d messages from this worker's own queues to the shared queues", moved)
+    except Exception:  # the broker is away: the sweep moves them once it sees this worker gone
+        log.exception("could not move this worker's own queues' messages to the shared queues")
+    finally:
+        broker.close()
 
 
 class Worker:
     """The context a worker process's task runs with, made once the worker starts."""
 
-    def __init__(self, settings: Settings, celery: Celery) -> None:
+    def __init__(self, settings: Settings, celery: Celery, name: str) -> None:
         self.settings = settings
         self.celery = celery
+        self.name = name
         self.context: WorkerContext | None = None
 
     def start(self, sender=None, **_) -> None:
         if sender is not None and sender.app is not self.celery:
             return
         # The model is loaded here, in the process that runs it, before the worker consumes anything.
-        self.context = WorkerContext.start(self.settings, self.celery, on_stall=self.engine_stalled)
+        self.context = WorkerContext.start(self.settings, self.celery, self.name, on_stall=self.engine_stalled)
         log.info("engine ready: %s", self.settings.model)
 
     def engine_stalled(self, error: EngineStalled) -> None:
@@ -157,7 +196,8 @@ class Worker:
         if returned:
             log.warning("handed %d unfinished jobs back to the queue", returned)
 
-    def run_job(self, job_id: str) -> None:
+    def run_job(self, job_id: str, routing_key: str | None = None) -> None:
+        """Run the job of a message delivered from the queue `routing_key`."""
         ctx = self.context
         if ctx.shutdown.begun.is_set():  # delivered but not started: the next worker takes it now, not after us
             raise Reject(f"job {job_id} not started: the worker is shutting down", requeue=True)
@@ -166,26 +206,31 @@ class Worker:
             log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
             return
         ctx.leases.add(claimed)
+        if claimed.job.conversation_id is not None:
+            ctx.metrics.conversation_job(home=routing_key in own_queues(self.settings, self.name))
         try:
             run_claimed(ctx, claimed)
         finally:
             ctx.leases.drop(claimed)
 
 
-def worker_app(settings: Settings) -> Celery:
-    """convoq's Celery app with the job task registered, for `convoq worker`."""
+def worker_app(settings: Settings, name: str) -> Celery:
+    """convoq's Celery app with the job task registered and this worker's own queues declared, for `convoq
+    worker` as the worker `name` (`worker_name`)."""
     celery = create_celery(settings)
-    celery.steps["consumer"].add(bulk_gate(settings.bulk_queue, settings.bulk_share))
-    worker = Worker(settings, celery)
+    own = own_queues(settings, name)
+    celery.conf.task_queues = [*celery.conf.task_queues, *map(direct_queue, own)]
+    celery.steps["consumer"].add(bulk_gate([settings.bulk_queue, *own[1:]], settings.bulk_share))
+    worker = Worker(settings, celery, name)
     worker_init.connect(worker.start, weak=False)
     worker_shutting_down.connect(worker.shutting_down, weak=False)
     worker_shutdown.connect(worker.stop, weak=False)
 
     # `kind` and `priority` only label the message for Flower and logs (on-call tells a chat from a bulk
     # summary at a glance); what runs is read from the job's row
-    @celery.task(name=TASK_RUN_JOB)
-    def run_job(job_id: str, kind: str | None = None, priority: int | None = None) -> None:
-        worker.run_job(job_id)
+    @celery.task(name=TASK_RUN_JOB, bind=True)
+    def run_job(task, job_id: str, kind: str | None = None, priority: int | None = None) -> None:
+        worker.run_job(job_id, (task.request.delivery_info or {}).get("routing_key"))
 
     @control_command(name=CANCEL_COMMAND, args=[("job_ids", list), ("reason", str)],
                      signature="<job_ids> [reason]")
@@ -275,7 +320,7 @@ def hand_back_stalled(ctx: WorkerContext, claimed: results.Claimed) -> None:
     ctx.progress.status(str(claimed.job_id), status)
     if status == JobStatus.queued:
         with ctx.sessions() as session:
-            publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings)
+            publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings, router=ctx.router)
 
 
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:
@@ -295,4 +340,5 @@ def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> N
     ctx.metrics.retried()
     with ctx.sessions() as session:
         job = session.get(Job, claimed.job_id)
-        publish(ctx.celery, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1))
+        publish(ctx.celery, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1),
+                router=ctx.router)

@@ -91,9 +91,9 @@ def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, ca
 @router.post("/{batch_id}/retry", response_model=BatchOut,
              responses={**NOT_FOUND, **errors(e409="The batch is validating or cancelling; retry once it settles")})
 def retry_failed(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, settings: SettingsDep,
-                 caller: Caller) -> BatchOut:
+                 intake: IntakeDep, caller: Caller) -> BatchOut:
     """Run the batch's failed jobs again (lines that failed validation cannot run: fix and upload those)."""
-    return batches.retry_failed(session, celery, settings, batch_id, caller)
+    return batches.retry_failed(session, celery, settings, batch_id, caller, intake.router)
 
 
 @router.get("/{batch_id}/output", response_class=StreamingResponse, responses={**JSONL, **NOT_FOUND})

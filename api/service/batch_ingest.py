@@ -31,6 +31,7 @@ from api.batch_input import LineError, ParsedLine, parse_lines
 from api.prompt_check import PromptCheck
 from api.service.file_store import pieces
 from api.service.files import UPLOAD_PURPOSE
+from jobs.affinity import Router
 from jobs.clock import db_now
 from jobs.db import insert_ignore
 from jobs.publish import publish
@@ -52,8 +53,8 @@ class Ingests:
     batches whose lease expired, while a thread is free. It runs on a thread, off the event loop."""
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, check: PromptCheck,
-                 threads: int = 2) -> None:
-        self.sessions, self.celery, self.settings, self.check = sessions, celery, settings, check
+                 router: Router, threads: int = 2) -> None:
+        self.sessions, self.celery, self.settings, self.check, self.router = sessions, celery, settings, check, router
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ingest")
         self._held: dict[uuid.UUID, uuid.UUID] = {}  # lease -> batch id, for each ingest submitted here
@@ -87,7 +88,7 @@ class Ingests:
 
     def _ingest(self, batch_id: uuid.UUID, lease: uuid.UUID) -> None:
         try:
-            ingest(self.sessions, self.celery, self.settings, self.check, batch_id, lease)
+            ingest(self.sessions, self.celery, self.settings, self.check, batch_id, lease, self.router)
         except (OperationalError, InterfaceError):  # the database went away: the lease lapses, it is resumed
             log.exception("ingest of batch %s stopped; it will be resumed", batch_id)
         except Exception as exc:
@@ -145,7 +146,7 @@ def claim_lapsed(session: Session, n: int, lease_s: float) -> list[tuple[uuid.UU
 
 
 def ingest(sessions: sessionmaker[Session], celery: Celery, settings: Settings, check: PromptCheck,
-           batch_id: uuid.UUID, lease: uuid.UUID) -> None:
+           batch_id: uuid.UUID, lease: uuid.UUID, router: Router | None = None) -> None:
     """Read the batch's stored lines one by one, create a job per good line and a line error per bad one, move the
     batch on and publish its jobs: if it still holds `lease`. A batch cancelled while validating runs nothing."""
     with sessions() as session:
@@ -174,9 +175,10 @@ def ingest(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
             return
         _drop_upload(session, source)
         session.commit()
-        # committed before any message exists; what a message needs is a few columns per job
-        jobs = session.execute(select(Job.id, Job.kind, Job.priority).where(Job.batch_id == batch_id)).all()
-        publish(celery, session, jobs, settings)
+        # committed before any message exists; what a message (and its route) needs is a few columns per job
+        jobs = session.execute(select(Job.id, Job.kind, Job.priority, Job.tenant, Job.conversation_id)
+                               .where(Job.batch_id == batch_id)).all()
+        publish(celery, session, jobs, settings, router=router)
 
 
 def release(session: Session, batch_id: uuid.UUID, lease: uuid.UUID, source: str) -> None:

@@ -20,6 +20,7 @@ from api.paging import list_of, page
 from api.service import file_store, files
 from api.service.batch_output import batch_file_id
 from api.service.uploads import BatchInput
+from jobs.affinity import Router
 from jobs.batch_settle import PENDING, settle_batch
 from jobs.broker import broadcast_cancel
 from jobs.clock import db_now
@@ -183,7 +184,7 @@ def _cancel_jobs(session: Session, batch_id: uuid.UUID) -> list[str]:
 
 
 def retry_failed(session: Session, celery: Celery, settings: Settings, batch_id: uuid.UUID,
-                 caller: ApiKey) -> BatchOut:
+                 caller: ApiKey, router: Router | None = None) -> BatchOut:
     """Queue the batch's failed jobs again and publish them; 409 while it is validating or cancelling."""
     batch = visible_batch(session, batch_id, caller)
     if batch.status in (BatchStatus.validating.value, BatchStatus.cancelling.value):
@@ -198,7 +199,7 @@ def retry_failed(session: Session, celery: Celery, settings: Settings, batch_id:
         batch.status, batch.completed_at, batch.finalizing_at = BatchStatus.in_progress.value, None, None
         batch.in_progress_at = batch.in_progress_at or utcnow()
         session.commit()
-        publish(celery, session, jobs, settings)
+        publish(celery, session, jobs, settings, router=router)
     return batch_out(session, batch)
 
 

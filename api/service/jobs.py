@@ -57,7 +57,7 @@ def enqueue(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
                                                               "used for a different job; use a new key") from None
             return JobAccepted(id=existing.id, status=JobStatus(existing.status), created=False)
         job = Job(**row)
-        publish(celery, session, [job], settings, stamp=intake.stamp)
+        publish(celery, session, [job], settings, stamp=intake.stamp, router=intake.router)
     return JobAccepted(id=job.id, status=JobStatus.queued, created=True)
 
 

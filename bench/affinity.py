@@ -1,0 +1,184 @@
+"""Prefix-affinity routing: do a conversation's later turns find their prefix cached when several workers serve?
+
+    python -m bench.affinity --json [--conversations 24] [--turns 5] [--seed 0]
+
+One multi-turn chat workload through the real service (API and Celery workers as processes, tiny model, each
+configuration on a PostgreSQL and a Redis of its own, so none sees another's cache or queues), three times:
+1 worker; 3 workers with prefix-affinity routing (CONVOQ_AFFINITY on, the default: a turn goes to the queue of
+the worker that ran the conversation's previous one); 3 workers with CONVOQ_AFFINITY=off (shared queues only).
+Workers start one after another, each with a warm-up job. The workload, drawn from `--seed`: `--conversations`
+conversations of `--turns` turns, each with its own conversation_id and a one-line system prompt;
+each turn's prompt is the whole history (earlier user messages, the replies the service returned) and a new
+user message; priority 9, greedy, 16 new tokens. Conversations run concurrently, each submitting its next turn
+when the previous one finished. Figures, from the database (turns 2.. unless said otherwise):
+- `reuse_1_worker`, `reuse_3_workers`, `reuse_3_workers_no_affinity`: prompt tokens served from the prefix
+  cache (timings.prompt_tokens_reused) over prompt tokens (results.prompt_tokens);
+- `home_share` (`home_share_no_affinity`): turns that ran on the worker of the conversation's previous turn
+  (jobs.worker), with affinity (without: about 1/3 by chance);
+- `max_over_mean_load`: with affinity, the most jobs (every turn) one worker ran over the mean per worker;
+- `chat_p95_ms_affinity`, `chat_p95_ms_no_affinity` (and `_1_worker`): end-to-end time (timings.end_to_end_ms:
+  job created -> result stored) of every turn, 95th percentile.
+Targets (`targets_met`): reuse_3_workers >= 0.9 reuse_1_worker; max_over_mean_load <= 1.5; the p95 with
+affinity at most 1.1x the one without (10% for noise: on a small machine runs of the same load differ by that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from tqdm import tqdm
+
+from api.client import AsyncClient, Client
+from bench.common import percentile, report, tiny_model
+from bench.mixed_pipeline import ASKS, NAMES
+from cli.servers import PostgresServer, RedisServer
+from cli.stack import Stack
+from jobs.schemas import JobIn, JobStatus
+from jobs.tables import Job, Result, Timing
+from migrations.apply import upgrade
+
+KEY = "bench-key-not-a-secret"
+SAMPLING = {"max_new_tokens": 16, "temperature": 0.0}
+# short on purpose: a long prompt every conversation shares is cached on every worker after its first job, and
+# would hide what routing is for, a conversation's own history
+SYSTEM = "You are the support assistant of Northwind Parcel. Answer in two sentences, quoting the order number."
+FOLLOW_UPS = ["It still says in transit.", "Nobody called me back.", "Can you check again?", "Thanks, and the invoice?",
+              "I moved last week, is that a problem?", "The driver left a note but no parcel.", "Please escalate this."]
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    worker: str
+    prompt_tokens: int
+    reused: int
+    e2e_ms: float
+
+
+def user_messages(conversations: int, turns: int, seed: int) -> list[list[str]]:
+    """Each conversation's user messages: an opening with its own order number and name, then follow-ups."""
+    rng = random.Random(seed)
+    return [[f"Order {rng.randrange(10**6, 10**7)}, {rng.choice(NAMES)} here. {rng.choice(ASKS)}",
+             *(rng.choice(FOLLOW_UPS) for _ in range(turns - 1))] for _ in range(conversations)]
+
+
+async def converse(client: AsyncClient, c: int, users: list[str], bar: tqdm) -> list[uuid.UUID]:
+    """One conversation, turn after turn; the ids of its jobs in turn order."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    ids = []
+    for user in users:
+        messages.append({"role": "user", "content": user})
+        job = await client.submit(JobIn(messages=messages, priority=9, conversation_id=f"conversation-{c}",
+                                        sampling=SAMPLING))
+        done = await client.wait(job.id, timeout=600)
+        if done.status != JobStatus.succeeded or done.result is None:
+            raise RuntimeError(f"conversation {c}, turn {len(ids) + 1}: job {job.id} {done.status} ({done.error})")
+        # a reply of nothing (EOS first) cannot be a message: a placeholder, the same in every configuration
+        messages.append({"role": "assistant", "content": done.result.text or "(no reply)"})
+        ids.append(job.id)
+        bar.update()
+    return ids
+
+
+async def converse_all(url: str, users: list[list[str]], desc: str) -> list[list[uuid.UUID]]:
+    with tqdm(total=sum(map(len, users)), desc=desc, file=sys.stderr) as bar:
+        async with AsyncClient(url, KEY, timeout=60) as client:
+            return await asyncio.gather(*(converse(client, c, u, bar) for c, u in enumerate(users)))
+
+
+def serve(workers: int, affinity: bool, model: Path, users: list[list[str]], desc: str) -> list[Turn]:
+    """The workload on a fresh service of `workers` workers; every turn's figures from the database."""
+    pg, broker = PostgresServer().start(), RedisServer().start()
+    try:
+        upgrade(pg.url)
+        env = {"CONVOQ_DATABASE_URL": pg.url, "CONVOQ_BROKER_URL": broker.url, "CONVOQ_MODEL": str(model),
+               "CONVOQ_API_KEYS": KEY, "CONVOQ_WORKER_METRICS_PORT": "0", "CONVOQ_WORKER_CONCURRENCY": "32",
+               "CONVOQ_AFFINITY": "on" if affinity else "off"}
+        with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-affinity-"))) as stack:
+            stack.start_api()
+            with Client(stack.api_url, KEY) as client:
+                for i in range(workers):
+                    stack.start_worker()
+                    # first engine steps, outside the measurement (no system prompt: nothing cached for later);
+                    # it lands on an idle worker, most likely (not surely) the one just started
+                    client.wait(client.submit(JobIn(messages=[{"role": "user", "content": f"Warm-up {i}."}],
+                                                    priority=9, sampling=SAMPLING)).id)
+            ids = asyncio.run(converse_all(stack.api_url, users, desc))
+        turn_of = {job: (c, t) for c, jobs in enumerate(ids) for t, job in enumerate(jobs)}
+        query = (sa.select(Job.id, Job.worker, Result.prompt_tokens, Timing.prompt_tokens_reused,
+                           Timing.end_to_end_ms)
+                 .join(Result, Result.job_id == Job.id).join(Timing, Timing.job_id == Job.id)
+                 .where(Job.id.in_(list(turn_of))))
+        db = sa.create_engine(pg.url)
+        with db.connect() as conn:
+            rows = conn.execute(query).all()
+        db.dispose()
+    finally:
+        pg.stop()
+        broker.stop()
+    if len(rows) != len(turn_of):
+        raise RuntimeError(f"{desc}: {len(rows)} of {len(turn_of)} jobs have a result and timings")
+    return [Turn(*turn_of[r.id], r.worker, r.prompt_tokens, r.prompt_tokens_reused, r.end_to_end_ms) for r in rows]
+
+
+def reuse(turns: list[Turn]) -> float:
+    later = [t for t in turns if t.turn > 0]
+    return sum(t.reused for t in later) / sum(t.prompt_tokens for t in later)
+
+
+def home_share(turns: list[Turn]) -> float:
+    worker = {(t.conversation, t.turn): t.worker for t in turns}
+    later = [t for t in turns if t.turn > 0]
+    return sum(t.worker == worker[t.conversation, t.turn - 1] for t in later) / len(later)
+
+
+def p95(turns: list[Turn]) -> float:
+    return percentile([t.e2e_ms for t in turns], 0.95)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print only the JSON result line")
+    args = parser.parse_args()
+    if args.turns < 2:
+        parser.error("--turns must be at least 2: reuse is measured from the second turn on")
+    model = tiny_model()
+    users = user_messages(args.conversations, args.turns, args.seed)
+    one = serve(1, True, model, users, "1 worker")
+    three = serve(3, True, model, users, "3 workers, affinity")
+    spread = serve(3, False, model, users, "3 workers, no affinity")
+    load = Counter(t.worker for t in three)
+    result = {
+        "reuse_1_worker": round(reuse(one), 3),
+        "reuse_3_workers": round(reuse(three), 3),
+        "reuse_3_workers_no_affinity": round(reuse(spread), 3),
+        "home_share": round(home_share(three), 3),
+        "home_share_no_affinity": round(home_share(spread), 3),
+        "max_over_mean_load": round(max(load.values()) / (len(three) / 3), 2),
+        "chat_p95_ms_1_worker": round(p95(one), 1),
+        "chat_p95_ms_affinity": round(p95(three), 1),
+        "chat_p95_ms_no_affinity": round(p95(spread), 1),
+    }
+    result["targets_met"] = {
+        "reuse": result["reuse_3_workers"] >= 0.9 * result["reuse_1_worker"],
+        "load": result["max_over_mean_load"] <= 1.5,
+        "p95": result["chat_p95_ms_affinity"] <= 1.1 * result["chat_p95_ms_no_affinity"],
+    }
+    report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
