@@ -44,8 +44,8 @@ class LineError:
 
 
 class OpenAIBody(BaseModel):
-    # unknown OpenAI options (model, user, logprobs, ...) are accepted and ignored, as other servers do
-    model_config = ConfigDict(extra="ignore")
+    # every other option is kept (`model_extra`) for `openai_job` to refuse by name, unless it is `IGNORED` or off
+    model_config = ConfigDict(extra="allow")
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = None
@@ -62,6 +62,19 @@ class OpenAIBody(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+
+# OpenAI's options that change nothing convoq answers, accepted and ignored on purpose (the README says why)
+IGNORED = frozenset({"model", "user", "store", "service_tier", "metadata"})
+# what an option left at OpenAI's default is sent as: it asks for nothing
+DEFAULTS: dict[str, Any] = {"response_format": {"type": "text"}, "tool_choice": "none", "stream": False}
+
+
+def unsupported(body: OpenAIBody) -> list[str]:
+    """The options of `body` convoq does not implement, by name: every one it does not know, but for those
+    `IGNORED` and those set to nothing (null, false, empty) or to OpenAI's default."""
+    return sorted(name for name, value in (body.model_extra or {}).items()
+                  if name not in IGNORED and value not in (None, False, [], {}) and value != DEFAULTS.get(name))
 
 
 # what OpenAI's body and our `Sampling` both name (`stop` too: a string is made a list): passed on as they are
@@ -92,6 +105,9 @@ def _job_from_openai(obj: dict, priority: int) -> JobIn:
 def openai_job(body: OpenAIBody, priority: int) -> JobIn:
     """A chat job from an OpenAI chat-completions request body (a batch line's, or `POST /v1/chat/completions`);
     a `ValueError` (or pydantic's `ValidationError`) says what it cannot run."""
+    if names := unsupported(body):
+        raise ValueError(f"not supported: {', '.join(names)} (convoq implements the options its README lists; "
+                         "the rest are refused rather than ignored)")
     sampling: dict[str, Any] = {name: value for name in SHARED_SAMPLING if (value := getattr(body, name)) is not None}
     max_new = body.max_completion_tokens or body.max_tokens
     if max_new is not None:

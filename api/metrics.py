@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import QueuePool
@@ -137,6 +137,7 @@ def by_status(name: str, documentation: str, counts: dict[str, int], statuses: t
 def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> Response:
     state = request.app.state
     registry = CollectorRegistry()
+    ProcessCollector(registry=registry)  # process_cpu_seconds_total and memory: this API process's share of a job
     registry.register(ServiceCollector(settings, sessions, state.broker, lambda: {
         "streams": state.hub.streams, "db_pool_waits": getattr(state.db_engine.pool, "waits", 0)}))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

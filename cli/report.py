@@ -28,7 +28,8 @@ from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Result, Timing, as_utc
 
-BUCKET_WIDTHS = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)  # seconds
+# seconds: from a demo's few seconds to weeks of service, the smallest that keeps under MAX_BUCKETS points
+BUCKET_WIDTHS = (1, 2, 5, 10, 15, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
 MAX_BUCKETS = 60  # enough points for a trend, enough jobs per point for a p99
 PERCENTILES = (50, 95, 99)
 PRIORITY_COLORS = colormaps["tab10"]
@@ -135,8 +136,10 @@ def time_axis(ax, buckets: Buckets) -> None:
     ax.set_xlim(buckets.centers[0] - half, buckets.centers[-1] + half)
     locator = AutoDateLocator()
     ax.xaxis.set_major_locator(locator)
-    ax.xaxis.set_major_formatter(ConciseDateFormatter(locator))
-    ax.set_xlabel("finished at (UTC)")
+    # the date goes in the label: as the formatter's offset it is drawn over the label
+    ax.xaxis.set_major_formatter(ConciseDateFormatter(locator, show_offset=False))
+    first, last = (f"{c:%Y-%m-%d}" for c in (buckets.centers[0], buckets.centers[-1]))
+    ax.set_xlabel(f"finished at (UTC), {first}" + (f" to {last}" if last != first else ""))
     ax.grid(alpha=0.3)
 
 

@@ -101,3 +101,22 @@ def test_each_bad_line_is_reported_and_the_rest_survive():
     assert "transcript" in by_line[11].message
     assert "JSON object" in by_line[12].message
     assert "UTF-8" in by_line[13].message
+
+
+def test_openai_options_convoq_does_not_implement_are_refused_by_name_never_ignored():
+    ignored = dict(user="customer-17", store=True, service_tier="auto", metadata={"ticket": "T-1"})
+    off = dict(logprobs=False, top_logprobs=None, tools=[], response_format={"type": "text"}, tool_choice="none",
+               stream=False)
+    parsed, errors, _ = parse_batch(jsonl(
+        openai_line("ok", **ignored, **off),
+        openai_line("schema", response_format={"type": "json_object"}),
+        openai_line("tools", tools=[{"type": "function", "function": {"name": "lookup_order"}}], tool_choice="auto",
+                    logprobs=True, top_logprobs=3),
+        openai_line("typo", max_token=40),
+    ), priority=2)
+    assert [p.custom_id for p in parsed] == ["ok"]
+    refused = {e.custom_id: e.message for e in errors}
+    assert set(refused) == {"schema", "tools", "typo"}
+    assert "not supported: response_format " in refused["schema"]
+    assert "not supported: logprobs, tool_choice, tools, top_logprobs " in refused["tools"]
+    assert "not supported: max_token " in refused["typo"]

@@ -83,6 +83,7 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
     assert samples["convoq_broker_unacked_messages", frozenset()] == 1
     assert samples["convoq_home_queue_messages", frozenset({"queue": "convoq.interactive"}.items())] == 2
     assert samples["convoq_home_queue_messages", frozenset({"queue": "convoq.bulk"}.items())] == 1
+    assert samples["process_cpu_seconds_total", frozenset()] > 0  # the API process's own, for CPU per job
     assert samples["convoq_jobs", frozenset({"status": "queued"}.items())] == 6
     assert samples["convoq_jobs", frozenset({"status": "succeeded"}.items())] == 1
     assert samples["convoq_jobs", frozenset({"status": "failed"}.items())] == 0
@@ -177,6 +178,7 @@ def test_worker_metrics_observe_a_stored_job():
     assert value("convoq_generated_tokens_total") == 4
     assert value("convoq_prompt_tokens_reused_total") == 32
     assert value("convoq_host_tokens_reused_total") == 16
+    assert value("process_cpu_seconds_total") > 0  # over jobs finished: the worker's CPU per job
 
 
 def test_worker_metrics_count_failures_retries_cancellations_and_conversation_routes():

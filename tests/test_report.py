@@ -127,3 +127,21 @@ def test_report_command_writes_the_page(database, tmp_path, monkeypatch):
 ])
 def test_since_accepts_spans_and_iso_times(text, expected):
     assert parse_since(text, NOW) == expected
+
+
+def test_a_run_of_seconds_is_plotted_over_seconds_with_its_date_in_the_axis_label():
+    from matplotlib.figure import Figure
+
+    from cli.report import Buckets, time_axis
+
+    start = datetime(2026, 12, 1, 23, 59, 50, tzinfo=UTC).timestamp()
+    buckets = Buckets.over(np.array([start + 0.5 * i for i in range(30)]))  # a 15-second demo, across midnight
+    assert buckets.width == 1 and len(buckets.centers) == 15
+    ax = Figure().add_subplot()
+    ax.plot(buckets.centers, np.arange(15))
+    time_axis(ax, buckets)
+    ax.figure.canvas.draw()
+    assert ax.get_xlabel() == "finished at (UTC), 2026-12-01 to 2026-12-02"
+    assert ax.xaxis.get_offset_text().get_text() == ""
+    hours = Buckets.over(np.array([start + 60.0 * i for i in range(180)]))  # three hours: minutes still
+    assert hours.width == 300  # 36 five-minute points

@@ -83,6 +83,9 @@ def test_transcript_five_times_the_context_goes_through_map_reduce(bridge, monke
     assert max(lengths) <= bridge.context - max_new  # every prompt left room for its output
     assert outcome.completion.prompt_tokens == sum(lengths)
     assert len(outcome.completion.token_ids) <= max_new
+    # the parts ran side by side: the job's prefill and decode are wall time along its levels, within its run
+    timings = outcome.completion.timings
+    assert 0 < timings.prefill_ms + timings.decode_ms <= outcome.engine_ms
 
 
 def test_chunks_keep_every_turn_in_order_and_split_only_oversized_turns():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -71,6 +71,8 @@ class EngineCollector(Collector):
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        # process_cpu_seconds_total over convoq_jobs_finished_total: this worker's CPU per job
+        ProcessCollector(registry=self.registry)
         self.served_on: int | None = None  # the port `start` serves the registry on
 
         def seconds(name: str, documentation: str) -> Histogram:

@@ -71,15 +71,20 @@ def plan_chunks(turns: Turns, fits: Callable[[Turns], bool]) -> list[Turns]:
     return chunks
 
 
-def merge(completions: list[Completion], final: Completion) -> Completion:
-    """One completion for the job: the final text, with the work of every request it took added up (every
-    request counts its waiting from the job's creation, so the final one's first token is the job's)."""
+def merge(levels: list[list[Completion]], final: Completion) -> Completion:
+    """One completion for the job: the final text, with the requests of every level (parts, then combines, the
+    last being `final`) folded into one. Prefill and decode are the job's wall time in them: a level's requests
+    run side by side, so each level counts the request that ended last, and the levels, one after the other,
+    add up (their sum would count the parts' overlapping time many times over). Every request counts its
+    waiting from the job's creation, so the final one's first token is the job's."""
+    completions = [c for level in levels for c in level]
     t = [c.timings for c in completions]
+    last = [max(level, key=lambda c: c.timings.ttft_ms + c.timings.decode_ms).timings for level in levels]
     timings = Timings(
         queue_wait_ms=min(x.queue_wait_ms for x in t),
         ttft_ms=final.timings.ttft_ms,
-        prefill_ms=sum(x.prefill_ms for x in t),
-        decode_ms=sum(x.decode_ms for x in t),
+        prefill_ms=sum(x.prefill_ms for x in last),
+        decode_ms=sum(x.decode_ms for x in last),
         prompt_tokens_reused=sum(x.prompt_tokens_reused for x in t),
         host_tokens_reused=sum(x.host_tokens_reused for x in t),
         batch_size=max(x.batch_size for x in t),
@@ -127,6 +132,7 @@ def summarize(run: JobRun) -> Outcome:
     done: list[Completion] = run_all([part_chat(c, i, len(chunks)) for i, c in enumerate(chunks, 1)], 1)
     if bad := next((c for c in done if not c.ok), None):
         return failed(bad, "a chunk failed")
+    levels = [done]
     summaries, level = answers(done), 1
     combine_fits = fits_with(lambda ts: combine_chat([t.content for t in ts]))
     while True:
@@ -134,17 +140,16 @@ def summarize(run: JobRun) -> Outcome:
         as_turns = [Message.model_construct(role="user", content=s) for s in summaries]
         if combine_fits(as_turns):
             [final] = run_all([combine_chat(summaries)], level, final=True)
-            done.append(final)
             if not final.ok:
                 return failed(final, "combining the summaries failed")
-            return Outcome.answered(merge(done, final), (time.monotonic() - started) * 1e3, run.thinking,
-                                    chunks=len(chunks), levels=level)
+            return Outcome.answered(merge([*levels, [final]], final), (time.monotonic() - started) * 1e3,
+                                    run.thinking, chunks=len(chunks), levels=level)
         groups = plan_chunks(as_turns, combine_fits)
         if len(groups) >= len(summaries):
             return _too_long(run.job_id, "the partial summaries do not fit together two at a time; lower "
                              "max_new_tokens", started)
         level_done = run_all([combine_chat([t.content for t in g]) for g in groups], level)
-        done += level_done
+        levels.append(level_done)
         if bad := next((c for c in level_done if not c.ok), None):
             return failed(bad, "combining the summaries failed")
         summaries = answers(level_done)
