@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jobs.schemas import JobIn, Sampling, bounded_json
+from jobs.schemas import JobIn, Key, Sampling, bounded_json
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class OpenAIBody(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+    # convoq's extension: the turns of one conversation go to the worker that holds its prefix (`jobs.affinity`)
+    conversation_id: Key | None = None
 
 
 # OpenAI's options that change nothing convoq answers, accepted and ignored on purpose (the README says why)
@@ -121,7 +123,8 @@ def openai_job(body: OpenAIBody, priority: int) -> JobIn:
     if kwargs:
         raise ValueError(f"chat_template_kwargs may only hold enable_thinking, not {sorted(kwargs)}")
     messages = [{**m, "content": _text(m.get("content"))} for m in body.messages]
-    return JobIn(messages=messages, kind="chat", priority=priority, sampling=sampling, thinking=thinking)
+    return JobIn(messages=messages, kind="chat", priority=priority, sampling=sampling, thinking=thinking,
+                 conversation_id=body.conversation_id)
 
 
 def _job_from_ours(obj: dict, priority: int) -> JobIn:

@@ -24,7 +24,7 @@ def jsonl(*objs) -> bytes:
 def test_openai_lines_become_chat_jobs_with_their_sampling():
     parsed, errors, total = parse_batch(jsonl(
         openai_line("a", max_tokens=40, temperature=0.7, stop="END", seed=3),
-        openai_line("b", max_completion_tokens=12, top_p=0.9),
+        openai_line("b", max_completion_tokens=12, top_p=0.9, conversation_id="ticket-881"),
         {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "part one, "},
                                                               {"type": "text", "text": "part two"}]}]}},
@@ -34,6 +34,7 @@ def test_openai_lines_become_chat_jobs_with_their_sampling():
     assert a.kind == "chat" and a.priority == 2
     assert (a.sampling.max_new_tokens, a.sampling.temperature, a.sampling.stop, a.sampling.seed) == (40, 0.7, ["END"], 3)
     assert (b.sampling.max_new_tokens, b.sampling.top_p) == (12, 0.9)
+    assert (a.conversation_id, b.conversation_id) == (None, "ticket-881")  # convoq's extension: affinity
     assert c.messages[0].content == "part one, part two"
     assert [p.line for p in parsed] == [1, 2, 3]
 
@@ -115,6 +116,7 @@ def test_openai_options_convoq_does_not_implement_are_refused_by_name_never_igno
         openai_line("typo", max_token=40),
     ), priority=2)
     assert [p.custom_id for p in parsed] == ["ok"]
+    assert parsed[0].job.conversation_id is None
     refused = {e.custom_id: e.message for e in errors}
     assert set(refused) == {"schema", "tools", "typo"}
     assert "not supported: response_format " in refused["schema"]

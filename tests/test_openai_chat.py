@@ -32,12 +32,13 @@ def test_plain_and_streamed_completions(stack):
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
     chunks = list(client.chat.completions.create(model=model, messages=HELLO, max_tokens=24, stream=True,
                                                  stream_options={"include_usage": True},
-                                                 extra_headers={"X-Convoq-Priority": "9"}))
+                                                 extra_headers={"X-Convoq-Priority": "9"},
+                                                 extra_body={"conversation_id": "ticket-881"}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     with Client(stack.api_url, API_KEY) as ours:
         job = ours.get(job_of(chunks[0].id))
-    assert job.priority == 9 and job.status == "succeeded"
+    assert job.priority == 9 and job.status == "succeeded" and job.conversation_id == "ticket-881"
     assert text == job.result.text and finish == [job.result.finish_reason]  # the pieces add up to the answer
     assert chunks[-1].usage.completion_tokens == job.result.completion_tokens
 
