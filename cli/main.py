@@ -43,13 +43,21 @@ def worker(
     loglevel: str = "info",
 ) -> None:
     """Run a worker: one engine on this process's device, fed by many Celery threads."""
+    import logging
     import os
 
+    from cli.doctor import run_checks
     from jobs.broker import worker_node_name
     from worker.engine_factory import WorkerSettings
     from worker.tasks import consumed_queues, worker_app, worker_name
 
     settings = WorkerSettings()
+    refused = [c for c in run_checks(settings, engine=False, kernel=False) if not c.ok]
+    if refused:
+        logging.basicConfig()
+        logging.getLogger("convoq.worker").critical("convoq worker refuses to start: %s", "; ".join(
+            f"{c.name}: {c.found} (fix: {c.fix})" for c in refused))
+        raise typer.Exit(2)
     name = worker_name()
     listed = queues.split(",") if queues else None
     worker_app(settings, name).worker_main([
@@ -64,6 +72,23 @@ def worker(
         f"--loglevel={loglevel}",
         f"--hostname={worker_node_name(os.getpid())}",
     ])
+
+
+@app.command()
+def doctor(
+    engine: Annotated[bool, typer.Option(help="run one engine step on the model (loads it)")] = True,
+    services: Annotated[bool, typer.Option(help="reach Redis and PostgreSQL")] = True,
+) -> None:
+    """Check that this machine can run convoq: device and driver, C compiler, one Triton kernel, the model, one
+    engine step, Redis, PostgreSQL. Prints each check, and for each failure what to do; exits 1 on any."""
+    from cli.doctor import run_checks
+    from worker.engine_factory import WorkerSettings
+
+    checks = run_checks(WorkerSettings(), engine=engine, services=services)
+    for check in checks:
+        typer.echo(check.line())
+    if not all(c.ok for c in checks):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -22,3 +22,11 @@ def test_compose_config_validates():
     assert "appendonly" in out.stdout and "noeviction" in out.stdout
     assert "requirepass" in out.stdout and "convoq:convoq@" not in out.stdout  # no password in the file itself
     assert "capabilities:\n            - gpu" in out.stdout or "- gpu" in out.stdout
+    # compose knows when the API is ready and when a worker's engine is up
+    assert "/readyz" in out.stdout and "9464/metrics" in out.stdout
+
+
+def test_the_image_can_build_tritons_launchers():
+    """Triton compiles each kernel's launcher with a C compiler the first time it runs on a GPU."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "apt-get install" in dockerfile and " gcc " in dockerfile

@@ -24,7 +24,7 @@ ALLOWED = {
     "migrations": {"jobs"},
     "api": {"jobs"},
     "worker": {"jobs", "engine"},
-    "cli": {"jobs", "api", "worker", "engine", "migrations"},
+    "cli": {"jobs", "api", "worker", "engine", "kernels", "migrations"},  # kernels: `convoq doctor` runs one
     "bench": {"jobs", "api", "worker", "engine", "kernels", "migrations", "cli"},
 }
 

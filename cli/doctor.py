@@ -1,0 +1,238 @@
+"""`convoq doctor`: can this machine run convoq? Each check says what it found and, when it fails, what to do.
+
+    convoq doctor [--no-engine]
+
+The checks, in order: the device (and on CUDA its driver), a C compiler where Triton needs one (it builds its
+launcher with one the first time a kernel runs on a GPU), one Triton kernel against its PyTorch reference
+(compiled on a GPU; in Triton's interpreter on a CPU), the model folder, one engine step on that model, the
+broker and the database (reachable, migrated). `convoq worker` runs the same checks, but for the engine step
+(its own start is one) and for the kernel where the engine will not run the kernels (a CPU), before it consumes
+anything, and refuses to start with one line saying what failed and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from jobs.settings import Settings
+
+KERNEL_TIMEOUT_S = 300.0  # a first compile on a GPU takes seconds; the interpreter on a slow CPU, a few more
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    found: str  # what was found, or what went wrong
+    fix: str = ""  # what to do about a failure
+
+    def line(self) -> str:
+        head = f"{'ok  ' if self.ok else 'FAIL'}  {self.name:<10} {self.found}"
+        return head if self.ok or not self.fix else f"{head}\n      fix: {self.fix}"
+
+
+def device_kind(settings: Settings) -> str:
+    """Where the engine will run: `cuda` or `cpu` (`CONVOQ_DEVICE`, `auto` by default)."""
+    import torch
+
+    wanted = getattr(settings, "device", "auto")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if wanted == "auto" else wanted.split(":")[0]
+
+
+def uses_kernels(settings: Settings) -> bool:
+    """Whether the engine will run the Triton kernels (`EngineConfig.attention_backend`)."""
+    backend = getattr(settings, "attention_backend", "auto")
+    return settings.backend == "engine" and (backend == "triton" or (backend == "auto" and
+                                                                       device_kind(settings) == "cuda"))
+
+
+def check_device(settings: Settings) -> Check:
+    import torch
+
+    kind = device_kind(settings)
+    if kind == "cpu":
+        return Check("device", True, f"cpu (torch {torch.__version__}, {os.cpu_count()} cores): the engine runs on "
+                     "the CPU")
+    if not torch.cuda.is_available():
+        return Check("device", False, f"CONVOQ_DEVICE asks for {kind}, but torch {torch.__version__} sees no CUDA "
+                     f"device (built for CUDA {torch.version.cuda})",
+                     "check `nvidia-smi` on the host and that the container is given the GPU (compose: "
+                     "deploy.resources.reservations.devices), or set CONVOQ_DEVICE=cpu")
+    name = torch.cuda.get_device_name(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    return Check("device", True, f"{name} (compute capability {major}.{minor}, {torch.cuda.device_count()} visible, "
+                 f"torch {torch.__version__}, CUDA {torch.version.cuda}, driver {driver_version()})")
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.split()[0] if out.returncode == 0 and out.stdout.split() else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no nvidia-smi)"
+
+
+def check_compiler(kernels_compiled: bool, which: Callable[[str], str | None] = shutil.which) -> Check:
+    """Triton compiles the launcher of a kernel with the C compiler `$CC` names, else `cc`, `gcc` or `clang`."""
+    if not kernels_compiled:
+        return Check("compiler", True, "not needed: no Triton kernel is compiled here (CPU)")
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    found = next((path for name in names if (path := which(name))), None)
+    if found is None:
+        return Check("compiler", False, f"no C compiler ({', '.join(names)}): Triton cannot build a kernel's "
+                     "launcher, so the worker would fail at its first kernel",
+                     "install one (Debian: `apt-get install gcc libc6-dev`; the convoq image has it) or set CC")
+    return Check("compiler", True, found)
+
+
+def kernel_probe() -> None:
+    """One Triton kernel against its PyTorch reference (run in a process of its own by `check_kernel`)."""
+    import torch
+
+    from kernels.rms_norm import rms_norm, rms_norm_ref
+
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    x = torch.randn(8, 256, device=device)
+    weight = torch.randn(256, device=device)
+    error = (rms_norm(x, weight, 1e-6) - rms_norm_ref(x, weight, 1e-6)).abs().max().item()
+    print(f"rms_norm on {device}: max error {error:.2e} against its reference")
+    sys.exit(0 if error < 1e-3 else 1)
+
+
+def check_kernel(settings: Settings) -> Check:
+    cpu = device_kind(settings) == "cpu"
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if cpu else dict(os.environ)
+    try:
+        out = subprocess.run([sys.executable, "-c", "from cli.doctor import kernel_probe; kernel_probe()"],
+                             capture_output=True, text=True, env=env, timeout=KERNEL_TIMEOUT_S,
+                             cwd=Path(__file__).resolve().parent.parent)
+    except subprocess.TimeoutExpired:
+        return Check("kernel", False, f"a Triton kernel did not finish within {KERNEL_TIMEOUT_S:.0f} s",
+                     "see `python -m kernels.compile_check` and the Triton cache (TRITON_CACHE_DIR)")
+    found = (out.stdout.strip().splitlines() or out.stderr.strip().splitlines() or ["no output"])[-1]
+    if out.returncode != 0:
+        return Check("kernel", False, found, "a C compiler (see above), a Triton that matches torch "
+                     "(`pip install torch` brings its own), or a GPU Triton supports")
+    return Check("kernel", True, found + (" (Triton's interpreter: no GPU)" if cpu else ""))
+
+
+def check_model(settings: Settings) -> Check:
+    """The model folder has what the worker loads: config, tokenizer with its chat template, every weight shard."""
+    import json
+
+    from jobs.model_source import ModelNotFound, resolve_model
+
+    try:
+        folder = resolve_model(settings.model)
+    except ModelNotFound as exc:
+        return Check("model", False, str(exc), "set CONVOQ_MODEL to a complete model folder or a hub id")
+    fetch = f"copy the complete model folder (e.g. `hf download Qwen/Qwen3-8B --local-dir {folder}`)"
+    missing = [name for name in ("config.json", "tokenizer_config.json") if not (folder / name).is_file()]
+    if not (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").is_file():
+        missing.append("tokenizer.json")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing += [shard for shard in shards if not (folder / shard).is_file()]
+    elif not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        return Check("model", False, f"{folder} lacks {', '.join(missing)}", fetch)
+    config = json.loads((folder / "config.json").read_text())
+    return Check("model", True, f"{folder} ({config.get('model_type', '?')}, {config.get('num_hidden_layers', '?')} "
+                 f"layers, {config.get('torch_dtype', config.get('dtype', '?'))})")
+
+
+def check_engine(settings: Settings) -> Check:
+    """One request through the backend the worker would load, step by step until it finishes."""
+    from engine.interface import Request, SamplingParams
+    from worker.engine_factory import load_backend
+
+    try:
+        backend = load_backend(settings)
+        backend.add_request(Request("doctor", [1, 2, 3, 4], SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        done = []
+        while backend.has_unfinished():
+            done += backend.step()
+    except Exception as exc:  # anything the engine raises is what the worker would die of
+        return Check("engine", False, f"{type(exc).__name__}: {exc}", "see the message; CONVOQ_DEVICE, "
+                     "CONVOQ_DTYPE and the engine's CONVOQ_* settings must suit this device and model")
+    if not done or not done[0].ok:
+        return Check("engine", False, f"the step ended {done[0].finish_reason if done else 'with nothing'}"
+                     f": {done[0].error if done else ''}", "see the worker's log for the engine's error")
+    return Check("engine", True, f"{settings.backend}: one request of 4 tokens generated {len(done[0].token_ids)}")
+
+
+def hide_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=f"{user}{host}{':' + str(parts.port) if parts.port else ''}"))
+
+
+def check_broker(settings: Settings) -> Check:
+    import redis
+
+    url = settings.broker_url.get_secret_value()
+    if not url.startswith(("redis://", "rediss://")):
+        return Check("broker", True, f"{hide_password(url)} (not Redis: not checked here)")
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        info = client.info("server")
+        client.close()
+    except redis.RedisError as exc:
+        return Check("broker", False, f"cannot reach Redis at {hide_password(url)}: {exc}",
+                     "start Redis (compose's redis service, or `redis-server`) or set CONVOQ_BROKER_URL")
+    return Check("broker", True, f"Redis {info.get('redis_version', '?')} at {hide_password(url)}")
+
+
+def check_database(settings: Settings) -> Check:
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from migrations.apply import alembic_config
+
+    url = settings.database_url.get_secret_value()
+    shown = hide_password(url)
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 3} if url.startswith("postgresql") else {})
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+        engine.dispose()
+    except SQLAlchemyError as exc:
+        return Check("database", False, f"cannot reach {shown}: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                     "start PostgreSQL (compose's postgres service) or set CONVOQ_DATABASE_URL")
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    if current != head:
+        return Check("database", False, f"{shown} is at migration {current or 'none'}, not {head}",
+                     "run `convoq migrate`")
+    return Check("database", True, f"{shown} at migration {head}")
+
+
+def run_checks(settings: Settings, engine: bool = True, kernel: bool = True, services: bool = True) -> list[Check]:
+    """The checks, each run whatever the others found; `engine=False` leaves the engine step out, `kernel=False`
+    the Triton kernel unless the engine will run the kernels, `services=False` the broker and the database."""
+    checks = [check_device(settings)]
+    if checks[0].ok:
+        kernels = uses_kernels(settings)
+        checks.append(check_compiler(kernels and device_kind(settings) == "cuda"))
+        if (kernel or kernels) and checks[-1].ok:
+            checks.append(check_kernel(settings))
+    checks.append(check_model(settings))
+    if engine and all(c.ok for c in checks):
+        checks.append(check_engine(settings))
+    if services:
+        checks += [check_broker(settings), check_database(settings)]
+    return checks

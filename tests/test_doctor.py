@@ -1,0 +1,70 @@
+"""`convoq doctor` passes on this machine, and each failure says what went wrong and what to do; a worker that
+fails them refuses to start with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from cli.doctor import check_broker, check_compiler, check_database, check_model, hide_password
+from jobs.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+NOWHERE = "127.0.0.1:1"  # a port nothing listens on
+
+
+def convoq(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env}, timeout=timeout)
+
+
+def test_doctor_passes_on_this_machine(service_env):
+    out = convoq("doctor", env=service_env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "device", "compiler", "kernel", "model", "engine", "broker", "database"]
+    assert all(line.startswith("ok") for line in lines)
+    assert "rms_norm on cpu" in out.stdout and "at migration" in out.stdout
+
+
+def test_each_failure_says_what_to_do(empty_database, tiny_model, tmp_path):
+    broker = check_broker(Settings(broker_url=f"redis://:s3cret@{NOWHERE}/0"))
+    assert not broker.ok and "cannot reach Redis" in broker.found and "start Redis" in broker.fix
+    assert "s3cret" not in broker.line()
+
+    database = check_database(Settings(database_url=f"postgresql+psycopg://convoq:s3cret@{NOWHERE}/convoq"))
+    assert not database.ok and "start PostgreSQL" in database.fix and "s3cret" not in database.line()
+    unmigrated = check_database(Settings(database_url=empty_database))
+    assert not unmigrated.ok and "migration none" in unmigrated.found and unmigrated.fix == "run `convoq migrate`"
+
+    # a model copied without its tokenizer, and with a shard its index names but the folder lacks
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    model = check_model(Settings(model=str(folder)))
+    assert not model.ok and model.found == f"{folder} lacks tokenizer.json, model-00002-of-00002.safetensors"
+    assert "hf download" in model.fix
+    assert check_model(Settings(model=str(tiny_model))).ok
+    absent = check_model(Settings(model=str(tmp_path / "nothing-here")))
+    assert not absent.ok and "neither an existing folder nor a Hugging Face hub id" in absent.found
+
+    compiler = check_compiler(True, which=lambda name: None)
+    assert not compiler.ok and "cannot build a kernel's launcher" in compiler.found
+    assert "apt-get install gcc" in compiler.fix
+    assert check_compiler(True, which=lambda name: f"/usr/bin/{name}").ok
+    assert check_compiler(False, which=lambda name: None).ok  # a CPU compiles no kernel
+    assert hide_password("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_a_worker_that_fails_the_checks_refuses_to_start_with_one_line(service_env):
+    out = convoq("worker", env={**service_env, "CONVOQ_BROKER_URL": f"redis://{NOWHERE}/0"}, timeout=120)
+    assert out.returncode == 2
+    refusal = [line for line in out.stderr.splitlines() if "refuses to start" in line]
+    assert len(refusal) == 1 and "broker: cannot reach Redis" in refusal[0] and "fix: start Redis" in refusal[0]
