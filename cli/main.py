@@ -41,6 +41,8 @@ def worker(
     concurrency: Annotated[int | None, typer.Option(help="Celery threads feeding the engine")] = None,
     queues: Annotated[str | None, typer.Option(help="comma-separated, most urgent first")] = None,
     loglevel: str = "info",
+    gpus: Annotated[str | None, typer.Option(
+        help="`all` or GPU ids (0,1,...): one worker process per GPU, each pinned to its own")] = None,
 ) -> None:
     """Run a worker: one engine on this process's device, fed by many Celery threads."""
     import logging
@@ -52,6 +54,18 @@ def worker(
     from worker.tasks import consumed_queues, worker_app, worker_name
 
     settings = WorkerSettings()
+    if gpus is not None:
+        from cli.gpus import Supervisor, gpu_list, placements, visible_gpus
+
+        try:
+            places = placements(gpu_list(gpus, visible_gpus), settings.worker_metrics_port)
+        except ValueError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from exc
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/supervisor] %(message)s")
+        passed = [f"--loglevel={loglevel}", *([f"--concurrency={concurrency}"] if concurrency else []),
+                  *([f"--queues={queues}"] if queues else [])]
+        raise typer.Exit(Supervisor(places, passed).run())
     refused = [c for c in run_checks(settings, engine=False, kernel=False) if not c.ok]
     if refused:
         logging.basicConfig()

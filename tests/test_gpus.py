@@ -1,0 +1,97 @@
+"""`convoq worker --gpus`: one worker per GPU, each pinned to its own, with its own node name and metrics port;
+placement checked with fake GPU ids on the CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from cli.gpus import gpu_list, placements
+from cli.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpus_name_all_or_a_list_and_each_worker_gets_a_port():
+    assert gpu_list("all", lambda: 4) == ["0", "1", "2", "3"]
+    assert gpu_list("2, 5", lambda: 0) == ["2", "5"]
+    for bad in ("0,0", "0,,1", ""):
+        with pytest.raises(ValueError, match="distinct GPU ids"):
+            gpu_list(bad, lambda: 4)
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        gpu_list("all", lambda: 0)
+    assert [(p.gpu, p.metrics_port) for p in placements(["2", "5"], 9464)] == [("2", 9464), ("5", 9465)]
+    assert [p.metrics_port for p in placements(["0", "1"], 0)] == [0, 0]
+
+
+def children(pid: int) -> dict[int, str]:
+    """The worker processes `pid` started -> their CUDA_VISIBLE_DEVICES."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    found = {}
+    for child in map(int, out):
+        try:
+            env = dict(line.split("=", 1) for line in
+                       Path(f"/proc/{child}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in line)
+        except OSError:
+            continue
+        found[child] = env.get("CUDA_VISIBLE_DEVICES", "")
+    return found
+
+
+def wait_for(condition, timeout: float = 180.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def serving(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_one_worker_per_gpu_each_pinned_restarted_when_it_dies_and_stopped_together(service_env, tmp_path):
+    port = free_port()
+    env = {**os.environ, **service_env, "CONVOQ_DEVICE": "cpu", "CONVOQ_WORKER_METRICS_PORT": str(port),
+           "CONVOQ_HEARTBEAT_S": "0.5"}
+    with open(tmp_path / "supervisor.log", "wb") as log:
+        supervisor = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--gpus", "3,5",
+                                       "--concurrency", "4"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: serving(port) and serving(port + 1))
+        workers = children(supervisor.pid)
+        assert sorted(workers.values()) == ["3", "5"]  # each pinned to its GPU
+        db = sa.create_engine(service_env["CONVOQ_DATABASE_URL"])
+        with db.connect() as conn:
+            rows = wait_for(lambda: conn.execute(sa.text("SELECT pid FROM workers WHERE stopped_at IS NULL")).all()
+                            if len(conn.execute(sa.text("SELECT pid FROM workers")).all()) == 2 else None)
+        db.dispose()
+        assert sorted(r.pid for r in rows) == sorted(workers)  # each its own worker, named after its pid
+        log_text = (tmp_path / "supervisor.log").read_text(errors="replace")
+        assert all(f"convoq-{pid}@" in log_text for pid in workers)  # its own Celery node name
+
+        # the worker on GPU 5 dies: the supervisor starts another on GPU 5
+        dead = next(pid for pid, gpu in workers.items() if gpu == "5")
+        os.kill(dead, signal.SIGKILL)
+        again = wait_for(lambda: {p: g for p, g in children(supervisor.pid).items() if p not in workers} or None)
+        assert list(again.values()) == ["5"]
+
+        supervisor.send_signal(signal.SIGTERM)  # a deploy: every worker leaves as it would alone, then it does
+        assert supervisor.wait(120) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in [*workers, *again])
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
