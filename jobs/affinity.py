@@ -39,6 +39,12 @@ BALANCE = 1.25  # no worker is given over this times the mean of the new convers
 RECENT = 100_000  # conversations placed, remembered until their first turn is taken
 
 
+def affinity_on(settings: Settings) -> bool:
+    """Whether jobs are routed to their conversation's worker: `CONVOQ_AFFINITY`, on a Redis broker only, the
+    one whose queues the sweep can read and move (a gone worker's own queue would wait on any other broker)."""
+    return settings.affinity and settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
+
+
 def live_workers(session: Session, dead_after_s: float) -> list[str]:
     """The workers that beat within a lease and have not stopped (the rows' names)."""
     workers = Worker.__table__
@@ -73,7 +79,7 @@ class Router:
         """Job id -> the worker it should run on, for the jobs with a conversation (none if affinity is off or no
         worker is alive). A failed read only costs the affinity: the jobs go to the shared queues."""
         talking = [job for job in jobs if job.conversation_id is not None]
-        if not self.settings.affinity or not talking:
+        if not talking or not affinity_on(self.settings):
             return {}
         try:
             live = self._live_workers(session)

@@ -103,6 +103,7 @@ def test_only_a_gone_workers_conversations_move(db, database):
     alive(sessions, *workers)
     with sessions() as session:
         assert Router(settings_for(database, affinity=False)).homes(session, jobs) == {}
+        assert Router(settings_for(database, "sqla+sqlite:///broker.db")).homes(session, jobs) == {}
         assert Router(settings_for(database)).homes(session, [turn(None)]) == {}
 
 
@@ -172,6 +173,9 @@ def test_a_worker_consumes_its_own_queue_of_each_class_first():
         "convoq.interactive@h.7.9", "convoq.interactive", "convoq.bulk@h.7.9", "convoq.bulk"]
     assert consumed_queues(settings, "h:7:9", ["convoq.bulk"]) == ["convoq.bulk@h.7.9", "convoq.bulk"]
     assert consumed_queues(settings.model_copy(update={"affinity": False}), "h:7:9") == [
+        "convoq.interactive", "convoq.bulk"]
+    # a broker whose queues the sweep cannot move: no worker has queues of its own
+    assert consumed_queues(Settings(broker_url="sqla+sqlite:///broker.db"), "h:7:9") == [
         "convoq.interactive", "convoq.bulk"]
 
 

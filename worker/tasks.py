@@ -22,7 +22,7 @@ from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.runtime.engine_thread import EngineDead, EngineStalled
-from jobs.affinity import Router, direct_queue
+from jobs.affinity import Router, affinity_on, direct_queue
 from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
@@ -127,7 +127,7 @@ def worker_name() -> str:
 
 def own_queues(settings: Settings, name: str) -> list[str]:
     """The queues only the worker `name` consumes, one per class (`jobs.affinity`); none with affinity off."""
-    if not settings.affinity:
+    if not affinity_on(settings):
         return []
     return [home_queue(settings.interactive_queue, name), home_queue(settings.bulk_queue, name)]
 
