@@ -49,9 +49,10 @@ def worker(
     import os
 
     from cli.doctor import run_checks
+    from jobs.affinity import consumed_queues
     from jobs.broker import worker_node_name
     from worker.engine_factory import WorkerSettings
-    from worker.tasks import consumed_queues, worker_app, worker_name
+    from worker.tasks import worker_app, worker_name
 
     settings = WorkerSettings()
     if gpus is not None:

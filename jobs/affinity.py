@@ -29,6 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from jobs.clock import db_now
+from jobs.queues import home_queue
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
 
@@ -43,6 +44,21 @@ def affinity_on(settings: Settings) -> bool:
     """Whether jobs are routed to their conversation's worker: `CONVOQ_AFFINITY`, on a Redis broker only, the
     one whose queues the sweep can read and move (a gone worker's own queue would wait on any other broker)."""
     return settings.affinity and settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
+
+
+def own_queues(settings: Settings, name: str) -> list[str]:
+    """The queues only the worker `name` consumes, one per class; none with affinity off."""
+    if not affinity_on(settings):
+        return []
+    return [home_queue(settings.interactive_queue, name), home_queue(settings.bulk_queue, name)]
+
+
+def consumed_queues(settings: Settings, name: str, queues: list[str] | None = None) -> list[str]:
+    """What the worker `name` consumes, most urgent first: each shared queue of `queues` (default both) right
+    after its own queue of that class, which wins on equal broker priority (BRPOP serves the first listed)."""
+    listed = queues or [settings.interactive_queue, settings.bulk_queue]
+    own = dict(zip((settings.interactive_queue, settings.bulk_queue), own_queues(settings, name), strict=False))
+    return [q for shared in listed for q in ([own[shared]] if shared in own else []) + [shared]]
 
 
 def live_workers(session: Session, dead_after_s: float) -> list[str]:

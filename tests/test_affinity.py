@@ -15,7 +15,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy import update
 
-from jobs.affinity import BALANCE, Router, rank
+from jobs.affinity import BALANCE, Router, consumed_queues, rank
 from jobs.broker import BrokerView, create_celery, priority_list
 from jobs.db import make_db_engine, make_sessions
 from jobs.publish import publish
@@ -23,7 +23,6 @@ from jobs.queues import home_queue
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
 from worker.reconciler import Sweeper, beat, hand_back
-from worker.tasks import consumed_queues
 
 
 @pytest.fixture

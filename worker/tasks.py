@@ -22,13 +22,13 @@ from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.runtime.engine_thread import EngineDead, EngineStalled
-from jobs.affinity import Router, affinity_on, direct_queue
+from jobs.affinity import Router, direct_queue, own_queues
 from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
 from jobs.group_commit import GroupCommit
 from jobs.publish import publish
-from jobs.queues import TASK_RUN_JOB, home_queue, home_tag
+from jobs.queues import TASK_RUN_JOB, home_tag
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
@@ -123,21 +123,6 @@ class WorkerContext:
 def worker_name() -> str:
     """This process's row in `workers`: unique per process, and per start of a reused pid."""
     return f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
-
-
-def own_queues(settings: Settings, name: str) -> list[str]:
-    """The queues only the worker `name` consumes, one per class (`jobs.affinity`); none with affinity off."""
-    if not affinity_on(settings):
-        return []
-    return [home_queue(settings.interactive_queue, name), home_queue(settings.bulk_queue, name)]
-
-
-def consumed_queues(settings: Settings, name: str, queues: list[str] | None = None) -> list[str]:
-    """What the worker `name` consumes, most urgent first: each shared queue of `queues` (default both) right
-    after its own queue of that class, which wins on equal broker priority (BRPOP serves the first listed)."""
-    listed = queues or [settings.interactive_queue, settings.bulk_queue]
-    own = dict(zip((settings.interactive_queue, settings.bulk_queue), own_queues(settings, name), strict=False))
-    return [q for shared in listed for q in ([own[shared]] if shared in own else []) + [shared]]
 
 
 def rehome_own(settings: Settings, name: str) -> None:
