@@ -90,6 +90,7 @@ def test_a_frozen_engine_process_is_killed_and_a_new_one_takes_over_while_an_idl
         assert 2 <= time.monotonic() - stopped < 5
         assert runner.submit(request("after", 3)).result(30).finish_reason == "length"  # on the new engine
         assert runner.pid != first and runner.restarts == 1 and runner.alive and not deaths
+        assert runner.stats()["restarts"] == 1  # for `convoq_engine_restarts_total`
         time.sleep(0.5)
         assert not _alive(first)
     finally:

@@ -47,6 +47,8 @@ ENGINE_STATS = {
                            "Pre-emptions not done because the sequence had been pre-empted often enough"),
     "loop_gap_p95_ms": ("convoq_engine_loop_gap_p95_milliseconds", "gauge",
                         "95th percentile of the engine loop's idle time between back-to-back steps"),
+    "restarts": ("convoq_engine_restarts", "counter",
+                 "Times the engine process stalled and was killed and started again (`CONVOQ_ENGINE_STALL_S`)"),
     "step_fixed_s": ("convoq_engine_step_fixed_seconds", "gauge",
                      "The fixed part of a step's cost, as the engine's online fit has it"),
 }

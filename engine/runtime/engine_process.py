@@ -175,7 +175,7 @@ class EngineProcess:
         self._child.outbox.put(Cancel(request_id, reason))
 
     def stats(self, timeout: float = 10.0) -> dict[str, float]:
-        """The engine's counters and the loop's gaps, as the child has them now."""
+        """The engine's counters and the loop's gaps, as the child has them now, and the restarts of the child."""
         number = next(self._stats_numbers)
         future: Future[dict[str, float]] = Future()
         with self._lock:
@@ -185,7 +185,7 @@ class EngineProcess:
             child = self._child
         child.outbox.put(StatsQuery(number))
         try:
-            return future.result(timeout)
+            return {**future.result(timeout), "restarts": self.restarts}
         finally:
             with self._lock:
                 self._stats.pop(number, None)

@@ -117,8 +117,9 @@ class EngineThread:
             self._cv.notify()
 
     def stats(self) -> dict[str, float]:
+        # a thread is never restarted: its stall ends its worker (`EngineProcess` counts its restarts)
         return {**self.engine.stats(), "loop_gap_p50_ms": 1e3 * self.gaps.percentile(0.5),
-                "loop_gap_p95_ms": 1e3 * self.gaps.percentile(0.95), "loop_gaps": self.gaps.total}
+                "loop_gap_p95_ms": 1e3 * self.gaps.percentile(0.95), "loop_gaps": self.gaps.total, "restarts": 0}
 
     def progress(self) -> tuple[int, bool]:
         """The loop's turns so far, and whether it has work (anything but waiting idle for a request)."""
