@@ -92,6 +92,7 @@ def test_a_cancel_reaches_a_request_in_the_process(process):
 def test_signals_for_the_worker_do_not_reach_the_engine(process):
     os.kill(process.pid, signal.SIGTERM)  # a warm shutdown signals the whole process group
     os.kill(process.pid, signal.SIGINT)
+    os.kill(process.pid, signal.SIGQUIT)  # a cold one
     time.sleep(0.2)
     assert process.alive and process.submit(requests(1, 2)[0]).result(60).finish_reason == "length"
 

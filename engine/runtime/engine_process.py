@@ -337,8 +337,8 @@ class EngineProcess:
 def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int, beat_s: float = 1.0) -> None:
     """The child's main: load the engine, run its loop on an `EngineThread`, beat every `beat_s`, and serve the
     pipe until the parent says close or goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for meant_for_the_worker in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):  # its shutdowns end this too
+        signal.signal(meant_for_the_worker, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="[%(asctime)s: %(levelname)s/engine-process] %(message)s")
     try:
         engine = factory()
