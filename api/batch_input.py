@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jobs.schemas import JobIn, Key, Sampling, bounded_json
+from jobs.schemas import JobIn, Key, Sampling, bounded_json, error_message
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def _text(content: Any) -> Any:
 
 
 def _describe(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg']}" for e in exc.errors())
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {error_message(e)}" for e in exc.errors())
 
 
 def _job_from_openai(obj: dict, priority: int) -> JobIn:

@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from jobs.schemas import error_message
+
 OPENAI_PATHS = ("/v1/files", "/v1/models", "/v1/chat/completions", "/v1/batches")
 OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 409: "conflict_error", 429: "rate_limit_error"}
@@ -54,7 +56,7 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     # the offending input is echoed as a short repr: raw values can be NaN/Infinity or bytes, which JSON can't hold
     detail = [
-        {"loc": list(e.get("loc", ())), "msg": e.get("msg", "invalid"), "type": e.get("type", "value_error"),
+        {"loc": list(e.get("loc", ())), "msg": error_message(e), "type": e.get("type", "value_error"),
          "input": repr(e.get("input"))[:200]}
         for e in exc.errors()
     ]

@@ -31,6 +31,15 @@ MAX_CONTENT_CHARS = 200_000
 MAX_JSON_DEPTH = 64
 # PostgreSQL text and jsonb cannot hold NUL: a string that is stored documents (and checks) that it has none
 NO_NUL = r"^[^\x00]*$"
+
+
+def error_message(error: dict) -> str:
+    """A validation error's message for people: pydantic's, but for NUL, which it would show as a pattern."""
+    if error.get("type") == "string_pattern_mismatch" and (error.get("ctx") or {}).get("pattern") == NO_NUL:
+        return "must not contain NUL (\\u0000) characters"
+    return error.get("msg", "invalid")
+
+
 MAX_NEW_TOKENS = 4096
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_PRIORITY = 5  # a job submitted on its own

@@ -167,7 +167,8 @@ def test_a_bad_line_is_one_line_error_whatever_it_holds(database, broker, tiny_m
     assert (counts["total"], counts["invalid"], counts["pending"]) == (25, 5, 20)
     assert [e["line"] for e in errors] == [21, 22, 23, 24, 25] and errors[0]["custom_id"] is None
     assert "nested deeper" in errors[0]["message"] and "NUL" in errors[1]["message"]
-    assert "content" in errors[2]["message"] and "custom_id" in errors[3]["message"]
+    assert "content: must not contain NUL (\\u0000) characters" in errors[2]["message"]
+    assert "custom_id" in errors[3]["message"]
     assert f"longer than {8 * MIB} bytes" in errors[4]["message"]
 
 
@@ -199,7 +200,9 @@ def test_nul_is_refused_or_dropped_wherever_postgresql_would_get_it(database, br
         assert made.status_code == 422
         assert upload(client, jsonl([line(0)]), metadata='{"k": "v\\u0000"}').status_code == 422
         job = {"messages": [{"role": "user", "content": "a\x00b"}]}
-        assert client.post("/v1/jobs", json=job, headers=AUTH).status_code == 422
+        refused = client.post("/v1/jobs", json=job, headers=AUTH)
+        assert refused.status_code == 422 and refused.json()["detail"][0]["msg"] == (
+            "must not contain NUL (\\u0000) characters")
         assert client.get("/v1/files/file-%00/content", headers=AUTH).status_code == 404
         assert client.get("/v1/files", params={"after": "file-\x00"}, headers=AUTH).status_code == 404
         assert client.get("/v1/files", params={"purpose": "\x00"}, headers=AUTH).json()["data"] == []
