@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+import redis
 import sqlalchemy as sa
 
 from api.client import Client
@@ -110,15 +111,18 @@ def test_two_workers_on_one_host_get_node_names_and_metrics_ports_of_their_own(s
         assert all("convoq_engine_running_requests" in text for text in served)
 
 
-def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, database, tmp_path):
-    """Bulk jobs that run for minutes may hold at most 3 of a worker's 4 threads: the fourth takes the urgent job."""
+@pytest.mark.parametrize("home", [False, True], ids=["shared-queue", "own-queue"])
+def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, database, tmp_path, home):
+    """Bulk jobs that run for minutes may hold at most 3 of a worker's 4 threads: the fourth takes the urgent job.
+    Bulk jobs of conversations wait in the worker's own bulk queue (`jobs.affinity`), which the gate holds too."""
     env = {**service_env, "CONVOQ_BACKEND": "tests.slow_backend:create", "CONVOQ_WORKER_CONCURRENCY": "4"}
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         stack.start_worker()
         with Client(stack.api_url, API_KEY) as client:
             for i in range(8):
-                client.submit(chat(i, priority=1, kind="summarize"))
+                job = chat(i, priority=1, kind="summarize")
+                client.submit(job.model_copy(update={"conversation_id": f"c{i}"}) if home else job)
 
             def running() -> int:
                 return rows(database, "SELECT count(*) FROM jobs WHERE status = 'running'")[0][0]
@@ -128,6 +132,10 @@ def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, d
                 time.sleep(0.1)
             time.sleep(1.0)  # had the worker taken a fourth bulk message, it would have claimed it by now
             assert running() == 3
+            if home:  # the other five wait in the worker's own bulk queue, which the gate holds as the shared one
+                broker = redis.Redis.from_url(service_env["CONVOQ_BROKER_URL"])
+                assert sum(broker.llen(k) for k in broker.scan_iter("convoq.bulk@*")) == 5
+                broker.close()
             start = time.monotonic()
             urgent = client.wait(client.submit(chat(99, priority=9)).id, timeout=30)
             waited = time.monotonic() - start
