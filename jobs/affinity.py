@@ -112,8 +112,8 @@ class Router:
         with self._lock:
             for job in talking:
                 key = (job.tenant, job.conversation_id)
-                worker = last.get(key) or self._recent.get(key)
-                homes[job.id] = worker if worker in alive else self._place(key, live)
+                known = (w for w in (last.get(key), self._recent.get(key)) if w in alive)
+                homes[job.id] = next(known, None) or self._place(key, live)
         return homes
 
     def _place(self, key: tuple[str | None, str], live: list[str]) -> str:

@@ -116,7 +116,7 @@ class BrokerView:
             return None
         present: set[uuid.UUID] = set()
         shared = (n for names in queue_lists(self.settings).values() for n in names)
-        for name in [*shared, *(n for names in home_lists(self.client, self.settings).values() for n in names)]:
+        for name in [*shared, *self._home_lists()]:
             # Producers push at the head and consumers pop at the tail: paging from the head can see a message
             # twice, never miss one that stays
             start = 0
@@ -141,6 +141,9 @@ class BrokerView:
             if cursor == 0:
                 return present
 
+    def _home_lists(self) -> list[str]:
+        return [name for names in home_lists(self.client, self.settings).values() for name in names]
+
     def rehome(self, gone: Callable[[str], bool]) -> int:
         """Move the messages waiting in the own queues of the workers that are `gone` (by their queues' worker
         part, `jobs.queues.home_tag`) to the shared queue of their class, at the same priority; returns how
@@ -150,7 +153,7 @@ class BrokerView:
         if self.client is None:
             return 0
         moved = 0
-        for name in (n for names in home_lists(self.client, self.settings).values() for n in names):
+        for name in self._home_lists():
             queue, _, rest = name.partition(HOME_SEP)
             worker, _, level = rest.partition(PRIORITY_SEP)
             if not gone(worker):

@@ -145,6 +145,7 @@ class Worker:
         self.settings = settings
         self.celery = celery
         self.name = name
+        self.own = set(own_queues(settings, name))  # what a message came from says whether it was sent here
         self.context: WorkerContext | None = None
 
     def start(self, sender=None, **_) -> None:
@@ -192,7 +193,7 @@ class Worker:
             return
         ctx.leases.add(claimed)
         if claimed.job.conversation_id is not None:
-            ctx.metrics.conversation_job(home=routing_key in own_queues(self.settings, self.name))
+            ctx.metrics.conversation_job(home=routing_key in self.own)
         try:
             run_claimed(ctx, claimed)
         finally:
