@@ -19,9 +19,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
-from jobs.settings import Settings
+from jobs.settings import Settings, redact
 
 KERNEL_TIMEOUT_S = 300.0  # a first compile on a GPU takes seconds; the interpreter on a slow CPU, a few more
 
@@ -171,29 +170,20 @@ def check_engine(settings: Settings) -> Check:
     return Check("engine", True, f"{settings.backend}: one request of 4 tokens generated {len(done[0].token_ids)}")
 
 
-def hide_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=f"{user}{host}{':' + str(parts.port) if parts.port else ''}"))
-
-
 def check_broker(settings: Settings) -> Check:
     import redis
 
     url = settings.broker_url.get_secret_value()
     if not url.startswith(("redis://", "rediss://")):
-        return Check("broker", True, f"{hide_password(url)} (not Redis: not checked here)")
+        return Check("broker", True, f"{redact(url)} (not Redis: not checked here)")
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
         info = client.info("server")
         client.close()
     except redis.RedisError as exc:
-        return Check("broker", False, f"cannot reach Redis at {hide_password(url)}: {exc}",
+        return Check("broker", False, f"cannot reach Redis at {redact(url)}: {exc}",
                      "start Redis (compose's redis service, or `redis-server`) or set CONVOQ_BROKER_URL")
-    return Check("broker", True, f"Redis {info.get('redis_version', '?')} at {hide_password(url)}")
+    return Check("broker", True, f"Redis {info.get('redis_version', '?')} at {redact(url)}")
 
 
 def check_database(settings: Settings) -> Check:
@@ -205,7 +195,7 @@ def check_database(settings: Settings) -> Check:
     from migrations.apply import alembic_config
 
     url = settings.database_url.get_secret_value()
-    shown = hide_password(url)
+    shown = redact(url)
     try:
         engine = create_engine(url, connect_args={"connect_timeout": 3} if url.startswith("postgresql") else {})
         with engine.connect() as conn:

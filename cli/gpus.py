@@ -62,9 +62,14 @@ class Supervisor:
         self.stopping = threading.Event()
 
     def spawn(self, i: int) -> None:
+        if self.stopping.is_set():  # a worker started after the signal would never get it
+            return
         place = self.placements[i]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": place.gpu, "CONVOQ_WORKER_METRICS_PORT": str(place.metrics_port)}
-        self.procs[i] = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", *self.args], env=env)
+        # a session of its own: a terminal's Ctrl-C reaches the workers once, through `stop`, not twice (a second
+        # SIGINT is Celery's cold shutdown)
+        self.procs[i] = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", *self.args], env=env,
+                                         start_new_session=True)
         log.info("worker %d on GPU %s: pid %d, metrics port %d", i, place.gpu, self.procs[i].pid, place.metrics_port)
 
     def stop(self, signum: int, _frame: object = None) -> None:

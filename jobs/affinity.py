@@ -117,6 +117,9 @@ class Router:
         return homes
 
     def _place(self, key: tuple[str | None, str], live: list[str]) -> str:
+        if set(self._placed) - set(live) or set(live) - set(self._placed):
+            # the workers changed: count afresh, or a newcomer at 0 would take every new conversation for a while
+            self._placed = Counter(dict.fromkeys(live, 0))
         cap = math.ceil(BALANCE * (sum(self._placed[w] for w in live) + 1) / len(live))
         order = sorted(live, key=lambda w: rank(f"{key[0]}/{key[1]}", w), reverse=True)
         worker = next(w for w in order if self._placed[w] < cap)  # the least placed is always below the cap
@@ -161,8 +164,14 @@ class Waiting:
     def room(self, queue: str) -> bool:
         """Whether `queue` takes one more message (and count it if so)."""
         if queue not in self.counts:
-            # kombu's virtual transports (Redis, SQLAlchemy) count a queue's messages over its priority lists
-            self.counts[queue] = self.channel._size(queue)
+            # kombu's virtual transports (Redis, SQLAlchemy) count a queue's messages over its priority lists;
+            # one that cannot be counted is full: affinity is a saving, never a reason not to publish
+            try:
+                self.counts[queue] = self.channel._size(queue)
+            except Exception:
+                log.warning("could not count the messages waiting in %s; sending to the shared queue", queue,
+                            exc_info=True)
+                self.counts[queue] = self.bound
         if self.counts[queue] >= self.bound:
             return False
         self.counts[queue] += 1

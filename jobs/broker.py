@@ -159,8 +159,8 @@ class BrokerView:
             if not gone(worker):
                 continue
             target = f"{queue}{PRIORITY_SEP}{level}" if level else queue
-            while (raw := self.client.rpop(name)) is not None:
-                self.client.lpush(target, routed_to(raw, queue))
+            while (raw := self.client.rpop(name)) is not None:  # oldest first, to the end served first
+                self.client.rpush(target, routed_to(raw, queue))
                 moved += 1
         return moved
 

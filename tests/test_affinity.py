@@ -8,6 +8,7 @@ import math
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -200,9 +201,10 @@ def test_turns_follow_their_worker_and_a_dead_workers_queue_is_served_by_the_oth
         stack.start_worker()
         history = {c: [{"role": "user", "content": f"order {c} never arrived"}] for c in range(8)}
 
-        def turns() -> list[str]:
+        def turns(sent: Callable[[], None] = lambda: None) -> list[str]:
             ids = [client.submit(JobIn(messages=history[c], priority=9, conversation_id=f"conv-{c}",
                                        sampling={"max_new_tokens": 4})).id for c in history]
+            sent()
             for i in ids:
                 assert client.wait(i, timeout=120).status == "succeeded"
             for c in history:
@@ -217,7 +219,15 @@ def test_turns_follow_their_worker_and_a_dead_workers_queue_is_served_by_the_oth
         # one worker dies; the API still counts it alive for a lease, so turns are sent to its own queue
         stack.kill_worker(0)
         dead = next(w for w in first if w.split(":")[1] == str(stack.workers[0].pid))
+        broker = redis.Redis.from_url(service_env["CONVOQ_BROKER_URL"])
+        stranded: list[int] = []
+
+        def count_stranded() -> None:  # what waits in the dead worker's own queue before any sweep moved it
+            stranded.append(len(waiting(broker, home_queue("convoq.interactive", dead))))
+
         start = time.monotonic()
-        third = worker_of(turns())
+        third = worker_of(turns(count_stranded))
+        broker.close()
+        assert stranded[0] > 0  # the dead worker's queue was sent turns: the survivor ran them from there
         assert set(third) == set(first) - {dead} and time.monotonic() - start < 60  # the survivor ran them all
     engine.dispose()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
@@ -24,6 +25,7 @@ from api.batch_input import split_lines
 from api.service import batches
 from api.service.batch_ingest import claim_lapsed, ingest
 from api.service.uploads import BatchInput
+from bench.audit import messages_by_job
 from cli.stack import Stack
 from jobs.settings import Settings, parse_key
 from tests.conftest import API_KEY
@@ -80,14 +82,23 @@ def test_an_ingest_cut_off_by_a_killed_api_is_finished_by_the_next(service_env, 
             assert time.monotonic() < deadline, "the batch stayed validating after the restart"
             time.sleep(0.2)
     assert status == "in_progress"
-    assert sql(database, "SELECT count(*), count(DISTINCT custom_id) FROM jobs") == [(5000, 5000)]
+    assert sql(database, "SELECT count(*) FROM jobs") == [(5000,)]
+    assert_one_message_each(service_env["CONVOQ_BROKER_URL"], 5000)  # no worker runs: every message still waits
     assert sql(database, "SELECT count(*) FROM files") == [(0,)]  # the upload went once its lines were jobs
 
 
-def stored_batch(app, settings: Settings, data: bytes) -> tuple[uuid.UUID, uuid.UUID]:
-    """A batch stored as `POST /v1/batches` stores it, its ingest not started: (batch id, its lease)."""
-    given = BatchInput(upload=io.BytesIO(data), input_file_id=None, name="b.jsonl", priority=None, metadata={},
-                       completion_window="24h")
+def assert_one_message_each(broker_url: str, jobs: int) -> None:
+    client = redis.Redis.from_url(broker_url)
+    found = messages_by_job(client, Settings(broker_url=broker_url))
+    client.close()
+    assert len(found) == jobs and all(len(messages) == 1 for messages in found.values())
+
+
+def stored_batch(app, settings: Settings, data: bytes | None, file_id: str | None = None) -> tuple[uuid.UUID, uuid.UUID]:
+    """A batch stored as `POST /v1/batches` stores it (from `data`, or the uploaded file `file_id`), its ingest
+    not started: (batch id, its lease)."""
+    given = BatchInput(upload=None if data is None else io.BytesIO(data), input_file_id=file_id, name="b.jsonl",
+                       priority=None, metadata={}, completion_window="24h")
     batch, lease = batches.create(app.state.sessions, settings, app.state.intake.admission, parse_key(API_KEY),
                                   given, 1)
     return batch.id, lease
@@ -108,7 +119,8 @@ def test_an_ingest_that_lost_its_lease_changes_nothing_and_the_next_runs_each_li
     ingest(*run, second)
     ingest(*run, second)  # once done, again is nothing
     assert sql(database, "SELECT status, total, source_file_id FROM batches") == [("in_progress", 30, None)]
-    assert sql(database, "SELECT count(*), count(DISTINCT custom_id) FROM jobs") == [(30, 30)]
+    assert sql(database, "SELECT count(*) FROM jobs") == [(30,)]
+    assert_one_message_each(broker, 30)  # (batch, custom_id) is unique: what a second ingest would double is messages
 
 
 def test_a_batch_cancelled_while_validating_runs_nothing_and_its_upload_goes(database, broker, tiny_model):
@@ -137,12 +149,11 @@ def test_files_are_stored_and_sent_a_chunk_at_a_time(database, broker, tiny_mode
         assert [n for (n,) in chunks] == [MIB, MIB, len(data) - 2 * MIB]
         got = client.get(f"/v1/files/{file_id}/content", headers=AUTH)
         assert got.content == data and got.headers["content-length"] == str(len(data))
-        made = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
-                           headers=AUTH)
-        assert made.status_code == 202, made.text
-        # a batch still reading it keeps it
-        assert client.delete(f"/v1/files/{file_id}", headers=AUTH).status_code in (200, 409)
-        assert ingested(client, made.json()["id"])["request_counts"]["total"] == 2500
+        # a batch still reading it keeps it (its ingest held back until the delete was refused)
+        batch_id, lease = stored_batch(client.app, client.app.state.settings, None, file_id)
+        assert client.delete(f"/v1/files/{file_id}", headers=AUTH).status_code == 409
+        client.app.state.intake.ingest(batch_id, lease)
+        assert ingested(client, str(batch_id))["request_counts"]["total"] == 2500
 
 
 def test_a_line_is_split_from_its_pieces_and_one_too_long_is_never_held():

@@ -68,7 +68,7 @@ def test_a_deploy_hands_the_jobs_back_uncharged_with_their_messages(service_env,
         wait_for(database, lambda c: c.get("running", 0) == 4, 60, "four running")
 
         # a deploy whose engine goes away during the grace: the jobs go back, the worker leaves cleanly
-        os.killpg(first.pid, signal.SIGTERM)
+        os.kill(first.pid, signal.SIGTERM)  # to the worker alone, as compose signals a container's first process
         engine = subprocess.run(["pgrep", "-P", str(first.pid), "-f", "spawn_main"], capture_output=True, text=True)
         os.kill(int(engine.stdout.split()[0]), signal.SIGKILL)
         assert first.wait(30) == 0  # not the engine-death exit (3), which left the jobs to expire as crashes
@@ -80,7 +80,8 @@ def test_a_deploy_hands_the_jobs_back_uncharged_with_their_messages(service_env,
         stack.start_worker()
         wait_for(database, lambda c: c.get("running", 0) == 4, 30, "four running again")
         started = time.monotonic()
-        stack.kill_worker(sig=signal.SIGTERM)
+        os.kill(stack.workers[-1].pid, signal.SIGTERM)
+        stack.workers[-1].wait(60)
         assert time.monotonic() - started < 10 and stack.workers[-1].returncode == 0
         assert charged(database, ids) == {"jobs": [("queued", 0, 0, 6)], "runs": {"returned": 8}}
         assert set(messages(broker, ids).values()) == {1}

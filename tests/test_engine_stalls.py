@@ -141,7 +141,9 @@ def test_a_failing_step_is_bisected_while_new_work_cancels_and_deadlines_go_on()
         futures = {f"r{i}": thread.submit(request(f"r{i}", 150, first=POISON if i == 1 else 5,
                                                   deadline=time.monotonic() + 1.5 if i == 7 else None))
                    for i in range(8)}
+        deadline = time.monotonic() + 60
         while engine.failures == 0:
+            assert time.monotonic() < deadline, "the poisoned step never ran"
             time.sleep(0.005)
         # the suspects are being sorted out: the loop still takes new work and stops what it is asked to
         fresh = thread.submit(request("fresh", 5))
@@ -161,3 +163,24 @@ def test_a_failing_step_is_bisected_while_new_work_cancels_and_deadlines_go_on()
         assert engine.failures >= 2 and not engine.running
     finally:
         thread.close()
+
+
+def test_a_watchdog_frozen_with_its_worker_judges_nothing_until_the_engine_has_had_its_turns(monkeypatch):
+    """SIGSTOP of the whole worker (or a paused VM): on waking, the watchdog's last reading predates the freeze;
+    it must not call the engine stalled before the engine has been read again."""
+    from engine.runtime import watchdog
+
+    offset = [0.0]
+    real = time.monotonic
+    monkeypatch.setattr(watchdog, "time", type("Clock", (), {"monotonic": staticmethod(lambda: real() + offset[0])}))
+    stalls: list[str] = []
+    dog = watchdog.Watchdog(0.8, lambda: True, stalls.append, sample=lambda: (7, True))
+    try:
+        time.sleep(0.3)
+        offset[0] = 60.0  # the process was frozen for a minute: no tick ran meanwhile
+        time.sleep(0.5)  # under the stall time since waking
+        assert stalls == []
+        time.sleep(1.0)  # the loop still does not turn once awake: now that is a stall
+        assert len(stalls) >= 1
+    finally:
+        dog.close()

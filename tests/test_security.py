@@ -181,7 +181,7 @@ def test_failed_authentications_are_rate_limited_per_address(database, broker, t
         codes = [attacker.get("/v1/batches", headers=bearer(f"guess-{i:016d}")).status_code for i in range(8)]
         assert codes == [401] * 5 + [429] * 3
         limited = attacker.get("/v1/batches", headers=bearer(f"guess-{9:016d}"))
-        assert int(limited.headers["Retry-After"]) >= 1
+        assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1  # unknown keys no longer checked
         assert neighbour.get("/v1/batches", headers=bearer(SHOP_KEY)).status_code == 200  # another address
 
 

@@ -127,11 +127,14 @@ def test_a_worker_whose_engine_freezes_ends_the_cancelled_job_and_reruns_the_res
             time.sleep(1)
             frozen = engine_of(worker.pid)
             os.kill(frozen, signal.SIGSTOP)
+            frozen_at = time.monotonic()
             client.cancel(ids[0])
             cancelled = client.wait(ids[0], timeout=10)  # within the grace, long before the watchdog acts
+            ended_in = time.monotonic() - frozen_at
             done = [client.wait(i, timeout=60) for i in ids[1:]]
         assert worker.poll() is None and engine_of(worker.pid) not in (None, frozen)
     assert cancelled.status == "cancelled" and cancelled.result.finish_reason == "cancelled"
+    assert ended_in < 4.5, ended_in  # the bridge's own 3 s, not the watchdog's restart at 5
     assert [j.status for j in done] == ["succeeded"] * 3
     engine = sa.create_engine(database)
     report = audit(engine, [uuid.UUID(str(i)) for i in ids], dead_workers=set())

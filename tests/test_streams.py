@@ -188,6 +188,9 @@ def test_streams_past_their_bounds_are_refused_with_retry_after(database, broker
                 r = await asyncio.wait_for(client.post("/v1/chat/completions", headers=auth(), json={
                     "model": str(tiny_model), "messages": CHAT["messages"], "stream": True}), 10)
                 assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+                # a long poll holds a subscription too
+                r = await asyncio.wait_for(client.get(f"/v1/jobs/{mine[3]}", params={"wait": 20}, headers=auth()), 10)
+                assert r.status_code == 429, r.text
                 async with Streams(client, [f"/v1/jobs/{i}/events" for i in others[:2]], OTHER_KEY):
                     r = await asyncio.wait_for(client.get(f"/v1/jobs/{others[2]}/events", headers=auth(OTHER_KEY)),
                                                10)

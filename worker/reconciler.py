@@ -24,6 +24,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import redis
 from celery import Celery
 from sqlalchemy import Row, bindparam, case, or_, select, text, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -259,10 +260,17 @@ def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, b
 
 
 def rehome_gone(sessions: sessionmaker[Session], broker: BrokerView, dead_after_s: float) -> int:
-    """Move what the own queues of workers not alive (`jobs.affinity`) still hold to the shared queues."""
+    """Move what the own queues of workers not alive (`jobs.affinity`) still hold to the shared queues. The broker
+    away moves nothing now, and stops nothing else of the sweep: the next one moves them."""
     with sessions() as session:
         alive = {home_tag(name) for name in live_workers(session, dead_after_s)}
-    if rehomed := broker.rehome(lambda tag: tag not in alive):
+    try:
+        rehomed = broker.rehome(lambda tag: tag not in alive)
+    except redis.RedisError:
+        log.warning("reconciler: the broker is away; gone workers' own queues are moved at the next sweep",
+                    exc_info=True)
+        return 0
+    if rehomed:
         log.warning("reconciler: %d messages of gone workers' own queues moved to the shared queues", rehomed)
     return rehomed
 

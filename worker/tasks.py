@@ -306,7 +306,8 @@ def hand_back_stalled(ctx: WorkerContext, claimed: results.Claimed) -> None:
     ctx.progress.status(str(claimed.job_id), status)
     if status == JobStatus.queued:
         with ctx.sessions() as session:
-            publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings, router=ctx.router)
+            # to the shared queue: this worker's engine is reloading, with an empty prefix cache
+            publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings)
 
 
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:

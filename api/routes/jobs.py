@@ -45,8 +45,12 @@ async def get_job(
 ) -> JobOut:
     job = await run_in_threadpool(load, sessions, job_id, caller)
     if job is not None and job.status not in TERMINAL and wait > 0:
-        job = await wait_finished(hub, lambda i: load(sessions, i, caller), job_id,
-                                  min(wait, settings.max_wait_seconds))
+        release = hub.admit(caller.digest)  # a long poll holds a subscription as a stream does, within its bounds
+        try:
+            job = await wait_finished(hub, lambda i: load(sessions, i, caller), job_id,
+                                      min(wait, settings.max_wait_seconds))
+        finally:
+            release()
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
     return job

@@ -8,12 +8,11 @@ from collections.abc import Callable
 
 import redis
 from celery import Celery
-from sqlalchemy import func, select, text
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.clock import db_now
+from jobs.affinity import live_workers
 from jobs.settings import Settings
-from jobs.tables import Worker
 
 PROBE_TTL_S = 2.0
 
@@ -32,15 +31,21 @@ class Probe:
         self.ttl = ttl
         self._found: dict[str, str] = {}
         self._at = float("-inf")
-        self._lock = threading.Lock()  # callers that find it stale wait for one probe, not one each
+        self._lock = threading.Lock()  # one probe at a time; the others answer with the last one's findings
 
     def checks(self) -> dict[str, str]:
-        """`database` and `broker`: "ok", or "error: " and the exception's type."""
-        with self._lock:
+        """`database` and `broker`: "ok", or "error: " and the exception's type. While a probe hangs (a
+        dependency that neither answers nor refuses), callers get the last findings instead of each waiting on
+        it and holding a thread: only the very first callers wait."""
+        if time.monotonic() - self._at < self.ttl or not self._lock.acquire(blocking=not self._found):
+            return dict(self._found)
+        try:
             if time.monotonic() - self._at >= self.ttl:
                 self._found = {"database": _outcome(self._database), "broker": _outcome(self._broker)}
                 self._at = time.monotonic()
             return dict(self._found)
+        finally:
+            self._lock.release()
 
     def _database(self) -> None:
         with self.sessions() as session:
@@ -64,6 +69,4 @@ def _outcome(check: Callable[[], None]) -> str:
 
 def workers_alive(session: Session, settings: Settings) -> int:
     """Workers whose heartbeat is within CONVOQ_DEAD_AFTER_S and that have not stopped."""
-    alive = db_now(-settings.dead_after_s)  # heartbeats are stamped on the database's clock
-    return session.scalar(
-        select(func.count()).select_from(Worker).where(Worker.heartbeat_at >= alive, Worker.stopped_at.is_(None)))
+    return len(live_workers(session, settings.dead_after_s))

@@ -46,7 +46,17 @@ class Watchdog:
         self._stop.set()
 
     def _run(self) -> None:
+        ticked = time.monotonic()
         while not self._stop.wait(self.every_s):
+            now = time.monotonic()
+            # a tick that came this late means this process was frozen (SIGSTOP, a paused VM) along with what it
+            # watches: the engine gets its turns (and its beats are read) before it is judged again
+            if now - ticked > self.stall_s / 2:
+                with self._lock:
+                    self._moved_at, self._work_since = now, None
+                ticked = now
+                continue
+            ticked = now
             if self._sample is not None:
                 self.beat(*self._sample())
             now = time.monotonic()
