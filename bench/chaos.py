@@ -140,6 +140,7 @@ class Chaos:
         self.batches: list[uuid.UUID] = []  # uploaded by `api-kill-during-ingest`, INGEST_LINES lines each
         self.ingests_cut = 0  # of those, the ones the kill caught still validating: an ingest a new API took over
         self.stranded: list[int] = []  # messages waiting in the worker's own queues at each worker fault
+        self.missed: list[str] = []  # faults that found nothing to break: the run says nothing about them
         self.left: int | None = None  # the worker the last kill, deploy or freeze removed
 
     def keep_a_worker(self) -> None:
@@ -189,7 +190,10 @@ class Chaos:
             self.frozen.append((frozen.pid, time.monotonic()))
             self.dead.add(frozen.pid)
             self.stack.start_worker()  # the frozen one stays in `workers`: keep_a_worker watches the newest
-        elif fault == "engine-stall" and (engine := engine_of(self.stack.workers[-1].pid)) is not None:
+        elif fault == "engine-stall":
+            if (engine := engine_of(self.stack.workers[-1].pid)) is None:
+                self.missed.append(fault)
+                return
             os.kill(engine, signal.SIGSTOP)  # the worker lives on: its watchdog kills the engine, never us
         elif fault == "api-kill-during-ingest":
             lines = b"".join(json.dumps({"custom_id": f"b{i}", "max_new_tokens": 16,
@@ -201,7 +205,10 @@ class Chaos:
             self.stack.api.wait()
             answer.raise_for_status()
             self.batches.append(uuid.UUID(answer.json()["id"]))
-            self.ingests_cut += still_validating(self.pg.url, self.batches[-1])
+            cut = still_validating(self.pg.url, self.batches[-1])
+            self.ingests_cut += cut
+            if not cut:  # the ingest had committed before the kill: nothing was taken over
+                self.missed.append(fault)
             self.stack.start_api()
 
     def batch_jobs(self, db: sa.Engine) -> list[uuid.UUID]:
@@ -300,7 +307,8 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
     finally:
         pg.stop()
         broker.stop()
-    return {**figures, "elapsed": elapsed, "ingests_cut": chaos.ingests_cut, "stranded": chaos.stranded}
+    return {**figures, "elapsed": elapsed, "ingests_cut": chaos.ingests_cut, "stranded": chaos.stranded,
+            "missed": chaos.missed}
 
 
 def main() -> None:
@@ -332,6 +340,8 @@ def main() -> None:
         "calm_s": round(calm["elapsed"], 1),
         "chaos_s": round(chaos["elapsed"], 1),
         "ingests_cut": chaos["ingests_cut"],
+        # a fault that found nothing to break passes without testing anything: this must be empty
+        "faults_missed": chaos["missed"],
         **({"home_messages_at_faults": chaos["stranded"]} if args.affinity else {}),
     }
     report(result, args.json)
