@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 
 import redis
 from celery import Celery
-from sqlalchemy import Row, bindparam, case, or_, select, text, update
+from sqlalchemy import Row, case, or_, select, text, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -43,7 +43,7 @@ from jobs.settings import Settings
 from jobs.tables import Job, Run, Sweep, Worker, utcnow
 from worker.leases import Leases
 from worker.outcome import LEASE_LOST
-from worker.results import end_runs, end_unrun, retrying, returned, settle
+from worker.results import end_runs, end_unrun, lost_run_updates, retrying, returned, settle
 
 log = logging.getLogger(__name__)
 QUEUED, RUNNING, FAILED = JobStatus.queued.value, JobStatus.running.value, JobStatus.failed.value
@@ -151,11 +151,7 @@ def hand_back_expired(sessions: sessionmaker[Session], max_crashes: int, hold: H
     `sweep_lock`); returns how many got each verdict."""
     jobs, runs = Job.__table__, Run.__table__
     counts: Counter = Counter()
-    fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
-    back = update(jobs).where(fenced).values(**returned(crashes=bindparam("charge")), lease_id=None)
-    failed = update(jobs).where(fenced).values(
-        status=FAILED, error=bindparam("e"), finished_at=db_now(), lease_id=None, lease_expires_at=None,
-        crashes=jobs.c.crashes + 1)
+    back, failed = lost_run_updates()
     while True:
         _hold(hold)
         with sessions.begin() as session:

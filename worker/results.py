@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, bindparam, case, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, Update, bindparam, case, or_, select, tuple_, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -171,6 +171,21 @@ def give_back(sessions: sessionmaker[Session], claimed: Claimed, requeued: bool 
     return _fenced(sessions, claimed, values, QUEUED, "hand-back", ended("returned"))
 
 
+def lost_run_updates(keep_lease: bool = False) -> tuple[Update, Update]:
+    """The fenced statements (`j`: job id, `l`: the run's lease) that end a run its worker can no longer finish
+    (its lease expired, its engine stalled): the job goes back to `queued`, charged `charge` crashes, or fails
+    with `e`, a crash past the last one. `keep_lease`: the lease stays on the row, so that the writer, retrying
+    after a lost reply, recognises its own hand-back (a stall's, from the worker that holds the run)."""
+    jobs = Job.__table__
+    fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
+    lease = {} if keep_lease else {"lease_id": None}
+    back = update(jobs).where(fenced).values(**returned(crashes=bindparam("charge")), **lease)
+    failed = update(jobs).where(fenced).values(
+        status=FAILED, error=bindparam("e"), finished_at=db_now(), lease_expires_at=None,
+        crashes=jobs.c.crashes + 1, **lease)
+    return back, failed
+
+
 STALLED = "stalled"  # how a run ends when its engine stalled with it inside and was killed
 
 
@@ -182,10 +197,7 @@ def stalled(sessions: sessionmaker[Session], claims: list[Claimed], max_crashes:
     refused and left out."""
     jobs, runs = Job.__table__, Run.__table__
     pairs = [(c.job_id, c.lease) for c in claims]
-    fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
-    back = update(jobs).where(fenced).values(**returned(crashes=bindparam("charge")))
-    failed = update(jobs).where(fenced).values(status=FAILED, error=bindparam("e"), finished_at=utcnow(),
-                                               lease_expires_at=None, crashes=jobs.c.crashes + 1)
+    back, failed = lost_run_updates(keep_lease=True)
 
     def action() -> tuple[dict[uuid.UUID, JobStatus], set[uuid.UUID]]:
         with sessions.begin() as session:
