@@ -83,6 +83,18 @@ def publish(broker: str, job_id: str, **event) -> None:
     client.close()
 
 
+async def subscribed(broker: str, job_id: str, timeout: float = 15.0) -> None:
+    """Until the API listens to the job's channel: an event published before that is nobody's."""
+    client = redis.Redis.from_url(broker)
+    deadline = time.monotonic() + timeout
+    try:
+        while not client.pubsub_numsub(progress_channel(job_id))[0][1]:
+            assert time.monotonic() < deadline, f"the API never subscribed to job {job_id}"
+            await asyncio.sleep(0.02)
+    finally:
+        client.close()
+
+
 def redis_clients(broker: str) -> int:
     client = redis.Redis.from_url(broker)
     try:
@@ -239,6 +251,7 @@ def test_a_rerun_that_writes_another_text_ends_the_streams_with_an_error(databas
                 chunks = sse(response)
                 _, first = await next_event(chunks)
                 job = str(uuid.UUID(first["id"].removeprefix("chatcmpl-")))
+                await subscribed(broker, job)  # the first chunk may go out before the subscription is in place
                 publish(broker, job, event="text", text="Hello wor", tokens=3, run=str(uuid.uuid4()))
                 assert (await next_event(chunks))[1]["choices"][0]["delta"] == {"content": "Hello wor"}
                 finish(database, job, "Goodbye all")
