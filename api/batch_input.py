@@ -3,7 +3,8 @@
 OpenAI lines: `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {"messages", ...}}`.
 Our lines: `{"custom_id", "transcript": [turns] | "text"}` (summarized) or `{"custom_id", "messages"}`
 (answered as a chat), with optional sampling fields (flat, named as in `jobs.schemas.Sampling`), `thinking`,
-`max_thinking_tokens`, `conversation_id`. OpenAI lines may say thinking as vLLM's
+`max_thinking_tokens`, `conversation_id`, `n` (chats), `response_format`, `logprobs`, `top_logprobs`, `tools`,
+`tool_choice`, `parallel_tool_calls` (as in `jobs.schemas.JobIn`). OpenAI lines may say thinking as vLLM's
 `chat_template_kwargs: {"enable_thinking": ...}`.
 A bad line becomes a `LineError` with its number and reason; it never sinks the other lines. Lines are read from
 the upload's bytes in whatever pieces they come (a stored file's chunks), one line in memory at a time: a line
@@ -61,7 +62,14 @@ class OpenAIBody(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    n: int = 1  # the job checks it (`JobIn.n`)
+    # the job checks these too (`JobIn`): a response_format's schema against JSON Schema's meta-schema
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # convoq's extension: the turns of one conversation go to the worker that holds its prefix (`jobs.affinity`)
     conversation_id: Key | None = None
 
@@ -69,7 +77,7 @@ class OpenAIBody(BaseModel):
 # OpenAI's options that change nothing convoq answers, accepted and ignored on purpose (the README says why)
 IGNORED = frozenset({"model", "user", "store", "service_tier", "metadata"})
 # what an option left at OpenAI's default is sent as: it asks for nothing
-DEFAULTS: dict[str, Any] = {"response_format": {"type": "text"}, "tool_choice": "none", "stream": False}
+DEFAULTS: dict[str, Any] = {"stream": False}
 
 
 def unsupported(body: OpenAIBody) -> list[str]:
@@ -124,7 +132,13 @@ def openai_job(body: OpenAIBody, priority: int) -> JobIn:
         raise ValueError(f"chat_template_kwargs may only hold enable_thinking, not {sorted(kwargs)}")
     messages = [{**m, "content": _text(m.get("content"))} for m in body.messages]
     return JobIn(messages=messages, kind="chat", priority=priority, sampling=sampling, thinking=thinking,
-                 conversation_id=body.conversation_id)
+                 conversation_id=body.conversation_id, n=body.n, response_format=body.response_format,
+                 logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs, tools=body.tools,
+                 tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
+
+
+# fields of `JobIn` our lines may set that have a default of their own: passed on only when a line sets them
+LINE_OPTIONS = ("n", "response_format", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
 
 
 def _job_from_ours(obj: dict, priority: int) -> JobIn:
@@ -139,7 +153,8 @@ def _job_from_ours(obj: dict, priority: int) -> JobIn:
         raise ValueError("a line needs `transcript`, `messages`, or an OpenAI `body`")
     return JobIn(messages=messages, kind=kind, priority=priority, sampling=sampling,
                  conversation_id=obj.get("conversation_id"), thinking=obj.get("thinking"),
-                 max_thinking_tokens=obj.get("max_thinking_tokens"))
+                 max_thinking_tokens=obj.get("max_thinking_tokens"),
+                 **{k: obj[k] for k in LINE_OPTIONS if k in obj})
 
 
 def split_lines(pieces: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:

@@ -319,8 +319,9 @@ def cancel(job_id: str, url: str = URL, api_key: str = KEY) -> None:
 
 
 @app.command()
-def demo(max_new_tokens: int = 48) -> None:
-    """Summarize the bundled transcripts end to end on embedded defaults, with urgent chats overtaking."""
+def demo(max_new_tokens: int = 160) -> None:
+    """Summarize the bundled transcripts into JSON records end to end on embedded defaults, with urgent chats
+    overtaking. `max_new_tokens`: each summary's budget (a record takes up to about 120 with the tiny model)."""
     from cli.demo import run_demo
 
     sys.exit(run_demo(max_new_tokens))

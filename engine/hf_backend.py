@@ -84,6 +84,9 @@ class HFEngine:
             raise RequestError("the prompt is empty")
         if n >= self.max_model_len:
             raise RequestError(f"prompt has {n} tokens; the model's context is {self.max_model_len}")
+        if request.sampling.grammar is not None or request.sampling.logprobs is not None:
+            raise RequestError("the hf reference backend has no grammars and no log-probabilities; "
+                               "run our own (CONVOQ_BACKEND=engine)")
         heapq.heappush(self._waiting, (-request.priority, request.arrival, next(self._order), request))
 
     def abort_request(self, request_id: str) -> Completion | None:

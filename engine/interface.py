@@ -32,11 +32,22 @@ class SamplingParams:
     max_thinking_tokens: int | None = None
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks generate exactly max_new_tokens
+    # the output is constrained by this grammar, an `engine.grammar` spec (JSON text: a JSON schema, any JSON
+    # object, or a structural tag for tool calls), compiled on the submitting thread; None: free text
+    grammar: str | None = None
+    # with a grammar: the model reasons first, free, and the grammar starts after its `</think>`
+    grammar_after_think: bool = False
+    # None: no log-probabilities; k (0..20): each output token's own and its k most likely alternatives'
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+
+# an output token's log-probability and its most likely alternatives (token id, log-probability), best first;
+# computed from the logits the token was drawn from, after penalties and the grammar's mask, before temperature
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 TokensCallback = Callable[[list[int]], None]  # handed a request's output so far as it grows
 
@@ -88,6 +99,7 @@ class Completion:
     error: str | None = None
     timings: Timings = field(default_factory=Timings)
     retryable: bool = False  # the failure came from the engine, not from the request itself
+    logprobs: list[TokenLogprobs] | None = None  # one per token of `token_ids`, when the request asked for them
 
     @property
     def ok(self) -> bool:

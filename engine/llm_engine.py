@@ -6,6 +6,7 @@ plans one (`engine.step.StepPlan`), the model runner runs it, and the `StepResul
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 
@@ -19,7 +20,9 @@ from engine.core.sequence import Sequence
 from engine.core.step_cost import work_of
 from engine.interface import Completion, Request, RequestError, token_limit
 from engine.model.memory import weights_bytes
-from engine.step import StepPlan, StepResult
+from engine.step import StepPlan, StepResult, TokenMasks
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 class LLMEngine:
@@ -45,6 +48,10 @@ class LLMEngine:
         self._tokens_computed = 0
         self._peak_blocks = 0  # most KV blocks in use after any step's scheduling
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for stop strings
+        # grammars are compiled on the submitting thread: the compiler is made by the first request that has one
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+        self._constrained: dict[str, Sequence] = {}  # sequences whose sampling a grammar constrains now
 
     def prepare(self, request: Request) -> Sequence:
         """Check `request` and build its sequence, with the content keys of its prompt's blocks: work that reads
@@ -60,12 +67,17 @@ class LLMEngine:
             raise RequestError(f"invalid sampling parameters {p}")
         if p.max_thinking_tokens is not None and self.think_ids is None:
             raise RequestError("max_thinking_tokens needs a thinking model; this tokenizer has no <think> tokens")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be 0..{MAX_LOGPROBS}, not {p.logprobs}")
         longest = token_limit(n, p.max_new_tokens, self.max_model_len)
         needed = self.kv_plan.blocks_per_seq(self.config.block_size, longest)
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
         seq = Sequence(request, len(self.blocks.pools), self.max_model_len)
+        if p.grammar is not None:
+            seq.matcher = self._grammar_compiler().matcher(p.grammar)
+            seq.constrained = not (p.grammar_after_think and self.think_ids is not None)
         if self.blocks.prefix is not None:  # what admission looks the prompt up by
             extend_keys(seq.block_keys, seq.token_ids, self.config.block_size)
         return seq
@@ -76,6 +88,8 @@ class LLMEngine:
             raise RequestError(f"request {request.request_id!r} is already running")
         seq = self.prepare(request) if prepared is None else prepared
         self._seqs[request.request_id] = seq
+        if seq.constrained:
+            self._constrained[request.request_id] = seq
         self.blocks.prefetch(seq)
         self.scheduler.add(seq)
 
@@ -102,7 +116,7 @@ class LLMEngine:
             return []
         self._peak_blocks = max(self._peak_blocks, sum(p.num_used for p in self.blocks.pools))
         work = work_of(plan)
-        result = self.runner.run(plan)
+        result = self.runner.run(plan, (lambda: self._masks(plan)) if self._constrained else None)
         end = time.monotonic()
         self._steps += 1
         self._record_computed(plan, start, end)
@@ -110,6 +124,24 @@ class LLMEngine:
         # the whole step, planning and bookkeeping included: what an interactive request waits per token
         self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
+
+    def _grammar_compiler(self):
+        with self._grammars_lock:
+            if self._grammars is None:
+                from engine.grammar import Grammars  # xgrammar loads only for a model that gets a grammar
+
+                self._grammars = Grammars(self.tokenizer, self.model.shape.vocab_size, self.eos_ids)
+            return self._grammars
+
+    def _masks(self, plan: StepPlan) -> TokenMasks | None:
+        """The grammar masks of the plan's constrained sample rows, filled in one call."""
+        rows, matchers, constrained = [], [], self._constrained
+        for j, request_id in enumerate(plan.sample_ids):
+            seq = constrained.get(request_id)
+            if seq is not None:
+                rows.append(j)
+                matchers.append(seq.matcher)
+        return self._grammars.masks(len(plan.sample_ids), rows, matchers) if rows else None
 
     def _record_computed(self, plan: StepPlan, start: float, end: float) -> None:
         """The tokens each row of the step computed, its sequence's timings, and the blocks it filled (indexed in
@@ -133,16 +165,21 @@ class LLMEngine:
         decoded only after a token that can complete one, every such row in one call), or the length."""
         done, stopping = [], []
         eos_ids, seqs = self.eos_ids, self._seqs
-        for request_id, token in zip(result.request_ids, result.token_ids, strict=True):
+        logprobs = result.logprobs or [None] * len(result.request_ids)
+        for request_id, token, lp in zip(result.request_ids, result.token_ids, logprobs, strict=True):
             seq = seqs[request_id]
             if seq.reasoning_budget is not None:
                 token = self._within_reasoning_budget(seq, token)
+            # a grammar that took its stop token ends the output, even one that ignores EOS otherwise
+            ended = seq.matcher is not None and self._follow_grammar(seq, token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(lp)
             seq.token_ids.append(token)
             seq.last_token = end
             if seq.first_token is None:
                 seq.first_token = end
                 seq.timings.ttft_ms = (end - seq.request.arrival) * 1e3
-            if token in eos_ids and not seq.params.ignore_eos:
+            if ended or (token in eos_ids and not seq.params.ignore_eos):
                 self._finish(seq, "stop", done)
             elif seq.stop_ends and not seq.stop_ends.isdisjoint(self._token_text(token)):
                 stopping.append(seq)  # decoded together below
@@ -156,6 +193,17 @@ class LLMEngine:
                 if hit or len(seq.token_ids) >= seq.token_limit:
                     self._finish(seq, "stop" if hit else "length", done)
         return done
+
+    def _follow_grammar(self, seq: Sequence, token: int) -> bool:
+        """Advance `seq`'s matcher by `token` (from the reasoning's `</think>` on); True once it terminated."""
+        if not seq.constrained:
+            if token == self.think_ids[1]:  # the answer, and the constraint, start after the reasoning
+                seq.constrained = True
+                self._constrained[seq.request_id] = seq
+            return False
+        if not seq.matcher.accept_token(token):
+            raise RuntimeError(f"request {seq.request_id}: token {token} was sampled against its grammar")
+        return seq.matcher.is_terminated()
 
     def _within_reasoning_budget(self, seq: Sequence, token: int) -> int:
         """`token`, or `</think>` once the open reasoning block has used the request's budget."""
@@ -183,9 +231,14 @@ class LLMEngine:
         done.append(self._completion(seq, reason))
 
     def _completion(self, seq: Sequence, reason: str) -> Completion:
+        if seq.matcher is not None:
+            self._constrained.pop(seq.request_id, None)
+            seq.matcher = None
         eos = set() if seq.params.ignore_eos else self.eos_ids
         ids, text, _ = finish_text(self.tokenizer, seq.output_ids, seq.params.stop, eos)
-        return Completion(seq.request_id, ids, text, seq.num_prompt_tokens, reason, None, seq.final_timings())
+        logprobs = seq.logprobs[:len(ids)] if seq.logprobs is not None else None
+        return Completion(seq.request_id, ids, text, seq.num_prompt_tokens, reason, None, seq.final_timings(),
+                          logprobs=logprobs)
 
     def stats(self) -> dict[str, float]:
         pools = self.blocks.pools

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from engine.interface import SamplingParams
+from engine.interface import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -47,6 +48,18 @@ class StepPlan:
 
 
 @dataclass
+class TokenMasks:
+    """The grammar masks of a step's constrained sample rows: `bitmask[row]` (int32 words, a bit per token, set
+    where the token is allowed) for each of `rows`; the other rows of `bitmask` are not read."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+@dataclass
 class StepResult:
     request_ids: list[str]  # the requests that sampled
     token_ids: list[int]  # the token each sampled
+    # per sampled request, its token's log-probabilities when it asked for them (None otherwise); None: no
+    # request of the step asked
+    logprobs: list[TokenLogprobs | None] | None = None

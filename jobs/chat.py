@@ -8,10 +8,13 @@ object with the model's chat template, never the model.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jobs.schemas import JobIn, Message
+from jobs.tool_calls import template_tools
 
-Chat = list[dict[str, str]]
+# messages as a chat template takes them: role and content, and OpenAI's tool_calls and tool_call_id
+Chat = list[dict[str, Any]]
 
 SUMMARY_INSTRUCTION = (
     "You summarize customer-service conversations for the support team. Write a short summary: the customer's "
@@ -23,12 +26,15 @@ COMBINE_INSTRUCTION = (
 )
 
 
-def encode_chat(tokenizer, chat: Sequence[Mapping[str, str]], thinking: bool) -> list[int]:
+def encode_chat(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool,
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of a chat, ending with the assistant's turn opener (the model's chat template). `thinking` goes
     to the template as `enable_thinking`: off, Qwen3's template opens the answer with an empty think block; a
-    template without the switch ignores it."""
+    template without the switch ignores it. `tools` (OpenAI's function tools) are the template's to show: Qwen3's
+    lists them in the system prompt."""
     enc = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in chat],
+        [dict(m) for m in chat],
+        tools=tools,
         add_generation_prompt=True,
         tokenize=True,
         enable_thinking=thinking,
@@ -65,7 +71,7 @@ def chat_for(job: JobIn) -> Chat:
             {"role": "system", "content": SUMMARY_INSTRUCTION},
             {"role": "user", "content": "Conversation:\n" + render_transcript(job.messages)},
         ]
-    return [m.model_dump() for m in job.messages]
+    return [m.model_dump(exclude_none=True) for m in job.messages]
 
 
 def part_chat(turns: Sequence[Message], part: int, parts: int) -> Chat:
@@ -110,7 +116,7 @@ def problem(job: JobIn, tokenizer, context: int, default_thinking: bool) -> tupl
         message = summary_problem(max_new, context)
         return None if message is None else ("max_new_tokens", message)
     try:
-        prompt = encode_chat(tokenizer, chat_for(job), thinking_of(job, default_thinking))
+        prompt = encode_chat(tokenizer, chat_for(job), thinking_of(job, default_thinking), template_tools(job))
     except Exception as exc:  # a template may refuse a chat (Qwen's raise when a system message is not first)
         return "messages", f"the model's chat template cannot render these messages: {exc}"
     message = chat_problem(len(prompt), max_new, context)

@@ -9,7 +9,7 @@ import enum
 import json
 import re
 from datetime import datetime
-from typing import Annotated, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 from uuid import UUID
 
 from pydantic import (
@@ -23,6 +23,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from jobs.structured import schema_problem
 
 MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 200_000
@@ -41,6 +43,7 @@ def error_message(error: dict) -> str:
 
 
 MAX_NEW_TOKENS = 4096
+MAX_CHOICES = 8  # a job's `n`: OpenAI's allows more, but each choice holds KV blocks of its own
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_PRIORITY = 5  # a job submitted on its own
 DEFAULT_BATCH_PRIORITY = 1  # bulk work: low, so that chats overtake it
@@ -57,6 +60,16 @@ class JobStatus(enum.StrEnum):
 
 
 TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled, JobStatus.expired})
+# the error of a job that failed because of its request (it can never run as asked: a prompt over the model's
+# context, a schema the grammar compiler cannot take) starts so, which tells it from the service's failures
+INVALID_REQUEST = "invalid request: "
+
+
+def request_problem(error: str | None) -> str | None:
+    """What a failed job's request could not do, when that is why it failed (its error says so); else None."""
+    return error.removeprefix(INVALID_REQUEST) if error and error.startswith(INVALID_REQUEST) else None
+
+
 MAX_DEADLINE_S = 7 * 24 * 3600
 DEFAULT_COMPLETION_WINDOW = "24h"
 
@@ -91,9 +104,50 @@ def _deeper_than(value: object, limit: int) -> bool:
     return False
 
 
+MAX_TOOLS = 128  # OpenAI's bound on a request's tools
+# OpenAI's pattern for a function's name
+ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+ToolCallId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=NO_NUL)]
+Content = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS, pattern=NO_NUL)]
+
+
+class FunctionCall(Strict):
+    name: ToolName
+    arguments: str = Field(max_length=MAX_CONTENT_CHARS, pattern=NO_NUL, description="the arguments as JSON text")
+
+
+class ToolCall(Strict):
+    """A call an assistant message made (OpenAI's `message.tool_calls[]`), sent back with the conversation."""
+
+    id: ToolCallId
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS, pattern=NO_NUL)]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Content | None = Field(None, description="required, but for an assistant message with tool_calls")
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: the tools it called")
+    tool_call_id: ToolCallId | None = Field(None, description="tool (required there): the call this is the answer of")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_content_beside_calls(cls, data: object) -> object:
+        # OpenAI's clients send an assistant turn that only called tools with content "" as often as with null
+        if isinstance(data, dict) and data.get("tool_calls") and data.get("content") == "":
+            return {**data, "content": None}
+        return data
+
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> Message:
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a message of role {self.role!r} needs content (only an assistant message that calls "
+                             "tools may have none)")
+        return self
 
 
 UNSET = ("left unset, the model's generation_config.json decides (CONVOQ_GENERATION_CONFIG=auto), else "
@@ -148,6 +202,75 @@ Window = Annotated[str, AfterValidator(_valid_window), WithJsonSchema({"type": "
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+def _valid_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    if problem := schema_problem(schema):
+        raise ValueError(problem)
+    return schema
+
+
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`: the answer is JSON that validates against `schema`."""
+
+    # `schema` is the wire name; a field of that name would shadow pydantic's `BaseModel.schema`
+    model_config = ConfigDict(extra="forbid", strict=True, serialize_by_alias=True, validate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=4096)
+    schema_: Annotated[dict[str, Any], AfterValidator(_valid_schema)] = Field(
+        alias="schema", description="a JSON schema (checked against its meta-schema; draft 2020-12 unless its "
+                                    "`$schema` says otherwise)")
+    strict: bool | None = Field(None, description="accepted for OpenAI's clients: the answer always follows the "
+                                                  "schema, decoding is constrained by it")
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# OpenAI's `response_format`; `jobs.structured.grammar_spec` makes it the engine's grammar
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
+class FunctionDefinition(Strict):
+    name: ToolName
+    description: str | None = Field(None, max_length=MAX_CONTENT_CHARS, pattern=NO_NUL)
+    parameters: Annotated[dict[str, Any], AfterValidator(_valid_schema)] | None = Field(
+        None, description="the arguments' JSON schema; unset: any JSON object")
+    strict: bool | None = Field(None, description="where a tool_choice forces a call, its arguments follow "
+                                                  "`parameters`, or with false are any JSON object (OpenAI's)")
+
+
+class Tool(Strict):
+    """OpenAI's function tool: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: ToolName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class JobIn(Strict):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     kind: Literal["chat", "summarize"] = "chat"
@@ -167,11 +290,60 @@ class JobIn(Strict):
         description="seconds after creation: not started by then, the job ends `expired` without running; "
                     "still running then, it is stopped and ends `expired` with the text it had",
     )
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="answers to generate for the one prompt (OpenAI's `n`), "
+                   "its KV computed once; with a seed, choice i samples with seed + i. Chat jobs only")
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: `json_object` or `json_schema` constrain the answer (after the reasoning, with "
+                          "thinking) to JSON, decoded under a grammar so that it always parses and validates; a "
+                          "summary's parts run free and its final summary is constrained")
+    logprobs: bool = Field(False, description="the result carries each answer token's log-probability "
+                                              "(OpenAI's `logprobs.content`)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: the most "
+                                     "likely alternatives listed at each token (0..20; unset: none)")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="OpenAI's function tools the model may "
+                                     "call (chat jobs): shown to it through its chat template")
+    tool_choice: ToolChoice | None = Field(
+        None, description="none (no tool is shown), auto (the model decides), required (it calls one or more), or "
+                          "a named function (it calls that one); the last two are enforced by a grammar. Unset: "
+                          "auto with tools, none without")
+    parallel_tool_calls: bool = Field(True, description="false: the answer makes one call at most (a second is "
+                                                        "text; enforced by the grammar under `required`)")
 
     @model_validator(mode="after")
-    def _chat_ends_with_user(self) -> JobIn:
-        if self.kind == "chat" and self.messages[-1].role != "user":
-            raise ValueError("a chat job's last message must have role 'user'")
+    def _chat_ends_with_a_question(self) -> JobIn:
+        if self.kind == "chat" and self.messages[-1].role not in ("user", "tool"):
+            raise ValueError("a chat job's last message must have role 'user' or 'tool'")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_of_chats(self) -> JobIn:
+        if self.kind == "summarize":
+            if self.tools or self.tool_choice is not None:
+                raise ValueError("tools are for chat jobs; a summarize job calls none")
+            if any(m.content is None or m.role == "tool" for m in self.messages):
+                raise ValueError("a transcript to summarize holds system, user and assistant turns with content")
+            return self
+        names = [tool.function.name for tool in self.tools or ()]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"tools: each function needs a name of its own; {', '.join(twice)} is given twice")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not among "
+                             f"the tools ({', '.join(names) or 'none given'})")
+        return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> JobIn:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _choices_of_chats(self) -> JobIn:
+        # a summary's choices would be choices of its final combine only, the parts' text shared: not OpenAI's n
+        if self.kind == "summarize" and self.n > 1:
+            raise ValueError("n > 1 is for chat jobs; a summarize job has one summary")
         return self
 
 
@@ -205,12 +377,36 @@ class JobAccepted(BaseModel):
     created: bool = Field(description="false when the idempotency key matched an existing job")
 
 
-class ResultOut(BaseModel):
-    text: str = Field(description="the answer (with thinking, what follows the reasoning)")
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float = Field(description="-9999.0 stands for minus infinity (a token the grammar rules out), as in OpenAI's")
+    bytes: list[int] = Field(description="the token's bytes (a character's may span tokens)")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the most likely tokens at this position, best first")
+
+
+class ChoiceOut(BaseModel):
+    """One answer: a job's result is its first (choice 0); a job with `n` > 1 lists the others in `choices`."""
+
+    text: str = Field(description="the answer (with thinking, what follows the reasoning), without its tool calls")
     reasoning: str | None = Field(None, description="with thinking: the reasoning, without its <think> tags")
-    prompt_tokens: int
-    completion_tokens: int = Field(description="every generated token, the reasoning's included")
-    finish_reason: str = Field(description="stop | length | cancelled | expired (the last two keep the text so far)")
+    completion_tokens: int = Field(description="every generated token, the reasoning's included; a result's: "
+                                               "those of all its choices")
+    finish_reason: str = Field(description="stop | length | tool_calls | cancelled | expired (the last two keep the "
+                                           "text so far)")
+    tool_calls: list[ToolCall] | None = Field(None, description="the tools the answer called (OpenAI's "
+                                              "`message.tool_calls`), parsed out of its text")
+    logprobs: list[TokenLogprob] | None = Field(None, description="when the job asked for logprobs: OpenAI's "
+                                                "`logprobs.content`, one entry per token of the answer (with "
+                                                "thinking, the tokens after the reasoning)")
+
+
+class ResultOut(ChoiceOut):
+    prompt_tokens: int = Field(description="counted once, however many choices share the prompt")
+    choices: list[ChoiceOut] | None = Field(None, description="a job with n > 1: choices 1..n-1 (the result "
+                                                              "itself is choice 0)")
 
 
 class TimingsOut(BaseModel):

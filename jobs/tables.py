@@ -6,7 +6,6 @@ import hashlib
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
 from sqlalchemy import (
     JSON,
@@ -29,8 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-if TYPE_CHECKING:
-    from jobs.schemas import JobIn
+from jobs.schemas import JobIn, Message
 
 
 def utcnow() -> datetime:
@@ -201,9 +199,23 @@ class Job(Base):
     )
 
 
+# what a request gained after idempotency hashes were first stored (migration 0012: choices, structured outputs,
+# logprobs, tools): left at their defaults they are not hashed, so that a request sent again across the deploy
+# that added them still matches the hash stored for it
+LATER_JOB_FIELDS = ("n", "response_format", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+LATER_MESSAGE_FIELDS = ("tool_calls", "tool_call_id")
+
+
+def _without_later_defaults(dump: dict, model: type, names: tuple[str, ...]) -> dict:
+    defaults = {name: model.model_fields[name].default for name in names}
+    return {k: v for k, v in dump.items() if k not in defaults or v != defaults[k]}
+
+
 def request_hash(job: JobIn) -> str:
     """sha256 of the job as submitted, keys sorted: equal for a repeat of the same request."""
-    return hashlib.sha256(json.dumps(job.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    dump = _without_later_defaults(job.model_dump(mode="json"), JobIn, LATER_JOB_FIELDS)
+    dump["messages"] = [_without_later_defaults(m, Message, LATER_MESSAGE_FIELDS) for m in dump["messages"]]
+    return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()
 
 
 def job_row(job: JobIn, now: datetime, deadline_at: datetime | None = None, **columns) -> dict:
@@ -231,6 +243,13 @@ class Result(Base):
     # long transcripts are summarized map-reduce: how many chunks, and how many levels of summaries
     chunks: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     levels: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # OpenAI's `logprobs.content` of the answer, when the job asked for log-probabilities
+    logprobs: Mapped[list | None] = mapped_column(JSON)
+    # OpenAI's `message.tool_calls`, when the answer called tools
+    tool_calls: Mapped[list | None] = mapped_column(JSON)
+    # a job with `n` > 1: choices 1..n-1, each {text, reasoning, finish_reason, logprobs, tool_calls} (choice 0
+    # is the row itself)
+    choices: Mapped[list | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -77,7 +77,7 @@ def test_each_bad_line_is_reported_and_the_rest_survive():
         openai_line("ok-1"),
         openai_line("bad-role") | {"body": {"messages": [{"role": "robot", "content": "x"}]}},
         openai_line("too-many", max_tokens=10**7),
-        openai_line("two-choices", n=2),
+        openai_line("nine-choices", n=9),
         openai_line("image") | {"body": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}},
         {"custom_id": "nothing"},
         b"[1, 2, 3]",
@@ -107,18 +107,17 @@ def test_each_bad_line_is_reported_and_the_rest_survive():
 def test_openai_options_convoq_does_not_implement_are_refused_by_name_never_ignored():
     ignored = dict(user="customer-17", store=True, service_tier="auto", metadata={"ticket": "T-1"})
     off = dict(logprobs=False, top_logprobs=None, tools=[], response_format={"type": "text"}, tool_choice="none",
-               stream=False)
+               parallel_tool_calls=True, stream=False)
     parsed, errors, _ = parse_batch(jsonl(
         openai_line("ok", **ignored, **off),
-        openai_line("schema", response_format={"type": "json_object"}),
-        openai_line("tools", tools=[{"type": "function", "function": {"name": "lookup_order"}}], tool_choice="auto",
-                    logprobs=True, top_logprobs=3),
+        openai_line("bias", logit_bias={"42": 5}),
+        openai_line("audio", modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}),
         openai_line("typo", max_token=40),
     ), priority=2)
     assert [p.custom_id for p in parsed] == ["ok"]
     assert parsed[0].job.conversation_id is None
     refused = {e.custom_id: e.message for e in errors}
-    assert set(refused) == {"schema", "tools", "typo"}
-    assert "not supported: response_format " in refused["schema"]
-    assert "not supported: logprobs, tool_choice, tools, top_logprobs " in refused["tools"]
+    assert set(refused) == {"bias", "audio", "typo"}
+    assert "not supported: logit_bias " in refused["bias"]
+    assert "not supported: audio, modalities " in refused["audio"]
     assert "not supported: max_token " in refused["typo"]

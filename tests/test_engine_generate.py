@@ -3,6 +3,8 @@ stop strings, limits, errors and cancellation."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -62,6 +64,27 @@ def test_greedy_matches_transformers(tiny_models, hf_outputs, preset, pressure):
         assert stats["preemptions"] > 0
         assert sum(c.timings.preemptions for c in done.values()) == stats["preemptions"]
         assert stats["kv_blocks_total"] <= stats["kv_blocks_max"]
+
+
+@pytest.mark.parametrize("pressure", [False, True], ids=["roomy", "preempting"])
+def test_greedy_matches_transformers_beside_constrained_requests(tiny_models, hf_outputs, pressure):
+    """Every prompt twice: free (transformers' tokens) and under a JSON schema (a valid record), in shared steps."""
+    path = tiny_models["tiny"]
+    engine = (make_engine(path, kv_cache_memory=64 * kv_block_bytes(path), initial_blocks=8, max_num_batched_tokens=96,
+                          prefill_chunk_size=64, max_num_seqs=32) if pressure else make_engine(path))
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+              "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    grammar = json.dumps({"type": "json_schema", "schema": schema})
+    requests = []
+    for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True)):
+        requests.append(Request(str(i), ids, greedy(n, ignore_eos=False)))
+        requests.append(Request(f"json{i}", ids, SamplingParams(max_new_tokens=40, grammar=grammar)))
+    done = run_all(engine, requests)
+    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny"]
+    for i in range(len(PROMPTS)):
+        record = json.loads(done[f"json{i}"].text)
+        assert set(record) == {"ok", "n"} and 0 <= record["n"] <= 999
+    assert engine.stats()["preemptions"] > 0 or not pressure
 
 
 def test_greedy_matches_transformers_while_latency_targets_cut_bulk_work(tiny_models, hf_outputs):

@@ -103,9 +103,9 @@ class Row:
 def test_a_seeded_row_draws_its_next_token_from_its_count_of_draws():
     logits = torch.randn(1, 300)
     p = SamplingParams(8, temperature=1.0, seed=11)
-    draws = [sample(logits.clone(), sampling_rows([Row(p, n)]))[0] for n in range(40)]
+    draws = [sample(logits.clone(), sampling_rows([Row(p, n)]))[0][0] for n in range(40)]
     other = SamplingParams(8, temperature=1.0)
-    assert draws == [sample(logits.repeat(2, 1), sampling_rows([Row(p, n), Row(other, n)]))[0] for n in range(40)]
+    assert draws == [sample(logits.repeat(2, 1), sampling_rows([Row(p, n), Row(other, n)]))[0][0] for n in range(40)]
     assert len(set(draws)) > 10  # each draw its own number, not one repeated
 
 
@@ -189,7 +189,7 @@ def test_sampling_through_sorted_values_draws_what_the_sorted_permutation_does(v
         logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(rng.randrange(1000))) * 3
         logits = (logits / step).round() * step if step else logits
         logits = logits.to(dtype)
-        assert sample(logits.clone(), sampling_rows(rows)) == sample_from_scratch(logits.clone(), rows)
+        assert sample(logits.clone(), sampling_rows(rows))[0] == sample_from_scratch(logits.clone(), rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -197,7 +197,7 @@ def test_tied_logits_share_their_mass(dtype):
     logits = torch.full((1, 600), -5.0, dtype=dtype)
     logits[0, [3, 250, 599]] = 2.0  # three tokens tie for the top
     rows = [[Row(SamplingParams(1, temperature=1.0, top_k=3, seed=seed), 0)] for seed in range(300)]
-    drawn = [sample(logits.clone(), sampling_rows(row))[0] for row in rows]
+    drawn = [sample(logits.clone(), sampling_rows(row))[0][0] for row in rows]
     counts = Counter(drawn)
     assert set(counts) == {3, 250, 599} and min(counts.values()) > 60, counts
 
@@ -212,7 +212,7 @@ def test_a_tiny_temperature_samples_as_its_limit_greedy(dtype):
     logits = torch.randn(6, 600, generator=torch.Generator().manual_seed(5)).to(dtype) * 20
     for temperature in (1e-40, 1e-30, 1e-8, 5e-324):
         rows = [Row(SamplingParams(4, temperature=temperature, top_p=0.9, seed=i), 0) for i in range(6)]
-        assert sample(logits.clone(), sampling_rows(rows)) == logits.argmax(1).tolist(), temperature
+        assert sample(logits.clone(), sampling_rows(rows))[0] == logits.argmax(1).tolist(), temperature
 
 
 # --- stop strings -----------------------------------------------------------------------------------------------
@@ -363,8 +363,8 @@ def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_mo
         requests.append((Request(str(i), prompt, params), stream))
     run = engine.runner.run
 
-    def scripted(plan):
-        sampled = run(plan).request_ids
+    def scripted(plan, masks=None):
+        sampled = run(plan, masks).request_ids
         drawn = plan.sampling.drawn.tolist()  # tokens each has generated before this step
         return StepResult(sampled, [streams[r][n] for r, n in zip(sampled, drawn, strict=True)])
 

@@ -115,8 +115,8 @@ def test_the_engine_closes_the_think_block_at_the_budget(qwen3_model, tokenizer,
     script = iter([THINK] + [filler] * 100)
     run = engine.runner.run
     # the model's own choices, except that it opens a think block and then only ever says " hmm"
-    def scripted(plan):
-        sampled = run(plan).request_ids
+    def scripted(plan, masks=None):
+        sampled = run(plan, masks).request_ids
         return StepResult(sampled, [next(script) for _ in sampled])
 
     monkeypatch.setattr(engine.runner, "run", scripted)
@@ -183,7 +183,7 @@ def test_repetition_and_presence_penalties_match_their_definitions():
     expected[0] = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 2, 3, 4, 4]]), logits[0:1].clone())[0]
     expected[1, [4, 9]] -= 1.5  # OpenAI's presence penalty: output tokens only, once each
     assert torch.allclose(penalize(logits.clone(), sampling_rows(rows)), expected)
-    assert sample(logits.clone(), sampling_rows(rows)) == expected.argmax(-1).tolist()
+    assert sample(logits.clone(), sampling_rows(rows))[0] == expected.argmax(-1).tolist()
 
 
 def test_vectorized_filters_keep_what_transformers_keeps():
@@ -195,7 +195,7 @@ def test_vectorized_filters_keep_what_transformers_keeps():
     draws = {i: set() for i in range(4)}
     rows = [Row(p, [1], [], seed=None) for p in params]
     for _ in range(300):
-        for i, token in enumerate(sample(logits.clone(), sampling_rows(rows))):
+        for i, token in enumerate(sample(logits.clone(), sampling_rows(rows))[0]):
             draws[i].add(token)
     for i, p in enumerate(params):
         scores = logits[i:i + 1] / p.temperature
@@ -215,9 +215,9 @@ def test_vectorized_filters_keep_what_transformers_keeps():
 def test_seeded_rows_draw_the_same_whatever_their_batch_mates():
     logits = torch.randn(3, 100)
     p = SamplingParams(8, temperature=1.0, top_p=0.9)
-    alone = [sample(logits[:1].clone(), sampling_rows([Row(p, [1], [], seed=7)]))[0] for _ in range(3)]
+    alone = [sample(logits[:1].clone(), sampling_rows([Row(p, [1], [], seed=7)]))[0][0] for _ in range(3)]
     rows = [Row(p, [1], [], seed=7), Row(p, [1], []), Row(SamplingParams(8), [1], [])]
-    mixed = [sample(logits.clone(), sampling_rows(rows))[0] for _ in range(3)]
+    mixed = [sample(logits.clone(), sampling_rows(rows))[0][0] for _ in range(3)]
     assert alone == mixed
 
 

@@ -13,7 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from jobs.schemas import JobIn
 from jobs.settings import Settings
+from jobs.tables import request_hash
 from tests.conftest import API_KEY
 
 MIB = 2**20
@@ -281,3 +283,14 @@ def test_tenants_are_not_shown_which_host_runs_their_job(client, database):
     assert client.get(f"/v1/jobs/{job}", headers=bearer(ADMIN_KEY)).json()["worker"] == "convoq-41@gpu-host-7"
     documented = client.get("/openapi.json").json()["components"]["schemas"]["JobOut"]["properties"]["worker"]
     assert "admin" in documented["description"]
+
+
+def test_a_request_that_uses_none_of_the_later_fields_hashes_as_before_they_existed():
+    """An idempotent request sent again across the deploy that added choices, structured outputs, logprobs and
+    tools still matches the hash stored for it (the value computed before they existed); using one of them does
+    make it another request."""
+    plain = dict(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], priority=7,
+                 idempotency_key="k1", sampling={"temperature": 0.5, "stop": ["x"]})
+    assert request_hash(JobIn(**plain)) == "db077f6c8cfca68db2cd3f5db0b2b42a37a0c87627fb4b75465df4becd296e62"
+    for later in ({"n": 2}, {"logprobs": True}, {"response_format": {"type": "json_object"}}):
+        assert request_hash(JobIn(**plain, **later)) != request_hash(JobIn(**plain))

@@ -21,16 +21,18 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import datetime
 
 from engine.core.output_text import cut_at_stop
-from engine.interface import Completion, EngineRunner, Request, TokensCallback
+from engine.interface import Completion, EngineRunner, Request, SamplingParams, TokensCallback
 from jobs.chat import Chat, encode_chat, thinking_of
 from jobs.model_source import resolve_model
 from jobs.queues import is_interactive
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import as_utc, utcnow
+from jobs.tool_calls import template_tools
 from worker.sampling import OURS, sampling_defaults, sampling_params
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ class JobRun:
         self.on_tokens = on_tokens
         self.thinking = thinking_of(job, bridge.default_thinking)
         self.interactive = is_interactive(job.priority, bridge.settings)
-        self.sampling = sampling_params(job, bridge.sampling_defaults)
+        self.sampling = sampling_params(job, bridge.sampling_defaults, self.thinking)
         self.stopped: str | None = None  # "cancelled" or "expired" once stopped
         self._give_up_at = float("inf")  # once stopped: when to stop waiting for the engine
         # request id -> (the future handed out, its prompt's length, the tokens seen streaming so far)
@@ -75,14 +77,43 @@ class JobRun:
     def context(self) -> int:
         return self.bridge.context
 
-    def prompt_ids(self, chat: Chat) -> list[int]:
-        return self.bridge.prompt_ids(chat, self.thinking, self.interactive)
+    @property
+    def tokenizer(self) -> object:
+        return self.bridge.tokenizer
 
-    def submit(self, part: str | None, prompt_ids: list[int], stream: bool = False) -> Future[Completion]:
+    def prompt_ids(self, chat: Chat) -> list[int]:
+        return self.bridge.prompt_ids(chat, self.thinking, self.interactive, template_tools(self.job))
+
+    def submit(self, part: str | None, prompt_ids: list[int], stream: bool = False,
+               free: bool = False) -> Future[Completion]:
         """Run one prompt of the job: `part` None is the job's only request, else the request `JOB:part`.
-        With `stream`, the run's `on_tokens` sees its output as it grows."""
+        With `stream`, the run's `on_tokens` sees its output as it grows. `free`: the output is not the job's
+        answer (a summary's part), so it runs without the answer's grammar and log-probabilities."""
         request_id = self.job_id if part is None else f"{self.job_id}:{part}"
-        request = Request(request_id=request_id, prompt_ids=prompt_ids, sampling=self.sampling,
+        streamer = self._streamer(request_id) if stream else None
+        sampling = replace(self.sampling, grammar=None, grammar_after_think=False, logprobs=None) if free \
+            else self.sampling
+        return self._submit(request_id, prompt_ids, sampling, streamer)
+
+    def choices(self, prompt_ids: list[int]) -> list[Future[Completion]]:
+        """The job's `n` answers to one prompt: choice 0 is the request `JOB` and streams, choice i the request
+        `JOB:i`, sampled with seed + i when the job has a seed (so each choice is reproducible). The others go
+        in once choice 0's prompt is in the engine's prefix cache (its first tokens came, or it ended), so that
+        the prompt is computed once; with no prefix cache to wait for, at once."""
+        prefilled = threading.Event()
+        first = self._submit(self.job_id, prompt_ids, self.sampling, self._streamer(self.job_id, prefilled))
+        if self.job.n > 1 and self.bridge.prefix_cache:
+            first.add_done_callback(lambda _: prefilled.set())
+            prefilled.wait()
+        seed, futures = self.sampling.seed, [first]
+        for i in range(1, self.job.n):
+            sampling = self.sampling if seed is None else replace(self.sampling, seed=(seed + i) % 2**63)
+            futures.append(self._submit(f"{self.job_id}:{i}", prompt_ids, sampling, None))
+        return futures
+
+    def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                on_tokens: TokensCallback | None) -> Future[Completion]:
+        request = Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling,
                           priority=self.job.priority, interactive=self.interactive,
                           conversation_id=self.job.conversation_id,
                           arrival=self.arrival, deadline=self.deadline)
@@ -94,7 +125,7 @@ class JobRun:
             self._pending[request_id] = (future, len(prompt_ids), [])
         try:
             # not under the lock: a restarting engine makes a submit wait, and a stop must not wait with it
-            engine_future = self.bridge.runner.submit(request, self._streamer(request_id) if stream else None)
+            engine_future = self.bridge.runner.submit(request, on_tokens)
         except BaseException:
             with self._lock:
                 self._pending.pop(request_id, None)
@@ -135,13 +166,16 @@ class JobRun:
         for request_id in in_flight:
             self.bridge.runner.cancel(request_id, reason)
 
-    def _streamer(self, request_id: str) -> TokensCallback:
-        """The run's `on_tokens`, keeping what streamed in: the text a run the engine never stops ends with."""
+    def _streamer(self, request_id: str, seen: threading.Event | None = None) -> TokensCallback:
+        """The run's `on_tokens`, keeping what streamed in: the text a run the engine never stops ends with.
+        `seen` is set once tokens came (called on the engine's thread: nothing that waits may run there)."""
 
         def on_tokens(tokens: list[int]) -> None:
             with self._lock:
                 if (entry := self._pending.get(request_id)) is not None:
                     entry[2][:] = tokens
+            if seen is not None:
+                seen.set()
             if self.on_tokens is not None:
                 self.on_tokens(tokens)
 
@@ -169,6 +203,9 @@ class Bridge:
         self.settings = settings
         self.default_thinking = settings.default_thinking
         self.sampling_defaults = sampling_defaults
+        # whether the engine keeps a computed prompt for the next request to reuse (transformers' keeps nothing):
+        # then a job's further choices wait for the first's prompt, else they start with it
+        self.prefix_cache = settings.backend != "hf" and getattr(settings, "enable_prefix_cache", True)
         # Bulk jobs render and tokenize their prompts one at a time. A batch starts a hundred of them at once,
         # and that much Python at once would starve everything else in this process of the GIL: an engine
         # thread here (stalling every step), or the threads that hand interactive work to an engine process.
@@ -195,10 +232,10 @@ class Bridge:
     def context(self) -> int:
         return self.runner.max_model_len
 
-    def prompt_ids(self, chat: Chat, thinking: bool, interactive: bool) -> list[int]:
-        """`chat` (a prompt of a job) as token ids."""
+    def prompt_ids(self, chat: Chat, thinking: bool, interactive: bool, tools: list[dict] | None = None) -> list[int]:
+        """`chat` (a prompt of a job that shows the model `tools`) as token ids."""
         with nullcontext() if interactive else self._bulk_prompts:
-            return encode_chat(self.runner.tokenizer, chat, thinking)
+            return encode_chat(self.runner.tokenizer, chat, thinking, tools)
 
     @contextmanager
     def run(self, job_id: str, job: JobIn, created_at: datetime, deadline_at: datetime | None = None,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.interface import Completion
 from jobs.chat import split_reasoning
+from jobs.tool_calls import ToolUse, parse
+from worker.logprobs import openai_logprobs
 
 # finish reasons of a job stopped before it ended by itself: its text so far is kept as its result
 STOPPED = ("cancelled", "expired")
@@ -22,15 +24,40 @@ class Outcome:
     chunks: int = 1  # transcript chunks summarized (map-reduce)
     levels: int = 1  # summarization levels, the final combine included
     reasoning: str | None = None  # with thinking: the reasoning; the completion's text is then the answer
+    logprobs: list[dict] | None = None  # asked for: OpenAI's `logprobs.content` of the answer
+    tool_calls: list[dict] | None = None  # OpenAI's `tool_calls` the answer made; the completion's text is the rest
+    # a job with `n` > 1: choices 1..n-1 (this outcome is choice 0; its timings are the job's, `merged_timings`)
+    choices: list[Outcome] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> Completion:
+        """The completion the job ends as: its first choice that did not finish (failed or stopped; its error
+        names the choice), else choice 0."""
+        for i, outcome in enumerate([self, *self.choices]):
+            c = outcome.completion
+            if not c.ok:
+                return replace(c, error=f"choice {i}: {c.error}") if i and c.error else c
+        return self.completion
+
+    @property
+    def completion_tokens(self) -> int:
+        """Every token the job generated, all its choices' (what OpenAI's usage counts)."""
+        return sum(len(outcome.completion.token_ids) for outcome in [self, *self.choices])
 
     @classmethod
-    def answered(cls, completion: Completion, engine_ms: float, thinking: bool, **counts: int) -> Outcome:
-        """With thinking, the reasoning kept apart from the answer."""
-        reasoning = None
+    def answered(cls, completion: Completion, engine_ms: float, thinking: bool, tokenizer: object | None = None,
+                 tools: ToolUse | None = None, **counts: int) -> Outcome:
+        """With thinking, the reasoning kept apart from the answer; with `tools`, the calls it made apart from its
+        text. `tokenizer` spells the tokens of a completion with logprobs."""
+        reasoning, tool_calls = None, None
+        logprobs = openai_logprobs(tokenizer, completion, thinking)
         if thinking:
             reasoning, answer = split_reasoning(completion.text)
             completion = replace(completion, text=answer)
-        return cls(completion, engine_ms, reasoning=reasoning, **counts)
+        if tools is not None:
+            text, tool_calls = parse(completion.text, tools)
+            completion = replace(completion, text=text)
+        return cls(completion, engine_ms, reasoning=reasoning, logprobs=logprobs, tool_calls=tool_calls, **counts)
 
     @classmethod
     def failed(cls, request_id: str, error: str, engine_ms: float = 0.0) -> Outcome:

@@ -29,8 +29,9 @@ from engine.interface import Completion
 from jobs.batch_settle import settle_batch
 from jobs.clock import db_now
 from jobs.db import insert_ignore
-from jobs.schemas import JobIn, JobStatus
+from jobs.schemas import INVALID_REQUEST, JobIn, JobStatus
 from jobs.tables import Job, Result, Run, Timing, as_utc, utcnow
+from jobs.tool_calls import finish_reason
 from worker.outcome import STOPPED, Outcome
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ def finished_status(completion: Completion) -> JobStatus:
 def timing_row(claimed: Claimed, outcome: Outcome, worker: str, now: datetime) -> dict:
     """The job's timings: queue wait and time to first token count from the job's creation (the engine's clock
     starts there: `Bridge.submit`)."""
-    c, t = outcome.completion, outcome.completion.timings
+    t = outcome.completion.timings
     busy_s = (t.prefill_ms + t.decode_ms) / 1e3
     return dict(
         job_id=claimed.job_id,
@@ -359,7 +360,7 @@ def timing_row(claimed: Claimed, outcome: Outcome, worker: str, now: datetime) -
         decode_ms=t.decode_ms,
         engine_ms=outcome.engine_ms,
         end_to_end_ms=ms_between(claimed.created_at, now),
-        tokens_per_s=len(c.token_ids) / busy_s if busy_s > 0 else 0.0,
+        tokens_per_s=outcome.completion_tokens / busy_s if busy_s > 0 else 0.0,
         engine_step=f"{worker}:{t.first_step}" if t.first_step >= 0 else None,
         batch_size=t.batch_size,
         prompt_tokens_reused=t.prompt_tokens_reused,
@@ -372,11 +373,19 @@ def store(sessions: sessionmaker[Session], claimed: Claimed, outcome: Outcome, w
     return store_many(sessions, [(claimed, outcome)], worker)[0]
 
 
-def _result_row(claimed: Claimed, outcome: Outcome, now: datetime) -> dict:
+def _choice(outcome: Outcome) -> dict:
+    """One answer as stored: a result row's own columns (choice 0), or an entry of its `choices`."""
     c = outcome.completion
-    return dict(job_id=claimed.job_id, text=storable(c.text),
-                reasoning=None if outcome.reasoning is None else storable(outcome.reasoning),
-                prompt_tokens=c.prompt_tokens, completion_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+    reasoning = None if outcome.reasoning is None else storable(outcome.reasoning)
+    return dict(text=storable(c.text), reasoning=reasoning, completion_tokens=len(c.token_ids),
+                finish_reason=finish_reason(c.finish_reason, outcome.tool_calls), logprobs=outcome.logprobs,
+                tool_calls=outcome.tool_calls)
+
+
+def _result_row(claimed: Claimed, outcome: Outcome, now: datetime) -> dict:
+    return dict(_choice(outcome), job_id=claimed.job_id, prompt_tokens=outcome.completion.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                choices=[_choice(choice) for choice in outcome.choices] or None,
                 created_at=now, chunks=outcome.chunks, levels=outcome.levels)
 
 
@@ -407,7 +416,7 @@ def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcom
             before = {job_id for job_id, status in held if status != RUNNING}  # this write, tried before
             stored, result_rows, timing_rows, finished, refused = [], [], [], [], []
             for claimed, outcome in done:
-                c = outcome.completion
+                c = outcome.verdict
                 status = finished_status(c)
                 timing = timing_row(claimed, outcome, worker, now) if c.ok else None
                 if claimed.job_id not in live:
@@ -421,6 +430,8 @@ def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcom
                 if c.ok or c.finish_reason in STOPPED:  # a stopped job keeps the text it had
                     result_rows.append(_result_row(claimed, outcome, now))
                 error = c.error or STOPPED_ERRORS.get(c.finish_reason)
+                if status == JobStatus.failed and error:  # the request's fault: the engine's own were retried
+                    error = INVALID_REQUEST + error
                 finished.append(dict(job=claimed.job_id, lease=claimed.lease, new_status=status.value,
                                      new_error=error and storable(error), now=now))
                 stored.append(Stored(status, timing))

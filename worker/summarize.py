@@ -4,7 +4,9 @@ A transcript whose prompt fits (context minus the output budget) is summarized i
 one is split on turn boundaries into chunks that fit (a single turn too long for a chunk is split on
 word boundaries, or between characters where it has no spaces), each chunk is summarized, and the partial summaries are combined, again in chunks if
 they do not fit together, until one summary remains. Nothing is truncated: a transcript that cannot be
-reduced within the budget fails with a clear error instead.
+reduced within the budget fails with a clear error instead. A job's `response_format` and logprobs are its
+answer's: the parts and the combines before the last run free, and only the final summary (the one request,
+or the last combine) is constrained.
 """
 
 from __future__ import annotations
@@ -73,14 +75,20 @@ def plan_chunks(turns: Turns, fits: Callable[[Turns], bool]) -> list[Turns]:
 
 def merge(levels: list[list[Completion]], final: Completion) -> Completion:
     """One completion for the job: the final text, with the requests of every level (parts, then combines, the
-    last being `final`) folded into one. Prefill and decode are the job's wall time in them: a level's requests
-    run side by side, so each level counts the request that ended last, and the levels, one after the other,
-    add up (their sum would count the parts' overlapping time many times over). Every request counts its
-    waiting from the job's creation, so the final one's first token is the job's."""
+    last being `final`) folded into one (`merged_timings`)."""
     completions = [c for level in levels for c in level]
-    t = [c.timings for c in completions]
+    return replace(final, prompt_tokens=sum(c.prompt_tokens for c in completions),
+                   timings=merged_timings(levels, final))
+
+
+def merged_timings(levels: list[list[Completion]], final: Completion) -> Timings:
+    """The timings of a job's requests as one: levels of requests run side by side, one level after the other,
+    the job's answer being `final`'s. Prefill and decode are the job's wall time in them: each level counts the
+    request that ended last, and the levels add up (their sum would count overlapping time many times over).
+    Every request counts its waiting from the job's creation, so the final one's first token is the job's."""
+    t = [c.timings for level in levels for c in level]
     last = [max(level, key=lambda c: c.timings.ttft_ms + c.timings.decode_ms).timings for level in levels]
-    timings = Timings(
+    return Timings(
         queue_wait_ms=min(x.queue_wait_ms for x in t),
         ttft_ms=final.timings.ttft_ms,
         prefill_ms=sum(x.prefill_ms for x in last),
@@ -91,7 +99,6 @@ def merge(levels: list[list[Completion]], final: Completion) -> Completion:
         first_step=final.timings.first_step,
         preemptions=sum(x.preemptions for x in t),
     )
-    return replace(final, prompt_tokens=sum(c.prompt_tokens for c in completions), timings=timings)
 
 
 def summarize(run: JobRun) -> Outcome:
@@ -106,7 +113,7 @@ def summarize(run: JobRun) -> Outcome:
         return lambda turns: len(run.prompt_ids(make_chat(turns))) <= budget
 
     def run_all(chats: list[Chat], level: int, final: bool = False) -> list[Completion]:
-        futures: list[Future] = [run.submit(f"{level}:{i}", run.prompt_ids(chat), stream=final)
+        futures: list[Future] = [run.submit(f"{level}:{i}", run.prompt_ids(chat), stream=final, free=not final)
                                  for i, chat in enumerate(chats)]
         return [f.result() for f in futures]
 
@@ -122,7 +129,7 @@ def summarize(run: JobRun) -> Outcome:
     whole = chat_for(job)
     if len(run.prompt_ids(whole)) <= budget:
         [completion] = run_all([whole], 1, final=True)
-        return Outcome.answered(completion, (time.monotonic() - started) * 1e3, run.thinking)
+        return Outcome.answered(completion, (time.monotonic() - started) * 1e3, run.thinking, run.tokenizer)
 
     try:
         # sized with a two-digit part header: the real header is never longer
@@ -143,7 +150,7 @@ def summarize(run: JobRun) -> Outcome:
             if not final.ok:
                 return failed(final, "combining the summaries failed")
             return Outcome.answered(merge([*levels, [final]], final), (time.monotonic() - started) * 1e3,
-                                    run.thinking, chunks=len(chunks), levels=level)
+                                    run.thinking, run.tokenizer, chunks=len(chunks), levels=level)
         groups = plan_chunks(as_turns, combine_fits)
         if len(groups) >= len(summaries):
             return _too_long(run.job_id, "the partial summaries do not fit together two at a time; lower "

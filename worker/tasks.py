@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from celery import Celery
@@ -32,6 +32,7 @@ from jobs.queues import TASK_RUN_JOB, home_tag
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
+from jobs.tool_calls import tool_use
 from worker import results
 from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
@@ -43,19 +44,25 @@ from worker.progress import ProgressPublisher
 from worker.reconciler import Reconciler, hand_back
 from worker.shutdown import Shutdown
 from worker.solo import Solo
-from worker.summarize import summarize
+from worker.summarize import merged_timings, summarize
 
 log = logging.getLogger(__name__)
 
 
 def reply(run: JobRun) -> Outcome:
-    """A chat job: one request, its prompt and output within the model's context; its text streams."""
+    """A chat job: a request per choice (`n`), its prompt and output within the model's context; choice 0's
+    text streams, and its outcome holds the others, with the timings of all of them as the job's."""
     start = time.monotonic()
     prompt = run.prompt_ids(chat_for(run.job))
     if problem := chat_problem(len(prompt), run.job.sampling.max_new_tokens, run.context):
         return Outcome.failed(run.job_id, problem)
-    completion = run.submit(None, prompt, stream=True).result()
-    return Outcome.answered(completion, (time.monotonic() - start) * 1e3, run.thinking)
+    first, *others = completions = [future.result() for future in run.choices(prompt)]
+    engine_ms = (time.monotonic() - start) * 1e3
+    first = replace(first, timings=merged_timings([completions], first))
+    tools = tool_use(run.job)
+    outcome = Outcome.answered(first, engine_ms, run.thinking, run.tokenizer, tools)
+    outcome.choices = [Outcome.answered(c, engine_ms, run.thinking, run.tokenizer, tools) for c in others]
+    return outcome
 
 
 # how each kind of job runs on the bridge
@@ -245,21 +252,22 @@ def run_claimed(ctx: WorkerContext, claimed: results.Claimed) -> None:
                 if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
                     run.stop(SHUTDOWN)
                 outcome = RUN_BY_KIND[claimed.job.kind](run)
-            if outcome.completion.finish_reason == SHUTDOWN:
+            verdict = outcome.verdict
+            if verdict.finish_reason == SHUTDOWN:
                 hand_back_at_shutdown(ctx, claimed)
                 return
-            if outcome.completion.finish_reason == LEASE_LOST:  # what it did is not this run's to write
+            if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
                 if not results.give_back(ctx.sessions, claimed):
                     ctx.metrics.refused()
                 return
-            if outcome.completion.retryable:
-                raise RuntimeError(outcome.completion.error)
+            if verdict.retryable:
+                raise RuntimeError(verdict.error)
             stored = ctx.store((claimed, outcome))
             if not stored.applied:
                 ctx.metrics.refused()
                 return
             ctx.progress.status(job_id, stored.status)
-            ctx.metrics.observe(claimed.job.priority, stored, len(outcome.completion.token_ids))
+            ctx.metrics.observe(claimed.job.priority, stored, outcome.completion_tokens)
         except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
             hand_back_stalled(ctx, claimed)
         except Reject:

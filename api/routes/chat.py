@@ -3,7 +3,10 @@
 The request becomes a job like any other (stored, published, run by a worker at its priority: interactive
 unless the `X-Convoq-Priority` header or `metadata.priority` says otherwise) and the answer waits for it.
 With `stream: true` the text comes as `chat.completion.chunk` events while it is generated (the job's
-progress stream; with thinking, the reasoning as `delta.reasoning_content`). A client that goes away before
+progress stream; with thinking, the reasoning as `delta.reasoning_content`; with `logprobs`, the answer's come
+whole in the chunk that finishes it, as that stream carries text, not tokens; with tools, the text before the
+first `<tool_call>` streams and the calls come parsed, each whole in a `delta.tool_calls` chunk, once the job
+ended). A client that goes away before
 the answer cancels its job. A waiting chat, streamed or not, counts as a stream against the bounds of
 `api.hub.Hub` (429 past them, before anything is stored).
 """
@@ -26,18 +29,18 @@ from api.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDe
 from api.errors import openai_error
 from api.events import EventStream, follow, stored_text
 from api.json_body import BoundedJsonRoute
-from api.openai_objects import chat_completion, chunk, usage
+from api.openai_objects import chat_completion, chunk, logprobs, tool_call_deltas, usage
 from api.priority import chosen_priority
 from api.service.jobs import Unrunnable, cancel, enqueue, load
 from jobs.chat import split_reasoning, thinking_of
-from jobs.schemas import JobOut, JobStatus, PriorityMetadata, metadata_priority
+from jobs.schemas import JobOut, JobStatus, PriorityMetadata, metadata_priority, request_problem
+from jobs.tool_calls import stream_stops
 
 router = APIRouter(prefix="/v1/chat", tags=["openai"], responses=V1_ERRORS, route_class=BoundedJsonRoute)
 
 
 class ChatCompletionRequest(OpenAIBody):
     model: str
-    n: int = 1  # checked in the route: OpenAI answers a 400 for what it cannot do
     stream: bool = False
     stream_options: dict | None = None
     metadata: PriorityMetadata = None
@@ -88,8 +91,9 @@ class Deltas:
 @router.post("/completions", responses={
     200: {"description": "A `chat.completion`, or with `stream` its `chat.completion.chunk`s as Server-Sent Events",
           "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}},
-    **errors(e400="A field we cannot honour, or a prompt the model cannot take (too long, or refused by its chat "
-                  "template)", e404="The model is not served here",
+    **errors(e400="A field we cannot honour, a prompt the model cannot take (too long, or refused by its chat "
+                  "template), or a response_format schema that is invalid or that the grammar compiler cannot "
+                  "take", e404="The model is not served here",
              e409="The job was cancelled or expired", e500="The job failed",
              e429="Rate limited, too many unfinished jobs, or too many streams of this key or of this process "
                   "(CONVOQ_MAX_STREAMS_PER_KEY, CONVOQ_MAX_STREAMS; see Retry-After)")})
@@ -106,13 +110,14 @@ async def chat_completions(
     x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
         ge=0, le=9, description="0..9, 9 most urgent; before `metadata.priority`; interactive by default")] = None,
 ):
-    """OpenAI's chat completions (`n` = 1). Sampling fields as in a batch line; unset ones take the model's
-    defaults. Answers a `chat.completion`, or with `stream` its chunks as Server-Sent Events."""
+    """OpenAI's chat completions (`n` up to 8; with `stream`, 1). Sampling fields as in a batch line; unset ones
+    take the model's defaults. Answers a `chat.completion`, or with `stream` its chunks as Server-Sent Events."""
     if body.model != settings.model:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"model {body.model!r} is not served here; GET /v1/models "
                                                        "lists the one that is")
-    if body.n != 1:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"n must be 1 (one choice per request), not {body.n}")
+    if body.stream and body.n > 1:  # a job's progress events follow one text: its choice 0's
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"stream takes n = 1 only, not {body.n}: ask for the "
+                                                         "choices without stream")
     try:
         priority = chosen_priority(x_convoq_priority, metadata_priority(body.metadata), settings.interactive_priority)
         job_in = openai_job(body, priority)
@@ -128,7 +133,8 @@ async def chat_completions(
         release()
         raise
     completion_id = f"chatcmpl-{job_id.hex}"
-    events = follow(hub, lambda i: load(sessions, i, caller), job_id, job_in.sampling.stop, with_text=body.stream)
+    stops = stream_stops(job_in.sampling.stop, job_in.tools, job_in.tool_choice)
+    events = follow(hub, lambda i: load(sessions, i, caller), job_id, stops, with_text=body.stream)
 
     def give_up() -> None:
         cancel(sessions, celery, job_id, caller)
@@ -144,11 +150,20 @@ async def chat_completions(
     if job is None:
         await run_in_threadpool(give_up)
         raise HTTPException(499, "the client went away; its job was cancelled")
-    if job.status == JobStatus.failed:
-        raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, f"the job failed: {job.error}")
     if job.status != JobStatus.succeeded:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"the job ended {job.status.value}: {job.error}")
+        raise HTTPException(*_unsuccessful(job))
     return chat_completion(completion_id, int(job.created_at.timestamp()), body.model, job.result)
+
+
+def _unsuccessful(job: JobOut) -> tuple[int, str]:
+    """The status and message that answer a job that did not succeed: one its request made fail (a prompt over
+    the context, a schema the grammar compiler cannot take) is OpenAI's 400, a failure of the service a 500, a
+    cancel or an expiry a 409."""
+    if job.status != JobStatus.failed:
+        return status.HTTP_409_CONFLICT, f"the job ended {job.status.value}: {job.error}"
+    if (problem := request_problem(job.error)) is not None:
+        return status.HTTP_400_BAD_REQUEST, problem
+    return status.HTTP_500_INTERNAL_SERVER_ERROR, f"the job failed: {job.error}"
 
 
 def _data(obj: dict | str) -> bytes:
@@ -172,14 +187,16 @@ async def _stream(events: AsyncIterator, deltas: Deltas, completion_id: str, mod
             elif event.event == "result":
                 finished, job = True, event.job
                 if job.status != JobStatus.succeeded:
-                    code = 500 if job.status == JobStatus.failed else 409
-                    yield _data({"error": openai_error(code, f"the job ended {job.status.value}: {job.error}")})
+                    yield _data({"error": openai_error(*_unsuccessful(job))})
                     break
                 result = job.result
                 # the stored text is final (stop strings cut, the reasoning split off): send what is still missing
                 if delta := deltas(stored_text(result)):
                     yield _data(chunk(completion_id, created, model, delta))
-                yield _data(chunk(completion_id, created, model, {}, result.finish_reason))
+                if calls := tool_call_deltas(result):
+                    yield _data(chunk(completion_id, created, model, {"tool_calls": calls}))
+                # the progress events carry text, not tokens: the answer's logprobs come whole, with the finish
+                yield _data(chunk(completion_id, created, model, {}, result.finish_reason, logprobs(result)))
                 if include_usage:
                     yield _data({**chunk(completion_id, created, model, {}), "choices": [], "usage": usage(result)})
                 break

@@ -19,6 +19,7 @@ from jobs.publish import publish
 from jobs.schemas import JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut
 from jobs.settings import ApiKey, Settings
 from jobs.tables import Job, Result, Timing, job_row, utcnow
+from jobs.tool_calls import stream_stops
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,15 @@ def cancel(sessions: sessionmaker[Session], celery: Celery, job_id: UUID, caller
 
 
 def stop_strings(sessions: sessionmaker[Session], job_id: UUID, caller: ApiKey) -> list[str] | None:
-    """The job's stop strings (a stream holds back what may become one); None if there is no such job (or it is
-    another tenant's)."""
+    """What a stream of the job holds back: what may become one of its stop strings, and its tool calls
+    (`jobs.tool_calls.stream_stops`); None if there is no such job (or it is another tenant's)."""
+    payload = Job.payload
     with sessions() as session:
-        found = session.execute(select(Job.tenant, Job.payload["sampling"]["stop"]).where(Job.id == job_id)).first()
+        found = session.execute(select(Job.tenant, payload["sampling"]["stop"], payload["tools"], payload["tool_choice"])
+                                .where(Job.id == job_id)).first()
     if found is None or not sees(caller, found[0]):
         return None
-    return list(found[1] or [])
+    return stream_stops(found[1] or [], found[2], found[3])
 
 
 STATUS_ROWS = 5000  # ids per statement

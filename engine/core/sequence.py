@@ -42,6 +42,11 @@ class Sequence:
         self.last_step = -1  # the scheduler's last step that ran this sequence
         self.interactive = request.interactive
         self.think_block_tokens: int | None = None  # tokens in its open <think> block; None: no block open
+        # its grammar's matcher (`engine.grammar`), which follows every token it outputs; it constrains the
+        # sampling once `constrained` (at once, or after the reasoning's `</think>`)
+        self.matcher = None
+        self.constrained = False
+        self.logprobs: list | None = [] if self.params.logprobs is not None else None  # one per output token
         self.timings = Timings()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +14,7 @@ from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.dense_decode import DenseDecodeKV
 from engine.model.qwen3 import Qwen3ForCausalLM
 from engine.model.sampler import sample
-from engine.step import StepPlan, StepResult
+from engine.step import StepPlan, StepResult, TokenMasks
 from kernels.dispatch import Ops
 
 
@@ -54,15 +55,18 @@ class ModelRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepResult:
-        """Computes the plan's new tokens; returns the next token of each row that reached its request's end."""
+    def run(self, plan: StepPlan, masks: Callable[[], TokenMasks | None] | None = None) -> StepResult:
+        """Computes the plan's new tokens; returns the next token of each row that reached its request's end.
+        `masks` gives the constrained rows' grammar masks: called once the forward is queued on the device, so
+        that on a GPU they are filled while it runs."""
         step = self.pack(plan)
         hidden = self.forward(step)
         if not len(plan.sample_rows):
             return StepResult([], [])
         last = torch.from_numpy(step.last_tokens(plan.sample_rows)).to(self.device)
         logits = self.model.compute_logits(hidden[last])
-        return StepResult(plan.sample_ids, sample(logits, plan.sampling))
+        tokens, logprobs = sample(logits, plan.sampling, masks() if masks is not None else None)
+        return StepResult(plan.sample_ids, tokens, logprobs)
 
     def pack(self, plan: StepPlan) -> PackedStep:
         """The step's inputs on the host. Where dense rows serve the decodes, those come in the rows' order."""

@@ -1,6 +1,6 @@
 """Next tokens from last-position logits, every row at once.
 
-Penalties first (transformers' repetition penalty over prompt and output, OpenAI's presence penalty over the
+A grammar's mask first (tokens it forbids at -inf, on the logits' device), then penalties (transformers' repetition penalty over prompt and output, OpenAI's presence penalty over the
 output), then greedy rows (a temperature under `GREEDY_BELOW`) take the argmax and sampled rows are scaled by
 their temperature, filtered by top-k, top-p and min-p in that order (transformers' warpers) and all drawn in one
 call by inverting their cumulative distribution. A seeded row's uniform number comes from a counter-based hash of (seed, tokens drawn
@@ -9,6 +9,10 @@ so far), so its draws never depend on its batch-mates, pre-emptions or the devic
 On the CPU, sorting, selecting and argmax go through numpy, many times faster than torch on rows this short;
 only sorted values are computed there (4x cheaper than indices) and the drawn rank's column is looked up
 afterwards, tied logits keeping a rank each as a sort by column would give them.
+
+Rows that ask for log-probabilities get them from the masked, penalized logits, before temperature and
+filters (what the model and the constraints make of each token, as vLLM reports by default); the others cost
+nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.interface import SamplingParams
-from engine.step import SamplingInputs
+from engine.interface import SamplingParams, TokenLogprobs
+from engine.step import SamplingInputs, TokenMasks
 
 MASK32 = 0xFFFFFFFF
 # numpy sorts rows up to about this long faster than it selects their top values; longer rows are partitioned
@@ -151,16 +155,47 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], drawn: np.ndarray)
     return column_at(scaled, ranked, order, ranks)
 
 
-def sample(logits: torch.Tensor, rows: SamplingInputs) -> list[int]:
-    """One token per row of `logits [rows, vocab]` (fp32)."""
+def mask(logits: torch.Tensor, masks: TokenMasks) -> None:
+    """Forbidden tokens of the constrained rows to -inf, in place (xgrammar's kernel for the device)."""
+    import xgrammar  # only steps with a constrained row get here
+
+    xgrammar.apply_token_bitmask_inplace(logits, masks.bitmask.to(logits.device, non_blocking=True),
+                                         indices=masks.rows)
+
+
+def sample(logits: torch.Tensor, rows: SamplingInputs, masks: TokenMasks | None = None
+           ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    """One token per row of `logits [rows, vocab]` (fp32), and the rows' log-probabilities (None when no row
+    asked for them)."""
+    if masks is not None:
+        mask(logits, masks)
     logits = penalize(logits, rows)
     params = rows.params
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
-        return argmax(logits).tolist()
-    if len(sampled) == len(params):
-        return _draw(logits, params, rows.drawn).tolist()
-    tokens = argmax(logits)
-    draws = _draw(logits[sampled], [params[i] for i in sampled], rows.drawn[sampled])
-    tokens[sampled] = draws.to(tokens.device)
-    return tokens.tolist()
+        tokens = argmax(logits)
+    elif len(sampled) == len(params):
+        tokens = _draw(logits, params, rows.drawn)
+    else:
+        tokens = argmax(logits)
+        tokens[sampled] = _draw(logits[sampled], [params[i] for i in sampled], rows.drawn[sampled]).to(tokens.device)
+    tokens = tokens.tolist()
+    return tokens, logprobs(logits, tokens, params)
+
+
+def logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None] | None:
+    """Per row that asks (`logprobs` not None), the log-probability of its token and of its `logprobs` most likely
+    ones; None when no row asks."""
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not asking:
+        return None
+    logp = torch.log_softmax(logits[asking].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor([tokens[i] for i in asking], device=logits.device)[:, None])[:, 0].tolist()
+    widest = max(params[i].logprobs for i in asking)
+    top_values, top_ids = logp.topk(widest) if widest else (logp[:, :0], logp[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for j, i in enumerate(asking):
+        k = params[i].logprobs
+        out[i] = (chosen[j], list(zip(top_ids[j][:k], top_values[j][:k], strict=True)))
+    return out
