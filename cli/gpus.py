@@ -1,7 +1,9 @@
-"""`convoq worker --gpus all|0,1,...`: one worker process per GPU of a host, each pinned to its GPU.
+"""`convoq worker --gpus all|0,1,...`: one worker process per GPU of a host (per group of N GPUs with
+`CONVOQ_TENSOR_PARALLEL=N`), each pinned to its GPUs.
 
 Each worker is a process of its own (`convoq worker` without `--gpus`), started with `CUDA_VISIBLE_DEVICES` set
-to its GPU, so that its engine's `cuda` is that GPU and nothing else on the host; it has its own Celery node
+to its GPU (or its group's, in order: its tensor-parallel rank r takes the r-th), so that its engine's `cuda` is
+that GPU and nothing else on the host; it has its own Celery node
 name (`convoq-<pid>@<host>`) and its own metrics port (`CONVOQ_WORKER_METRICS_PORT` plus its index). This
 process supervises them: a worker that exits (its engine died) is started again after a pause, and a SIGTERM or
 SIGINT is passed on to every worker, whose warm shutdown then runs as it would alone; it exits when they have.
@@ -44,13 +46,18 @@ def visible_gpus() -> int:
 
 @dataclass
 class Placement:
-    gpu: str  # CUDA_VISIBLE_DEVICES of the worker
+    gpu: str  # CUDA_VISIBLE_DEVICES of the worker: one id, or its tensor-parallel group's, comma-separated
     metrics_port: int  # 0: not served
 
 
-def placements(gpus: list[str], metrics_port: int) -> list[Placement]:
-    """One worker per GPU, each with its own metrics port (none when the base port is 0)."""
-    return [Placement(gpu, metrics_port + i if metrics_port else 0) for i, gpu in enumerate(gpus)]
+def placements(gpus: list[str], metrics_port: int, per_worker: int = 1) -> list[Placement]:
+    """One worker per `per_worker` GPUs (its tensor-parallel group, in the order given), each with its own
+    metrics port (none when the base port is 0)."""
+    if len(gpus) % per_worker:
+        raise ValueError(f"--gpus names {len(gpus)} GPUs, which CONVOQ_TENSOR_PARALLEL={per_worker} does not split "
+                         f"into groups of {per_worker}")
+    groups = [",".join(gpus[i:i + per_worker]) for i in range(0, len(gpus), per_worker)]
+    return [Placement(group, metrics_port + i if metrics_port else 0) for i, group in enumerate(groups)]
 
 
 class Supervisor:

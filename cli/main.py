@@ -42,7 +42,8 @@ def worker(
     queues: Annotated[str | None, typer.Option(help="comma-separated, most urgent first")] = None,
     loglevel: str = "info",
     gpus: Annotated[str | None, typer.Option(
-        help="`all` or GPU ids (0,1,...): one worker process per GPU, each pinned to its own")] = None,
+        help="`all` or GPU ids (0,1,...): one worker process per GPU (per CONVOQ_TENSOR_PARALLEL GPUs), each "
+             "pinned to its own")] = None,
 ) -> None:
     """Run a worker: one engine on this process's device, fed by many Celery threads."""
     import logging
@@ -59,7 +60,7 @@ def worker(
         from cli.gpus import Supervisor, gpu_list, placements, visible_gpus
 
         try:
-            places = placements(gpu_list(gpus, visible_gpus), settings.worker_metrics_port)
+            places = placements(gpu_list(gpus, visible_gpus), settings.worker_metrics_port, settings.tensor_parallel)
         except ValueError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from exc

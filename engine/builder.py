@@ -9,7 +9,7 @@ takes what it shares with another part as an argument.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -27,7 +27,8 @@ from engine.model.dense_decode import DenseDecodeKV
 from engine.model.kv_plan import KVPlan, plan_kv
 from engine.model.loader import load_model, read_eos_ids, read_shape
 from engine.model.model_runner import ModelRunner
-from engine.model.qwen3 import Qwen3ForCausalLM
+from engine.model.parallel import ALONE, Split, agree_min
+from engine.model.qwen3 import Qwen3ForCausalLM, rank_shape
 from kernels.dispatch import Ops, select_ops
 
 
@@ -45,14 +46,17 @@ class EngineParts:
     runner: ModelRunner
 
 
-def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> EngineParts:
-    """`weights` (checkpoint names and tensors) stands in for the folder's *.safetensors when given."""
+def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+          split: Split = ALONE) -> EngineParts:
+    """`weights` (checkpoint names and tensors) stands in for the folder's *.safetensors when given. `split`:
+    this rank's part of a tensor-parallel engine, whose ranks all build in step (the steps that measure or
+    capture run collectives) and agree on the KV pools' ceilings (each holds its shard of every block)."""
     device = torch.device(config.device)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
-    shape = read_shape(config.model)
+    shape = rank_shape(read_shape(config.model), split)
     cache_dtype = config.cache_dtype
     ops = select_ops(config.attention_backend, device, shape.head_dim, scaled_kv=cache_dtype.itemsize == 1)
-    model = load_model(config.model, device, config.torch_dtype, ops, weights)
+    model = load_model(config.model, device, config.torch_dtype, ops, weights, split)
     max_model_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
     kv_plan = plan_kv(shape, config, max_model_len, cache_dtype, device)
     # a budget that is a fraction of free memory leaves room for the largest step's activations
@@ -61,6 +65,8 @@ def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | No
     pieces = piece_graphs(model, config, device)
     if fraction:  # sized again now that the activations and the graphs hold their memory
         kv_plan = plan_kv(shape, config, max_model_len, cache_dtype, device, activation_bytes)
+    if split.parallel:
+        kv_plan = replace(kv_plan, max_blocks=agree_min(kv_plan.max_blocks, device, split))
     # each pool's K and V per layer are its segments: growth copies one at a time (engine.core.kv_cache)
     sizes = [growth_plan(min(config.initial_blocks, m), m, 2 * n)
              for n, m in zip(kv_plan.layers, kv_plan.max_blocks, strict=True)]

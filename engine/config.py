@@ -80,6 +80,9 @@ class EngineConfig:
     # which keys full-attention layers see: "dense" | "sliding:W" | "streaming:W:S" | "strided:L:S"
     # (see engine.model.attention_policy)
     attention_policy: str = "dense"
+    # ranks the model is split over (engine.tensor_parallel): its heads, MLP and vocabulary, one device each;
+    # it must divide the attention heads, the MLP width and the vocabulary, and the KV heads (or be a multiple)
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -98,6 +101,8 @@ class EngineConfig:
             raise ValueError("interactive_tpot_ms, interactive_ttft_ms and interactive_window must not be negative")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected 'auto' or one of {sorted(DTYPES)}")
+        if self.tensor_parallel < 1:
+            raise ValueError("tensor_parallel must be at least 1")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
         # both raise on a value they do not know

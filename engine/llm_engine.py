@@ -20,15 +20,28 @@ from engine.core.sequence import Sequence
 from engine.core.step_cost import work_of
 from engine.interface import Completion, Request, RequestError, token_limit
 from engine.model.memory import weights_bytes
+from engine.model.parallel import ALONE
 from engine.step import StepPlan, StepResult, TokenMasks
+from engine.tensor_parallel import Ranks
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        """`weights` (checkpoint names and tensors) stands in for the folder's *.safetensors when given."""
-        parts = build(config, weights)
+        """`weights` (checkpoint names and tensors) stands in for the folder's *.safetensors when given. With
+        `tensor_parallel` > 1 this engine is rank 0 and starts the other ranks (engine.tensor_parallel)."""
+        if config.tensor_parallel > 1 and weights is not None:
+            raise ValueError("weights given in memory cannot reach the other tensor-parallel ranks")
+        self.ranks = Ranks(config) if config.tensor_parallel > 1 else None
+        try:
+            parts = build(self.ranks.config if self.ranks else config, weights,
+                          self.ranks.split if self.ranks else ALONE)
+        except BaseException:
+            self.close()
+            raise
+        if self.ranks is not None:
+            self.ranks.attach(parts)
         self.config = config
         self.device = torch.device(config.device)
         self.tokenizer = parts.tokenizer
@@ -116,6 +129,8 @@ class LLMEngine:
             return []
         self._peak_blocks = max(self._peak_blocks, sum(p.num_used for p in self.blocks.pools))
         work = work_of(plan)
+        if self.ranks is not None:
+            self.ranks.send(plan)
         result = self.runner.run(plan, (lambda: self._masks(plan)) if self._constrained else None)
         end = time.monotonic()
         self._steps += 1
@@ -239,6 +254,11 @@ class LLMEngine:
         logprobs = seq.logprobs[:len(ids)] if seq.logprobs is not None else None
         return Completion(seq.request_id, ids, text, seq.num_prompt_tokens, reason, None, seq.final_timings(),
                           logprobs=logprobs)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def stats(self) -> dict[str, float]:
         pools = self.blocks.pools

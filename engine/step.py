@@ -43,7 +43,8 @@ class StepPlan:
     block_tables: list[np.ndarray]  # per KV pool, int32 [rows, blocks the longest row needs], -1 where none is
     sample_rows: np.ndarray  # the rows whose new tokens reach their request's last token: each samples one
     sample_ids: list[str]  # their request ids
-    sampling: SamplingInputs  # for those rows, in that order
+    sampling: SamplingInputs | None  # for those rows, in that order (None: the plan a tensor-parallel rank other
+    # than the first gets, which does not sample)
     released: list[str]  # requests finished or pre-empted since the last plan: state kept for them is stale
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
@@ -48,6 +49,20 @@ def run_all(engine: LLMEngine, requests: list[Request], check=None) -> dict[str,
         if check is not None:
             check(engine)
     return done
+
+
+def transformers_greedy(path: Path, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, run alone (no padding), stopping at EOS."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    rows = []
+    for ids, n in zip(prompts, new_tokens, strict=True):
+        with torch.inference_mode():
+            generated = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        row = generated[0, len(ids):].tolist()
+        rows.append(row[: row.index(eos)] if eos in row else row)
+    return rows
 
 
 def sampling_rows(rows: list) -> SamplingInputs:

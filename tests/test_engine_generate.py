@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.interface import Request, RequestError, SamplingParams
 from engine.model.cuda_graphs import PieceGraphs
@@ -20,6 +19,7 @@ from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     prompts,
     run_all,
     single_thread,
+    transformers_greedy,
 )
 
 PROMPTS = prompts(24, 5, 400, seed=3)
@@ -28,20 +28,8 @@ NEW_TOKENS = [4 + i % 13 for i in range(len(PROMPTS))]
 
 @pytest.fixture(scope="module")
 def hf_outputs(tiny_models) -> dict[str, list[list[int]]]:
-    """transformers' greedy continuation of each prompt, run alone (no padding), stopping at EOS."""
-    out = {}
-    for preset in ("tiny", "tiny-untied", "tiny-swa"):
-        model = AutoModelForCausalLM.from_pretrained(tiny_models[preset], dtype=torch.float32).eval()
-        eos = model.generation_config.eos_token_id
-        rows = []
-        for ids, n in zip(PROMPTS, NEW_TOKENS, strict=True):
-            with torch.inference_mode():
-                generated = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                           max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
-            row = generated[0, len(ids):].tolist()
-            rows.append(row[: row.index(eos)] if eos in row else row)
-        out[preset] = rows
-    return out
+    return {preset: transformers_greedy(tiny_models[preset], PROMPTS, NEW_TOKENS)
+            for preset in ("tiny", "tiny-untied", "tiny-swa")}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-untied", "tiny-swa"])

@@ -30,6 +30,13 @@ def test_gpus_name_all_or_a_list_and_each_worker_gets_a_port():
         gpu_list("all", lambda: 0)
     assert [(p.gpu, p.metrics_port) for p in placements(["2", "5"], 9464)] == [("2", 9464), ("5", 9465)]
     assert [p.metrics_port for p in placements(["0", "1"], 0)] == [0, 0]
+    # tensor-parallel groups: eight GPUs, two ranks per engine
+    eight = gpu_list("all", lambda: 8)
+    assert [(p.gpu, p.metrics_port) for p in placements(eight, 9464, 2)] == [
+        ("0,1", 9464), ("2,3", 9465), ("4,5", 9466), ("6,7", 9467)]
+    assert [p.gpu for p in placements(eight, 9464, 8)] == ["0,1,2,3,4,5,6,7"]
+    with pytest.raises(ValueError, match="names 3 GPUs, which CONVOQ_TENSOR_PARALLEL=2 does not split"):
+        placements(["0", "1", "2"], 9464, 2)
 
 
 def children(pid: int) -> dict[int, str]:

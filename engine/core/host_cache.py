@@ -23,9 +23,14 @@ class HostCache:
         self.entries: OrderedDict[int, tuple[BlockKey, torch.Tensor]] = OrderedDict()  # least recent first
         self.stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
         self.num_evictions = 0
+        # on rank 0 of a tensor-parallel engine: every put and load, in order, for the other ranks to repeat on
+        # their shards of the pool (engine.tensor_parallel)
+        self.journal: list[tuple[str, BlockKey, int]] | None = None
 
     def put(self, entry: BlockKey, block: int) -> None:
         """Keep a copy of pool block `block`, which holds `entry`'s tokens."""
+        if self.journal is not None:
+            self.journal.append(("put", entry, block))
         if entry.key in self.entries:
             self.entries.move_to_end(entry.key)
             return
@@ -45,6 +50,8 @@ class HostCache:
 
     def load(self, entry: BlockKey, block: int) -> None:
         """Copy `entry` (which `contains`) into pool block `block`."""
+        if self.journal is not None:
+            self.journal.append(("load", entry, block))
         self.entries.move_to_end(entry.key)
         with self._copying():
             self.cache.write_block(block, self.entries[entry.key][1])

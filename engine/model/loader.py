@@ -1,21 +1,23 @@
 """A Hugging Face Qwen3 folder (config.json + *.safetensors) into `engine.model.qwen3.Qwen3ForCausalLM`.
 
 Modules are built directly on the target device and dtype with empty parameters, and each checkpoint tensor
-is copied straight into its parameter (or its shard of a fused one), so the weights exist once.
+is copied straight into its parameter (or its shard of a fused one), so the weights exist once. A tensor-parallel
+rank reads only its slice of each tensor (`safe_open`'s slices are read from the memory-mapped file).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.model.qwen3 import MergedLinear, ModelShape, Qwen3ForCausalLM
+from engine.model.parallel import ALONE, Split, kv_head_start, kv_heads_per_rank
+from engine.model.qwen3 import MergedLinear, ModelShape, Qwen3ForCausalLM, rank_shape
 from kernels.dispatch import Ops
 from kernels.qk_norm_rope import Yarn
 
@@ -140,14 +142,54 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _checkpoint_tensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+Slice = tuple[int, int, int] | None  # (dim, start, stop) of a tensor a rank holds a part of; None: all of it
+
+
+def rank_slice(name: str, shape: ModelShape, split: Split) -> Slice:
+    """The part of checkpoint tensor `name` (of a model of `shape`, the whole model's) that `split`'s rank holds:
+    its rows of q/k/v, gate/up, the embedding and the LM head, its columns of o_proj and down."""
+    if not split.parallel:
+        return None
+    proj = name.rpartition(".")[0].rpartition(".")[2]
+    heads, d = shape.num_heads // split.world, shape.head_dim
+    kv = kv_heads_per_rank(shape.num_kv_heads, split.world)
+    mlp = shape.intermediate_size // split.world
+    vocab = shape.vocab_size // split.world
+    start_kv = kv_head_start(shape.num_kv_heads, split)
+    return {
+        "q_proj": (0, split.rank * heads * d, (split.rank + 1) * heads * d),
+        "k_proj": (0, start_kv * d, (start_kv + kv) * d),
+        "v_proj": (0, start_kv * d, (start_kv + kv) * d),
+        "o_proj": (1, split.rank * heads * d, (split.rank + 1) * heads * d),
+        "gate_proj": (0, split.rank * mlp, (split.rank + 1) * mlp),
+        "up_proj": (0, split.rank * mlp, (split.rank + 1) * mlp),
+        "down_proj": (1, split.rank * mlp, (split.rank + 1) * mlp),
+        "embed_tokens": (0, split.rank * vocab, (split.rank + 1) * vocab),
+        "lm_head": (0, split.rank * vocab, (split.rank + 1) * vocab),
+    }.get(proj)
+
+
+def _checkpoint_tensors(model_path: Path, part: Callable[[str], Slice]) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path}")
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                where = part(name)
+                if where is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    dim, start, stop = where
+                    piece = f.get_slice(name)
+                    yield name, piece[start:stop] if dim == 0 else piece[:, start:stop]
+
+
+def _sliced(tensors: Iterable[tuple[str, torch.Tensor]], part: Callable[[str], Slice]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        where = part(name)
+        yield name, tensor if where is None else tensor.narrow(where[0], where[1], where[2] - where[1])
 
 
 def _checkpoint_names(model: Qwen3ForCausalLM) -> set[str]:
@@ -168,16 +210,23 @@ def load_model(
     dtype: torch.dtype,
     ops: Ops,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    split: Split = ALONE,
 ) -> Qwen3ForCausalLM:
-    """Our modules from the folder's config and weights; `tensors` (checkpoint names) replaces the
-    *.safetensors files, e.g. weights generated on the device for a benchmark too large to write to disk."""
+    """Our modules from the folder's config and weights (`split`'s rank's part of them); `tensors` (checkpoint
+    names) replaces the *.safetensors files, e.g. weights generated on the device for a benchmark too large to
+    write to disk."""
     model_path = Path(model_path)
     shape = read_shape(model_path)
     with torch.device(device), _default_dtype(dtype):
-        model = Qwen3ForCausalLM(shape, ops)
+        model = Qwen3ForCausalLM(rank_shape(shape, split), ops, split)
     params = dict(model.named_parameters())
     missing = _checkpoint_names(model)
-    for name, tensor in tensors if tensors is not None else _checkpoint_tensors(model_path):
+
+    def part(name: str) -> Slice:
+        return rank_slice(name, shape, split)
+
+    source = _checkpoint_tensors(model_path, part) if tensors is None else _sliced(tensors, part)
+    for name, tensor in source:
         if name not in missing:
             continue  # e.g. lm_head.weight written out for a tied model
         missing.discard(name)

@@ -59,14 +59,22 @@ class ModelRunner:
         """Computes the plan's new tokens; returns the next token of each row that reached its request's end.
         `masks` gives the constrained rows' grammar masks: called once the forward is queued on the device, so
         that on a GPU they are filled while it runs."""
+        logits = self.logits(plan)
+        if logits is None:
+            return StepResult([], [])
+        tokens, logprobs = sample(logits, plan.sampling, masks() if masks is not None else None)
+        return StepResult(plan.sample_ids, tokens, logprobs)
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor | None:
+        """The forward of the plan's new tokens, and the logits of its rows that sample (None: no row does).
+        What a tensor-parallel rank other than the first runs of each step: the same collectives, no sampling."""
         step = self.pack(plan)
         hidden = self.forward(step)
         if not len(plan.sample_rows):
-            return StepResult([], [])
+            return None
         last = torch.from_numpy(step.last_tokens(plan.sample_rows)).to(self.device)
-        logits = self.model.compute_logits(hidden[last])
-        tokens, logprobs = sample(logits, plan.sampling, masks() if masks is not None else None)
-        return StepResult(plan.sample_ids, tokens, logprobs)
+        return self.model.compute_logits(hidden[last])
 
     def pack(self, plan: StepPlan) -> PackedStep:
         """The step's inputs on the host. Where dense rows serve the decodes, those come in the rows' order."""

@@ -5,11 +5,14 @@ positions; attention reads and writes the paged KV cache through an `AttentionBa
 the same input are fused (q/k/v, gate/up) so each layer is a handful of matrix multiplies; the loader fills
 the fused weights shard by shard from the checkpoint's separate tensors. The forward is a chain of pieces,
 each everything between two attentions, so that CUDA graphs can replay the pieces (engine.model.cuda_graphs).
+Under tensor parallelism (engine.model.parallel) a rank's modules hold its slices and its shape (`rank_shape`)
+counts its own heads and MLP width; attention and MLP each end in an all-reduce, the embedding too, and the LM
+head gathers the logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention import AttentionBatch
+from engine.model.parallel import ALONE, Split, all_reduce, check_split, gather_columns, kv_heads_per_rank
 from kernels.dispatch import Ops
 from kernels.qk_norm_rope import Yarn, rope_tables
 
@@ -38,6 +42,17 @@ class ModelShape:
     tie_word_embeddings: bool
     windows: tuple[int, ...]  # per layer: 0 for full attention, else the sliding window
     yarn: Yarn | None = None  # YaRN rope scaling; None: the default rotary embedding
+
+
+def rank_shape(shape: ModelShape, split: Split) -> ModelShape:
+    """What one of `split.world` ranks computes: its share of the heads and of the MLP (the vocabulary and the
+    hidden size stay whole: the embedding and the LM head split their rows themselves)."""
+    if not split.parallel:
+        return shape
+    check_split(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, split.world)
+    return replace(shape, num_heads=shape.num_heads // split.world,
+                   num_kv_heads=kv_heads_per_rank(shape.num_kv_heads, split.world),
+                   intermediate_size=shape.intermediate_size // split.world)
 
 
 class Rope(NamedTuple):
@@ -97,9 +112,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops, split: Split) -> None:
         super().__init__()
-        self.ops = ops
+        self.ops, self.split = ops, split
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim ** -0.5
@@ -120,23 +135,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops, split: Split) -> None:
         super().__init__()
-        self.ops = ops
+        self.ops, self.split = ops, split
         self.gate_up_proj = MergedLinear(shape.hidden_size, [shape.intermediate_size] * 2)
         self.down_proj = Linear(shape.intermediate_size, shape.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.swiglu(x, self.gate_up_proj.weight))
+        return all_reduce(self.down_proj(self.ops.swiglu(x, self.gate_up_proj.weight)), self.split)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops, split: Split) -> None:
         super().__init__()
+        self.split = split
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.self_attn = Attention(shape, ops)
+        self.self_attn = Attention(shape, ops, split)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.mlp = MLP(shape, ops)
+        self.mlp = MLP(shape, ops, split)
 
     # A layer is split at its attention, whose work depends on the batch's sequences and not only on its token
     # count; the rest is row by row. Residual adds are deferred into the next norm (one fused kernel on GPU).
@@ -147,24 +163,36 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`out`: the attention's `[tokens, heads, head_dim]`; returns (the layer's output, residual)."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(out.flatten(1)), residual)
+        attended = all_reduce(self.self_attn.o_proj(out.flatten(1)), self.split)
+        x, residual = self.post_attention_layernorm(attended, residual)
         return self.mlp(x), residual
 
 
 class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int) -> None:
+    """The rows of the vocabulary this rank holds (all of them without parallelism); a token's vector comes
+    from the rank holding its row, the others add zeros."""
+
+    def __init__(self, num: int, dim: int, split: Split) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
+        self.split = split
+        rows = num // split.world
+        self.start = split.rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if not self.split.parallel:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        held = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * held[:, None].to(self.weight.dtype)
+        return all_reduce(x, self.split)
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops, split: Split) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, ops) for _ in range(shape.num_layers))
+        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size, split)
+        self.layers = nn.ModuleList(DecoderLayer(shape, ops, split) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:
@@ -198,12 +226,13 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, shape: ModelShape, ops: Ops) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops, split: Split = ALONE) -> None:
+        """`shape`: the rank's (`rank_shape`)."""
         super().__init__()
-        self.shape = shape
-        self.model = Qwen3Model(shape, ops)
+        self.shape, self.split = shape, split
+        self.model = Qwen3Model(shape, ops, split)
         tied = self.model.embed_tokens.weight if shape.tie_word_embeddings else None
-        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, tied)
+        self.lm_head = Linear(shape.hidden_size, shape.vocab_size // split.world, tied)
         cos, sin = rope_tables(shape.max_position_embeddings, shape.head_dim, shape.rope_theta,
                                self.lm_head.weight.device, shape.yarn)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -214,4 +243,5 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids, Rope(self.rope_cos, self.rope_sin, positions), batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits over the whole vocabulary, on every rank."""
+        return gather_columns(self.lm_head(hidden).float(), self.split)

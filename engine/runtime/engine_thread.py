@@ -132,6 +132,8 @@ class EngineThread:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive() and (close := getattr(self.engine, "close", None)) is not None:
+            close()  # what the engine holds beyond this process (a tensor-parallel engine's other ranks)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the loop ends: closed, or crashed (then `error` says why)."""
