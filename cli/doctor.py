@@ -64,6 +64,12 @@ def check_device(settings: Settings) -> Check:
                      f"device (built for CUDA {torch.version.cuda})",
                      "check `nvidia-smi` on the host and that the container is given the GPU (compose: "
                      "deploy.resources.reservations.devices), or set CONVOQ_DEVICE=cpu")
+    ranks, visible = getattr(settings, "tensor_parallel", 1), torch.cuda.device_count()
+    if visible < ranks:
+        return Check("device", False, f"CONVOQ_TENSOR_PARALLEL={ranks} splits the model over {ranks} GPUs; "
+                     f"{visible} visible here (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                     f"give the worker {ranks} GPUs (`convoq worker --gpus` groups them), or lower "
+                     "CONVOQ_TENSOR_PARALLEL")
     name = torch.cuda.get_device_name(0)
     major, minor = torch.cuda.get_device_capability(0)
     return Check("device", True, f"{name} (compute capability {major}.{minor}, {torch.cuda.device_count()} visible, "

@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli.doctor import check_broker, check_compiler, check_database, check_model
+from cli.doctor import check_broker, check_compiler, check_database, check_device, check_model
 from jobs.settings import Settings
+from worker.engine_factory import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 NOWHERE = "127.0.0.1:1"  # a port nothing listens on
@@ -67,3 +68,13 @@ def test_a_worker_that_fails_the_checks_refuses_to_start_with_one_line(service_e
     assert out.returncode == 2
     refusal = [line for line in out.stderr.splitlines() if "refuses to start" in line]
     assert len(refusal) == 1 and "broker: cannot reach Redis" in refusal[0] and "fix: start Redis" in refusal[0]
+
+
+def test_a_tensor_parallel_worker_needs_as_many_gpus_as_ranks(monkeypatch, tiny_model):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    device = check_device(WorkerSettings(model=str(tiny_model), device="cuda", tensor_parallel=2))
+    assert not device.ok and "CONVOQ_TENSOR_PARALLEL=2 splits the model over 2 GPUs; 1 visible here" in device.found
+    assert "--gpus" in device.fix

@@ -4,6 +4,7 @@ their sequence through reasoning, pre-emption and cancels, and log-probabilities
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -12,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from bench.structured import BUDGET, SCHEMAS
 from engine.interface import Request, RequestError, SamplingParams
-from engine.step import StepResult
+from engine.model.sampler import mask
+from engine.step import StepResult, TokenMasks
 from tests.engine_helpers import kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401
 
 
@@ -167,3 +169,15 @@ def test_json_strings_hold_only_what_json_and_utf8_allow(tiny_model, string):
     assert matcher.accept_token(vocab.index(b"\xed"))  # the lead byte of U+D000..U+DFFF
     assert not matcher.accept_token(vocab.index(b"\xbd"))  # U+DF40..: a surrogate
     assert matcher.accept_token(vocab.index(b"\x9d"))  # U+D740..: a character
+
+
+def test_masking_on_two_threads_masks_exactly_what_one_does():
+    logits = torch.randn(40, 4096)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (40, 128), dtype=torch.int32)
+    masks = TokenMasks([*range(0, 40, 2), 1, 3], bitmask)
+    alone, shared = logits.clone(), logits.clone()
+    mask(alone, masks)
+    with ThreadPoolExecutor(1) as helper:
+        mask(shared, masks, helper)
+    assert torch.equal(alone, shared) and not torch.equal(alone, logits)
+    assert torch.equal(alone[5], logits[5])  # a row without a grammar

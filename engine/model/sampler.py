@@ -17,6 +17,8 @@ nothing.
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
+
 import numpy as np
 import torch
 
@@ -24,6 +26,7 @@ from engine.interface import SamplingParams, TokenLogprobs
 from engine.step import SamplingInputs, TokenMasks
 
 MASK32 = 0xFFFFFFFF
+SPLIT_MASK_ROWS = 16  # constrained rows from which the CPU masks them on two threads
 # numpy sorts rows up to about this long faster than it selects their top values; longer rows are partitioned
 # first, and only the part kept is sorted
 SORT_WHOLE_ROW = 512
@@ -155,20 +158,27 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], drawn: np.ndarray)
     return column_at(scaled, ranked, order, ranks)
 
 
-def mask(logits: torch.Tensor, masks: TokenMasks) -> None:
-    """Forbidden tokens of the constrained rows to -inf, in place (xgrammar's kernel for the device)."""
-    import xgrammar  # only steps with a constrained row get here
+def mask(logits: torch.Tensor, masks: TokenMasks, helper: Executor | None = None) -> None:
+    """Forbidden tokens of the constrained rows to -inf, in place (xgrammar's kernel for the device). On the CPU,
+    with a `helper` thread, half the rows are masked there: the kernel lets go of the interpreter lock, and the
+    cores the forward just used are idle while the host samples."""
+    from xgrammar import apply_token_bitmask_inplace  # only steps with a constrained row get here
 
-    xgrammar.apply_token_bitmask_inplace(logits, masks.bitmask.to(logits.device, non_blocking=True),
-                                         indices=masks.rows)
+    bitmask = masks.bitmask.to(logits.device, non_blocking=True)
+    if helper is None or logits.device.type != "cpu" or len(masks.rows) < SPLIT_MASK_ROWS:
+        apply_token_bitmask_inplace(logits, bitmask, indices=masks.rows)
+        return
+    other = helper.submit(apply_token_bitmask_inplace, logits, bitmask, indices=masks.rows[1::2])
+    apply_token_bitmask_inplace(logits, bitmask, indices=masks.rows[::2])
+    other.result()
 
 
-def sample(logits: torch.Tensor, rows: SamplingInputs, masks: TokenMasks | None = None
-           ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+def sample(logits: torch.Tensor, rows: SamplingInputs, masks: TokenMasks | None = None,
+           helper: Executor | None = None) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     """One token per row of `logits [rows, vocab]` (fp32), and the rows' log-probabilities (None when no row
-    asked for them)."""
+    asked for them); `helper` (a thread) shares the masking on the CPU."""
     if masks is not None:
-        mask(logits, masks)
+        mask(logits, masks, helper)
     logits = penalize(logits, rows)
     params = rows.params
     sampled = [i for i, p in enumerate(params) if not p.greedy]
