@@ -96,9 +96,10 @@ class Ranks:
         self.processes = [subprocess.Popen([sys.executable, "-m", "engine.tensor_parallel", "--rank", str(rank),
                                             "--world", str(self.world), "--address", address, "--config", encoded])
                           for rank in range(1, self.world)]
+        # watched from before the rendezvous: a rank that dies while it starts would leave rank 0 waiting there
+        threading.Thread(target=self._watch, name="tensor-parallel-watch", daemon=True).start()
         self.config = rank_device(config, 0)
         self.group = _join(self.config, 0, self.world, address)
-        threading.Thread(target=self._watch, name="tensor-parallel-watch", daemon=True).start()
 
     @property
     def split(self) -> Split:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from api.client import Client
 from cli.stack import Stack
 from engine.interface import Request
 from engine.llm_engine import LLMEngine
+from engine.tensor_parallel import RANK_DIED
 from jobs.schemas import JobIn
 from tests.conftest import API_KEY
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
@@ -146,3 +149,24 @@ def test_a_rank_that_dies_ends_the_worker_and_its_jobs_run_again(service_env, da
             done = [client.wait(i, timeout=180) for i in ids]
     assert [j.status for j in done] == ["succeeded"] * 4
     clean(database, ids)
+
+
+def test_a_rank_that_dies_while_the_ranks_meet_ends_rank_0_instead_of_leaving_it_waiting(tiny_model):
+    """The rank is killed as soon as it is started, before it joins the group rank 0 waits on."""
+    script = f"""
+import os, signal, subprocess
+import engine.tensor_parallel as tp
+start = subprocess.Popen
+def started_and_killed(*args, **kwargs):
+    process = start(*args, **kwargs)
+    os.kill(process.pid, signal.SIGKILL)
+    return process
+tp.subprocess.Popen = started_and_killed
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+LLMEngine(EngineConfig(model={str(tiny_model)!r}, tensor_parallel=2))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == RANK_DIED, out.stderr[-2000:]
+    assert "the engine ends with it" in out.stderr
