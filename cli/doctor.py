@@ -163,10 +163,14 @@ def check_engine(settings: Settings) -> Check:
 
     try:
         backend = load_backend(settings)
-        backend.add_request(Request("doctor", [1, 2, 3, 4], SamplingParams(max_new_tokens=4, ignore_eos=True)))
-        done = []
-        while backend.has_unfinished():
-            done += backend.step()
+        try:
+            backend.add_request(Request("doctor", [1, 2, 3, 4], SamplingParams(max_new_tokens=4, ignore_eos=True)))
+            done = []
+            while backend.has_unfinished():
+                done += backend.step()
+        finally:
+            if (close := getattr(backend, "close", None)) is not None:
+                close()  # what the engine holds beyond this process (a tensor-parallel engine's other ranks)
     except Exception as exc:  # anything the engine raises is what the worker would die of
         return Check("engine", False, f"{type(exc).__name__}: {exc}", "see the message; CONVOQ_DEVICE, "
                      "CONVOQ_DTYPE and the engine's CONVOQ_* settings must suit this device and model")

@@ -161,7 +161,11 @@ def follow(config: EngineConfig, rank: int, world: int, address: str) -> None:
     host = parts.blocks.prefix.host if parts.blocks.prefix is not None else None
     while True:
         received = [None]
-        dist.broadcast_object_list(received, src=0, group=group)
+        try:
+            dist.broadcast_object_list(received, src=0, group=group)
+        except RuntimeError as exc:  # rank 0's process ended without a stop (killed, or it exited): so does this one
+            log.info("rank 0 is gone (%s); rank %d ends", str(exc).splitlines()[0], rank)
+            return
         step: Step = received[0]
         if step.plan is None:
             break

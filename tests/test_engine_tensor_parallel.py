@@ -170,3 +170,18 @@ LLMEngine(EngineConfig(model={str(tiny_model)!r}, tensor_parallel=2))
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == RANK_DIED, out.stderr[-2000:]
     assert "the engine ends with it" in out.stderr
+
+
+def test_a_rank_whose_rank_0_ends_without_a_stop_ends_quietly(tiny_model):
+    """Rank 0's process exits with its engine never closed (no stop sent): the other rank ends, and says why
+    rather than dying on the broken connection."""
+    script = f"""
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+LLMEngine(EngineConfig(model={str(tiny_model)!r}, tensor_parallel=2))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    # `run` returns once every holder of the stderr pipe closed it: rank 1, which inherited it, has ended too
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 1 ends" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
