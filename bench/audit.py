@@ -20,7 +20,7 @@ import uuid
 import redis
 import sqlalchemy as sa
 
-from jobs.broker import UNACKED_KEY, job_id_of, message_headers, queue_lists
+from jobs.broker import UNACKED_KEY, job_ids_of, message_headers, queue_lists
 from jobs.schemas import TERMINAL, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Run
@@ -34,10 +34,10 @@ def messages_by_job(client: redis.Redis, settings: Settings) -> dict[uuid.UUID, 
     found: dict[uuid.UUID, list[tuple[str, bytes]]] = {}
     for name in (n for names in queue_lists(settings).values() for n in names):
         for raw in client.lrange(name, 0, -1):
-            if (job_id := job_id_of(message_headers(raw))) is not None:
+            for job_id in job_ids_of(message_headers(raw)):
                 found.setdefault(job_id, []).append((name, raw))
     for raw in client.hvals(UNACKED_KEY):
-        if (job_id := job_id_of(message_headers(raw))) is not None:
+        for job_id in job_ids_of(message_headers(raw)):
             found.setdefault(job_id, []).append((UNACKED_KEY, raw))
     return found
 

@@ -23,6 +23,8 @@ can be broken. Two runs of the same jobs: one undisturbed, one with the `--fault
   jobs are audited with the others, and a line that never became a job counts as lost.
 With `--lost-reply-every N` (20), one database commit in N of the workers loses its reply (`bench.faults`)
 throughout the faulty run (not with `engine-stall`: lost replies need the engine in the worker's process). A worker that dies meanwhile is restarted too.
+With `--batch`, the jobs go in as the lines of one batch (uploaded before the first worker starts): bulk work,
+claimed, run and stored `CONVOQ_BULK_GROUP` lines to a message, so that a fault cuts through groups.
 With `--affinity`, every job has a conversation (`chaos-{i % 50}`), and the jobs are submitted in `len(faults) + 1`
 waves while workers live, so that prefix affinity sends them to a worker's own queues (`jobs.affinity`; with
 `CONVOQ_AFFINITY_MAX_WAITING` so high that none spills to the shared queues): the first wave once the first worker
@@ -59,7 +61,7 @@ from tqdm import tqdm
 
 from api.client import Client
 from bench.audit import audit
-from bench.common import report, tiny_model
+from bench.common import batch_of, report, tiny_model
 from bench.faults import lost_replies_env
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
@@ -227,8 +229,17 @@ class Chaos:
             self.frozen.remove((pid, at))
 
 
+def as_batch(client: Client, db: sa.Engine, jobs: list[JobIn]) -> list[uuid.UUID]:
+    """The jobs as the lines of one batch (bulk: grouped messages), once it is ingested: their job ids."""
+    batch_id = client.create_batch(batch_of(jobs)).id
+    while client.get_batch(batch_id).status == "validating":
+        time.sleep(0.1)
+    with db.connect() as conn:
+        return list(conn.scalars(sa.select(Job.id).where(Job.batch_id == batch_id)))
+
+
 def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: float, lost_reply_every: int,
-        affinity: bool) -> dict:
+        affinity: bool, batch: bool = False) -> dict:
     pg, broker = PostgresServer().start(), RedisServer().start()
     try:
         upgrade(pg.url)
@@ -253,6 +264,8 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
 
             def submit(wave: list[JobIn]) -> list[uuid.UUID]:  # many at a time: faster than one worker runs them
                 with Client(stack.api_url, KEY) as client, ThreadPoolExecutor(8) as submitters:
+                    if batch:
+                        return as_batch(client, db, wave)
                     return list(submitters.map(lambda job: client.submit(job).id, wave))
 
             # without affinity, everything waits in the shared queues before the first worker starts
@@ -321,17 +334,21 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for each run")
     parser.add_argument("--affinity", action="store_true",
                         help="jobs with conversations, submitted in waves while workers live (see above)")
+    parser.add_argument("--batch", action="store_true",
+                        help="the jobs as the lines of one batch: bulk work, in grouped messages (CONVOQ_BULK_GROUP)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
+    if args.batch and args.affinity:
+        parser.error("--batch sends its lines at once, --affinity in waves: one or the other")
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     if unknown := set(faults) - set(FAULTS):
         parser.error(f"unknown faults: {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
     model = tiny_model()
-    calm = run(args.jobs, [], model, args.outage_s, args.timeout, 0, args.affinity)
+    calm = run(args.jobs, [], model, args.outage_s, args.timeout, 0, args.affinity, args.batch)
     # lost replies are installed where the engine is built (`bench.faults`), so they need the engine in the
     # worker's process, and an engine stall needs it in a process of its own: one or the other
     lost_reply_every = 0 if "engine-stall" in faults else args.lost_reply_every
-    chaos = run(args.jobs, faults, model, args.outage_s, args.timeout, lost_reply_every, args.affinity)
+    chaos = run(args.jobs, faults, model, args.outage_s, args.timeout, lost_reply_every, args.affinity, args.batch)
     result = {
         "faults": ",".join(faults),
         "lost_reply_every": lost_reply_every,

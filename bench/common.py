@@ -6,8 +6,12 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cli.tiny_model import build_tiny_model
+
+if TYPE_CHECKING:
+    from jobs.schemas import JobIn
 
 # The data folder's models (`jobs.settings.DATA_DIR / "models"`, where the service's default model is), not
 # imported: the GPU check runs these benchmarks where only the engine's dependencies are installed.
@@ -21,6 +25,14 @@ def tiny_model(preset: str = "tiny") -> Path:
         print(f"building the {preset} checkpoint in {path}", file=sys.stderr)
         build_tiny_model(path, preset=preset)
     return path
+
+
+def batch_of(jobs: list[JobIn]) -> bytes:
+    """The jobs as the lines of one OpenAI Batch upload (bulk work: its lines travel in grouped messages)."""
+    return b"".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": "bench", "max_tokens": job.sampling.max_new_tokens,
+                                         "messages": [m.model_dump(exclude_none=True) for m in job.messages]}})
+                    .encode() + b"\n" for i, job in enumerate(jobs))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -6,8 +6,9 @@ Starts a PostgreSQL, a Redis and the API of its own (real processes, loopback on
 not run), warms the API up with a small batch, then uploads one batch of `--lines` lines (OpenAI Batch lines of
 about a kilobyte each: 20,000 make 22 MB) as our client and CLI do (multipart). `lines_per_s` counts the lines
 over the time from the upload's 202 to the batch seen `in_progress` (polled every 50 ms: every line validated,
-checked against the model's context and stored as a job); `upload_s` is the upload itself (sent, stored, 202).
-`api_rss_growth_mb` is the API process's peak resident memory from the upload's start to `in_progress`, over
+checked against the model's context and stored as a job); `published_lines_per_s` to every job's message sent
+(the broker's queues stopped growing, every job found in a message: the lines can run); `upload_s` is the upload itself (sent, stored, 202).
+`api_rss_growth_mb` is the API process's peak resident memory from the upload's start to the last publish, over
 its resident memory before it: the kernel's own peak (`VmHWM`, reset first through `clear_refs`) where it can
 be reset, else the largest of samples taken every 10 ms.
 """
@@ -22,15 +23,20 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 import sqlalchemy as sa
 
+from bench.audit import messages_by_job
 from bench.common import report, tiny_model
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
+from jobs.broker import queue_lists
+from jobs.settings import Settings
 from migrations.apply import upgrade
 
 KEY = "bench-key-not-a-secret"
 MB = 10**6
+WARM_UP = 50  # lines of the batch sent first, whose messages wait in the broker too
 
 
 def batch_lines(n: int) -> bytes:
@@ -92,14 +98,35 @@ def wait_in_progress(db: sa.Engine, batch_id: str, timeout: float) -> tuple[str,
         time.sleep(0.05)
 
 
+def wait_published(broker: redis.Redis, settings: Settings, n_jobs: int, timeout: float) -> float:
+    """Poll the broker until its queues stop growing (no worker takes from them); returns when they last grew.
+    Every job must then have its message (a grouped message carries several)."""
+    deadline = time.monotonic() + timeout
+    lists = [name for names in queue_lists(settings).values() for name in names]
+    seen, grew = -1, time.monotonic()
+    while time.monotonic() - grew < 1.0:
+        if (waiting := sum(broker.llen(name) for name in lists)) != seen:
+            seen, grew = waiting, time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the batch's messages still growing after {timeout}s")
+        time.sleep(0.05)
+    if (found := len(messages_by_job(broker, settings))) != n_jobs:
+        raise RuntimeError(f"{found} of {n_jobs} jobs have a message")
+    return grew
+
+
 def run(n_lines: int, timeout: float) -> dict:
     data = batch_lines(n_lines)
     pg, broker = PostgresServer().start(), RedisServer().start()
     try:
         upgrade(pg.url)
         db = sa.create_engine(pg.url)
+        client = redis.Redis.from_url(broker.url)
         env = {"CONVOQ_DATABASE_URL": pg.url, "CONVOQ_BROKER_URL": broker.url, "CONVOQ_MODEL": str(tiny_model()),
-               "CONVOQ_API_KEYS": KEY}
+               "CONVOQ_API_KEYS": KEY,
+               # OpenAI's 200 MB holds 50,000 lines of 4 kB, beyond the tiny model's context: 1 kB lines, more of them
+               "CONVOQ_MAX_BATCH_LINES": str(max(n_lines, 50_000)),
+               "CONVOQ_MAX_QUEUED_PER_KEY": str(max(n_lines + 100, 100_000))}
         with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-ingest-"))) as stack, \
                 httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as http:
             stack.start_api()
@@ -109,7 +136,7 @@ def run(n_lines: int, timeout: float) -> dict:
                 answer.raise_for_status()
                 return answer.json()["id"]
 
-            wait_in_progress(db, upload(batch_lines(50)), timeout)  # warm-up: pools, parsers, the tokenizer
+            wait_in_progress(db, upload(batch_lines(WARM_UP)), timeout)  # warm-up: pools, parsers, the tokenizer
             before = _status_kb(stack.api.pid, "VmRSS") * 1024
             peak = PeakRss(stack.api.pid)
             peak.start()
@@ -118,8 +145,10 @@ def run(n_lines: int, timeout: float) -> dict:
             accepted = time.monotonic()
             status, jobs = wait_in_progress(db, batch_id, timeout)
             ingest_s = time.monotonic() - accepted
+            published_s = wait_published(client, Settings(broker_url=broker.url), WARM_UP + n_lines, timeout) - accepted
             peak_rss = peak.stop()
         db.dispose()
+        client.close()
     finally:
         pg.stop()
         broker.stop()
@@ -131,6 +160,8 @@ def run(n_lines: int, timeout: float) -> dict:
         "upload_s": round(accepted - start, 2),
         "ingest_s": round(ingest_s, 2),
         "lines_per_s": round(n_lines / ingest_s, 1),
+        "published_s": round(published_s, 2),
+        "published_lines_per_s": round(n_lines / published_s, 1),
         "api_rss_before_mb": round(before / MB, 1),
         "api_rss_peak_mb": round(peak_rss / MB, 1),
         "api_rss_growth_mb": round((peak_rss - before) / MB, 1),
@@ -140,7 +171,8 @@ def run(n_lines: int, timeout: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lines", type=int, default=20_000)
+    parser.add_argument("--lines", type=int, default=20_000,
+                        help="lines of about 1.1 kB each: 178,000 make 198 MB (OpenAI's largest batch file is 200 MB)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for the batch to open")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()

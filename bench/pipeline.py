@@ -8,16 +8,21 @@ Overhead is what the service adds around the engine: end-to-end time minus time 
 burst (the default) it is mostly the wait in Redis behind the jobs ahead; `--rate` paces the submissions
 below what the service can take, which shows the fixed cost of the path itself.
 
-The same run also pushes as many no-op tasks through a bare Celery worker (`bench.celery_noop`: the same
-broker, convoq's Celery settings, a task that only counts itself) in one burst, once the service has stopped.
-A machine's speed varies with the hour, so the figure to judge is `capacity_ratio`: jobs/s of the service
-over tasks/s of bare Celery.
+Then the same jobs go through again as the lines of one batch (`bulk_*`: uploaded, ingested, run in grouped
+messages of `CONVOQ_BULK_GROUP` lines, timed from the upload to the last line's end).
 
-Two more figures say where a job's cost goes. `engine_alone_jobs_per_s` runs the same jobs through the
-worker's bridge and engine process with no broker and no database (`bench.engine_alone`): the most the
-service could reach on this machine, whatever it spends around the engine. `cpu_ms_per_job` is the CPU time
-each process spent during the burst divided by the jobs (`bench.cpu`: API, worker, engine, PostgreSQL, Redis
-and this process, the client), and `bare_celery_cpu_ms_per_task` the same for the no-op burst.
+The same run also pushes as many no-op tasks through a bare Celery worker (`bench.celery_noop`: the same
+broker, convoq's Celery settings, a task that only counts itself) in one burst, once the service has stopped,
+and runs the same jobs through the worker's bridge and engine process with no broker and no database
+(`bench.engine_alone`): `engine_alone_jobs_per_s` is the most the service could reach on this machine, whatever
+it spends around the engine, and `pipeline_vs_engine` the service's jobs/s over it. A machine's speed varies
+with the hour, so these figures are judged side by side from one run.
+
+Where a job's cost goes: `cpu_ms_per_job` is the CPU time each process spent during the burst divided by the
+jobs (`bench.cpu`: API, worker, engine, PostgreSQL, Redis and this process, the client), `bulk_cpu_ms_per_line`
+the same for the batch, and `bare_celery_cpu_ms_per_task` for the no-op burst. `statements_per_job` and
+`bulk_statements_per_line` count the SQL statements the API and the worker sent meanwhile (`bench.statements`),
+their heartbeats and sweeps included.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ import sqlalchemy as sa
 from redis import Redis
 from tqdm import tqdm
 
-from api.client import AsyncClient
-from bench.common import percentile, report, tiny_model
+from api.client import AsyncClient, Client
+from bench import statements
+from bench.common import batch_of, percentile, report, tiny_model
 from bench.cpu import CpuMeter, per_item_ms, service_parts, shared_parts
 from bench.engine_alone import through_engine
 from cli.stack import Stack
@@ -69,23 +75,27 @@ async def submit_all(url: str, jobs: list[JobIn], concurrency: int, rate: float 
 
 
 def wait_done(engine: sa.Engine, ids: list[str], timeout: float) -> datetime:
-    """Poll the database until every job is terminal; returns when the last one finished (its `finished_at`).
+    """Poll the database until every job is terminal; returns when the last one finished (its `finished_at`)."""
+    return wait_all(engine, Job.id.in_([uuid.UUID(i) for i in ids]), len(ids), timeout)
+
+
+def wait_all(engine: sa.Engine, mine: sa.ColumnElement[bool], n: int, timeout: float) -> datetime:
+    """`wait_done` for the `n` jobs `mine` selects.
 
     Polls five times a second: on a small machine the poll itself takes CPU from the service it measures.
     """
-    mine = Job.id.in_([uuid.UUID(i) for i in ids])
     query = sa.select(sa.func.count()).where(mine, Job.status.in_(TERMINAL))
     deadline = time.monotonic() + timeout
-    with tqdm(total=len(ids), desc="jobs", file=sys.stderr) as bar:
+    with tqdm(total=n, desc="jobs", file=sys.stderr) as bar:
         while True:
             with engine.connect() as conn:
                 done = conn.execute(query).scalar_one()
             bar.update(done - bar.n)
-            if done >= len(ids):
+            if done >= n:
                 with engine.connect() as conn:
                     return as_utc(conn.execute(sa.select(sa.func.max(Job.finished_at)).where(mine)).scalar_one())
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{done}/{len(ids)} jobs finished within {timeout}s")
+                raise TimeoutError(f"{done}/{n} jobs finished within {timeout}s")
             time.sleep(0.2)
 
 
@@ -133,12 +143,32 @@ def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path
         redis.delete(counter)
 
 
+class Burst:
+    """The CPU time of each part and the statements counted between `start` and `stop`, per item."""
+
+    def __init__(self, stack: Stack, counts: Path) -> None:
+        self.meter = CpuMeter(service_parts(stack.api.pid, stack.workers[0].pid))
+        self.counts = counts
+
+    def start(self) -> None:
+        self.statements = statements.total(self.counts)
+        self.meter.start()
+
+    def stop(self, n: int) -> tuple[dict[str, float], float]:
+        cpu = per_item_ms(self.meter.stop(), n)
+        time.sleep(0.3)  # the processes' last counts reach their files
+        return cpu, round((statements.total(self.counts) - self.statements) / n, 2)
+
+
 def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset: str = "tiny") -> dict:
     settings = Settings()
     model = tiny_model(preset)
     upgrade(settings.database_url.get_secret_value())
     db = sa.create_engine(settings.database_url.get_secret_value())
+    logdir = Path(tempfile.mkdtemp(prefix="convoq-bench-"))
+    counts = logdir / "statements"
     env = {
+        **statements.counting_env(counts),
         "CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
         "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
         "CONVOQ_MODEL": str(model),
@@ -146,19 +176,24 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
     }
     jobs = [JobIn(messages=[{"role": "user", "content": f"Where is my order {i}? It is late."}], priority=i % 10,
                   sampling={"max_new_tokens": max_new_tokens}) for i in range(n_jobs)]
-    logdir = Path(tempfile.mkdtemp(prefix="convoq-bench-"))
     with Stack(env, logdir) as stack:
         stack.start_api()
         stack.start_worker()
         # warm-up: the first batch and the connection pools, outside the measurement
         wait_done(db, asyncio.run(submit_all(stack.api_url, jobs[:8], concurrency)), 120)
-        meter = CpuMeter(service_parts(stack.api.pid, stack.workers[0].pid))
-        meter.start()
+        burst = Burst(stack, counts)
+        burst.start()
         start = datetime.now(UTC)
         ids = asyncio.run(submit_all(stack.api_url, jobs, concurrency, rate))
         submitted = datetime.now(UTC)
         end = wait_done(db, ids, 600)
-        cpu = per_item_ms(meter.stop(), n_jobs)
+        cpu, per_job = burst.stop(n_jobs)
+        burst.start()
+        bulk_start = datetime.now(UTC)
+        with Client(stack.api_url, KEY) as client:
+            batch_id = client.create_batch(batch_of(jobs)).id
+        bulk_end = wait_all(db, Job.batch_id == batch_id, n_jobs, 600)
+        bulk_cpu, per_line = burst.stop(n_jobs)
     mine = [uuid.UUID(i) for i in ids]
     with db.connect() as conn:
         succeeded = conn.execute(
@@ -171,6 +206,7 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
     noop_per_s, noop_cpu = bare_celery(settings, n_jobs, settings.worker_concurrency, logdir)
     engine_s, _, _ = through_engine(jobs, settings.model_copy(update={"model": str(model)}), settings.worker_concurrency)
     jobs_per_s = n_jobs / (end - start).total_seconds()
+    engine_per_s = n_jobs / engine_s
     waits = [t.queue_wait_ms for t in timings]
     overhead = [t.end_to_end_ms - t.engine_ms for t in timings]
     return {
@@ -178,16 +214,21 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
         "jobs": n_jobs,
         "succeeded": succeeded,
         "jobs_per_s": round(jobs_per_s, 1),
+        "bulk_lines_per_s": round(n_jobs / (bulk_end - bulk_start).total_seconds(), 1),
         "bare_celery_tasks_per_s": round(noop_per_s, 1),
-        "capacity_ratio": round(jobs_per_s / noop_per_s, 3),
-        "engine_alone_jobs_per_s": round(n_jobs / engine_s, 1),
+        "engine_alone_jobs_per_s": round(engine_per_s, 1),
+        "pipeline_vs_engine": round(jobs_per_s / engine_per_s, 3),
+        "bulk_vs_engine": round(n_jobs / (bulk_end - bulk_start).total_seconds() / engine_per_s, 3),
         "submit_per_s": round(n_jobs / (submitted - start).total_seconds(), 1),
         "queue_wait_p50_ms": round(percentile(waits, 0.5), 1),
         "queue_wait_p95_ms": round(percentile(waits, 0.95), 1),
         "overhead_p50_ms": round(statistics.median(overhead), 1),
         "overhead_p95_ms": round(percentile(overhead, 0.95), 1),
         "cpu_ms_per_job": cpu,
+        "bulk_cpu_ms_per_line": bulk_cpu,
         "bare_celery_cpu_ms_per_task": noop_cpu,
+        "statements_per_job": per_job,
+        "bulk_statements_per_line": per_line,
     }
 
 

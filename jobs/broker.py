@@ -29,6 +29,9 @@ CANCEL_COMMAND = "convoq_cancel"
 # kombu's Redis transport keeps each delivered, unacknowledged message in this hash, indexed by delivery time
 UNACKED_KEY = "unacked"
 UNACKED_INDEX_KEY = "unacked_index"
+# the message header that lists the jobs of a grouped message (`jobs.publish`): the broker's view finds each of
+# them there without decoding the body
+GROUP_HEADER = "convoq_jobs"
 
 
 def transport_options(settings: Settings) -> dict:
@@ -78,11 +81,12 @@ def message_headers(raw: bytes) -> dict:
     return headers if isinstance(headers, dict) else {}
 
 
-def job_id_of(headers: dict) -> uuid.UUID | None:
+def job_ids_of(headers: dict) -> list[uuid.UUID]:
+    """The jobs a message carries: a grouped message's list (`GROUP_HEADER`), else its task id (the job id)."""
     try:
-        return uuid.UUID(headers["id"])
-    except (KeyError, TypeError, ValueError):
-        return None
+        return [uuid.UUID(i) for i in headers.get(GROUP_HEADER) or [headers["id"]]]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
 
 
 def eta_of(headers: dict) -> float | None:
@@ -121,7 +125,7 @@ class BrokerView:
             # twice, never miss one that stays
             start = 0
             while page := self.client.lrange(name, start, start + PAGE - 1):
-                present.update(i for i in (job_id_of(message_headers(raw)) for raw in page) if i is not None)
+                present.update(i for raw in page for i in job_ids_of(message_headers(raw)))
                 start += PAGE
         now, cursor = time.time(), 0
         while True:
@@ -130,14 +134,13 @@ class BrokerView:
                 if entries else {}
             for tag, raw in entries.items():
                 headers = message_headers(raw)
-                job_id = job_id_of(headers)
-                if job_id is None:
-                    continue
                 at = delivered[tag] or 0.0
-                if now - at < held_for_s or (eta_of(headers) or 0.0) > now - held_for_s:
-                    present.add(job_id)
-                else:
-                    self.stale.setdefault(job_id, []).append(tag)
+                held = now - at < held_for_s or (eta_of(headers) or 0.0) > now - held_for_s
+                for job_id in job_ids_of(headers):
+                    if held:
+                        present.add(job_id)
+                    else:  # a stale group is dropped once any of its jobs is sent again: the others are
+                        self.stale.setdefault(job_id, []).append(tag)  # not live, so sent in the same sweep
             if cursor == 0:
                 return present
 
@@ -165,7 +168,7 @@ class BrokerView:
         return moved
 
     def forget(self, job_ids: list[uuid.UUID]) -> None:
-        tags = [tag for i in job_ids for tag in self.stale.get(i, [])]
+        tags = list(dict.fromkeys(tag for i in job_ids for tag in self.stale.get(i, [])))
         if self.client is not None and tags:
             self.client.pipeline().zrem(UNACKED_INDEX_KEY, *tags).hdel(UNACKED_KEY, *tags).execute()
 

@@ -32,15 +32,24 @@ def encode_chat(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool,
     to the template as `enable_thinking`: off, Qwen3's template opens the answer with an empty think block; a
     template without the switch ignores it. `tools` (OpenAI's function tools) are the template's to show: Qwen3's
     lists them in the system prompt."""
-    enc = tokenizer.apply_chat_template(
-        [dict(m) for m in chat],
-        tools=tools,
-        add_generation_prompt=True,
-        tokenize=True,
-        enable_thinking=thinking,
-    )
+    enc = _template(tokenizer, chat, thinking, tools, tokenize=True)
     # transformers 5 returns a BatchEncoding, older versions a plain list
     return list(enc["input_ids"] if isinstance(enc, Mapping) else enc)
+
+
+def _template(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool, tools: list[dict] | None,
+              tokenize: bool) -> Any:
+    return tokenizer.apply_chat_template([dict(m) for m in chat], tools=tools, add_generation_prompt=True,
+                                         tokenize=tokenize, enable_thinking=thinking)
+
+
+def token_per_byte_at_most(tokenizer) -> bool:
+    """Whether no text tokenizes to more tokens than its UTF-8 bytes: true of a byte-level BPE that normalizes
+    nothing (Qwen's), whose every token spells one byte or more (a special token, its whole name)."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and backend.normalizer is None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 def thinking_of(job: JobIn, default_thinking: bool) -> bool:
@@ -116,8 +125,13 @@ def problem(job: JobIn, tokenizer, context: int, default_thinking: bool) -> tupl
         message = summary_problem(max_new, context)
         return None if message is None else ("max_new_tokens", message)
     try:
-        prompt = encode_chat(tokenizer, chat_for(job), thinking_of(job, default_thinking), template_tools(job))
+        text = _template(tokenizer, chat_for(job), thinking_of(job, default_thinking), template_tools(job),
+                         tokenize=False)
+        # most prompts fit by their bytes alone: tokenizing them (most of an ingested line's cost) settles nothing
+        if len(text.encode()) <= prompt_budget(context, max_new) and token_per_byte_at_most(tokenizer):
+            return None
+        prompt_tokens = len(tokenizer.encode(text, add_special_tokens=False))  # as the template tokenizes it
     except Exception as exc:  # a template may refuse a chat (Qwen's raise when a system message is not first)
         return "messages", f"the model's chat template cannot render these messages: {exc}"
-    message = chat_problem(len(prompt), max_new, context)
+    message = chat_problem(prompt_tokens, max_new, context)
     return None if message is None else ("messages", message)

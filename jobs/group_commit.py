@@ -25,7 +25,8 @@ class GroupCommit(Generic[In, Out]):
         """`flush(items)` writes all `items` in one transaction and returns one output per item, in order."""
         self.flush = flush
         self.max_items = max_items
-        self._queue: queue.SimpleQueue[tuple[In, Future[Out]] | None] = queue.SimpleQueue()
+        # entries of one or more items each: the items of one entry are flushed together
+        self._queue: queue.SimpleQueue[list[tuple[In, Future[Out]]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -35,9 +36,14 @@ class GroupCommit(Generic[In, Out]):
 
     def submit(self, item: In) -> Future[Out]:
         """Queue `item` for the next flush without waiting for it."""
-        future: Future[Out] = Future()
-        self._queue.put((item, future))
-        return future
+        return self.many([item])[0]
+
+    def many(self, items: list[In]) -> list[Future[Out]]:
+        """Queue `items` to be written in one flush (a grouped message's jobs: one statement for all of them),
+        with whatever else is waiting; one future per item."""
+        entry = [(item, Future()) for item in items]
+        self._queue.put(entry)
+        return [future for _, future in entry]
 
     def close(self) -> None:
         """Let the writer finish what is queued, then stop it."""
@@ -49,7 +55,7 @@ class GroupCommit(Generic[In, Out]):
             first = self._queue.get()
             if first is None:
                 return
-            pending = [first]
+            pending = list(first)
             stop = False
             while len(pending) < self.max_items:
                 try:
@@ -59,7 +65,7 @@ class GroupCommit(Generic[In, Out]):
                 if more is None:
                     stop = True
                     break
-                pending.append(more)
+                pending += more
             self._write(pending)
             if stop:
                 return

@@ -7,14 +7,16 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from celery import Celery
+from kombu import Producer
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.affinity import Router, Waiting, direct_queue
+from jobs.broker import GROUP_HEADER
 from jobs.clock import db_now
 from jobs.group_commit import GroupCommit
-from jobs.queues import TASK_RUN_JOB, broker_priority, home_queue, queue_for
+from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, broker_priority, home_queue, queue_for
 from jobs.settings import Settings
 from jobs.tables import Job
 
@@ -25,9 +27,15 @@ def publish(
     celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings, countdown: float = 0,
     stamp: Callable[[list[uuid.UUID]], object] | None = None, router: Router | None = None,
 ) -> list[uuid.UUID]:
-    """Send one message per job over one connection, then stamp `published_at` on those that went out: in
+    """Send the jobs' messages over one connection, then stamp `published_at` on those that went out: in
     this session, or by handing their ids to `stamp` (a `stamp_writer`'s `submit`). With a `router`, a job
-    with a conversation goes to its home worker's queue while that queue has room (`jobs.affinity`).
+    with a conversation goes to its home worker's queue while that queue has room (`jobs.affinity`). A job is
+    anything with a job's `id`, `kind` and `priority` (a `Job`, or a row of those columns); one with a
+    `batch_id` is a batch line.
+
+    An interactive job, or one sent to its home worker, has a message of its own (`convoq.run_job`); bulk lines
+    of one batch go `settings.bulk_group` to a message (`convoq.run_group`, its jobs listed in the
+    `GROUP_HEADER`), which a worker claims, stores and acknowledges together.
 
     A job whose message could not be sent stays `queued` with no `published_at`: the row keeps it, and the
     reconciler publishes it later. A stamp that fails is only logged: a sweep finds the message and stamps
@@ -38,23 +46,21 @@ def publish(
     try:
         with celery.producer_or_acquire() as producer:
             waiting = Waiting(producer.channel, settings.affinity_max_waiting)
+            groups: dict[tuple, list] = {}
             for job in jobs:
                 queue = queue_for(job.priority, settings)
                 if (home := homes.get(job.id)) is not None and waiting.room(own := home_queue(queue, home)):
                     queue = direct_queue(own)
-                celery.send_task(
-                    TASK_RUN_JOB,
-                    args=[str(job.id)],
-                    kwargs={"kind": job.kind, "priority": job.priority},  # labels for Flower
-                    task_id=str(job.id),
-                    queue=queue,
-                    priority=broker_priority(job.priority),
-                    producer=producer,
-                    countdown=countdown or None,
-                    retry=True,
-                    retry_policy={"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2},
-                )
+                elif (batch_id := getattr(job, "batch_id", None)) is not None and queue == settings.bulk_queue:
+                    groups.setdefault((batch_id, job.priority, job.kind), []).append(job)
+                    continue
+                _send(celery, producer, [job], queue, countdown)
                 sent.append(job.id)
+            for members in groups.values():
+                for start in range(0, len(members), settings.bulk_group):
+                    group = members[start:start + settings.bulk_group]
+                    _send(celery, producer, group, settings.bulk_queue, countdown)
+                    sent += [job.id for job in group]
     except Exception:  # the broker is down or refused: the committed rows keep the jobs
         log.exception("published %d of %d jobs; the rest stay queued for the reconciler", len(sent), len(jobs))
     if sent and stamp is not None:
@@ -67,6 +73,26 @@ def publish(
             log.warning("sent %d jobs but could not stamp them; a sweep finds their messages and stamps them",
                         len(sent), exc_info=True)
     return sent
+
+
+def _send(celery: Celery, producer: Producer, jobs: Sequence[Job], queue: str, countdown: float) -> None:
+    """One message for `jobs` (of one kind and priority): a job's own, or a group's under an id of its own."""
+    first = jobs[0]
+    ids = [str(job.id) for job in jobs]
+    grouped = len(jobs) > 1
+    celery.send_task(
+        TASK_RUN_GROUP if grouped else TASK_RUN_JOB,
+        args=[ids] if grouped else ids,
+        kwargs={"kind": first.kind, "priority": first.priority},  # labels for Flower
+        task_id=str(uuid.uuid4()) if grouped else ids[0],
+        headers={GROUP_HEADER: ids} if grouped else None,
+        queue=queue,
+        priority=broker_priority(first.priority),
+        producer=producer,
+        countdown=countdown or None,
+        retry=True,
+        retry_policy={"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2},
+    )
 
 
 def mark_published(session: Session, job_ids: list[uuid.UUID]) -> None:

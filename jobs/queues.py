@@ -5,6 +5,7 @@ from __future__ import annotations
 from jobs.settings import Settings
 
 TASK_RUN_JOB = "convoq.run_job"  # its one argument is the job id; everything else is in the row
+TASK_RUN_GROUP = "convoq.run_group"  # its one argument is a list of job ids: lines of one batch (`jobs.publish`)
 
 
 def broker_priority(priority: int) -> int:

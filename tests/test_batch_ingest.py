@@ -324,3 +324,30 @@ def test_a_multipart_null_priority_is_no_priority(database, broker, tiny_model):
     with TestClient(create_app(settings_for(database, broker, tiny_model))) as client:
         made = upload(client, jsonl([line(0)]), priority="null")
         assert made.status_code == 202 and made.json()["priority"] == 1
+
+
+def test_lines_whose_publish_failed_are_sent_once_each_by_the_sweep(database, broker, tiny_model, monkeypatch):
+    from jobs import publish as publishing
+    from worker.reconciler import Sweeper
+
+    settings = settings_for(database, broker, tiny_model, unpublished_grace_s=0, bulk_group=8)
+    app = create_app(settings)  # not started: nothing resumes on its own
+    batch_id, lease = stored_batch(app, settings, jsonl([line(i) for i in range(20)]))
+
+    def refused(*_args, **_kwargs) -> None:
+        raise ConnectionError("the broker refused")
+
+    monkeypatch.setattr(publishing, "_send", refused)
+    ingest(app.state.sessions, app.state.celery, settings, app.state.prompt_check, batch_id, lease)
+    monkeypatch.undo()
+    # stored stamped (one write a line), with no message: to the sweep, a sent job whose message went missing
+    assert sql(database, "SELECT count(*) FROM jobs WHERE published_at IS NOT NULL") == [(20,)]
+    client = redis.Redis.from_url(broker)
+    assert messages_by_job(client, settings) == {}
+    sweeper = Sweeper(app.state.sessions, app.state.celery, settings)
+    assert sweeper.sweep(force=True)["published"] == 0  # missing once: maybe on its way still
+    assert sweeper.sweep(force=True)["published"] == 20  # missing twice: sent again
+    assert sweeper.sweep(force=True)["published"] == 0  # and never a second time
+    found = messages_by_job(client, settings)
+    client.close()
+    assert len(found) == 20 and all(len(messages) == 1 for messages in found.values())

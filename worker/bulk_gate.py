@@ -2,10 +2,11 @@
 
 Every Celery thread of a worker blocks on its job until the engine finishes it, and Redis has no per-queue
 prefetch. Without a limit, a bulk batch fills every thread (and every prefetch slot), and an urgent message
-then waits in Redis until some bulk job ends. This consumer bootstep counts the bulk messages the worker
-holds (received, not finished) and stops consuming the bulk queues (the shared one and the worker's own) when
-they reach `share` of the worker's threads, starting again below it; interactive messages are then fetched within
-one broker round trip.
+then waits in Redis until some bulk job ends. This consumer bootstep counts the bulk jobs the worker holds
+(received, not finished: a grouped message counts its lines, which run side by side) and stops consuming the
+bulk queues (the shared one and the worker's own) when they reach `share` of the worker's threads, starting again
+below it; interactive messages are then fetched within one broker round trip. A group received just below the
+limit overshoots it by less than a group (`CONVOQ_BULK_GROUP`), in an engine that batches far more.
 
 All state lives on the consumer's event-loop thread: the count goes up in `task_received` (sent there, from
 inside the read that delivered the message, before the next fetch is issued, so the cancel lands before
@@ -23,6 +24,8 @@ from collections import Counter
 from celery import bootsteps, signals
 from celery.bootsteps import RUN
 from celery.worker import state as worker_state
+
+from jobs.queues import TASK_RUN_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ class BulkGate(bootsteps.StartStopStep):
         self.c = c
         self.cap = bulk_cap(self.share, c.controller.concurrency)
         self.held: Counter[str] = Counter()  # task id -> bulk deliveries received and not finished
+        self.lines: dict[str, int] = {}  # task id -> the jobs its message carries
+        self.holding = 0  # bulk jobs of the deliveries held
         self.gated: list[str] | None = None  # the bulk queues this worker was started on
         signals.task_received.connect(self._received, sender=c, weak=False)
         signals.task_postrun.connect(self._postrun, weak=False)
@@ -54,21 +59,20 @@ class BulkGate(bootsteps.StartStopStep):
         # the event loop starts consuming after this: decide on its first turn
         c.call_soon(self._reconcile)
 
-    @property
-    def holding(self) -> int:
-        return self.held.total()
-
     # on the event loop's thread
     def _received(self, sender=None, request=None, **_) -> None:
         if request.delivery_info.get("routing_key") in self.queues:
             self.held[request.id] += 1
+            self.lines[request.id] = len(request.args[0]) if request.task_name == TASK_RUN_GROUP else 1
+            self.holding += self.lines[request.id]
             self._reconcile()
 
     def _finished(self, task_id: str) -> None:
         if self.held[task_id] > 0:  # a bulk message of ours (any other id reads as 0, and is not stored)
             self.held[task_id] -= 1
+            self.holding -= self.lines[task_id]
             if not self.held[task_id]:
-                del self.held[task_id]
+                del self.held[task_id], self.lines[task_id]
             self._reconcile()
 
     def _reconcile(self) -> None:

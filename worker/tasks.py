@@ -1,5 +1,7 @@
-"""The task every job message runs: claim the row under a lease, run the job by its kind through the engine,
-store the outcome (only while the lease is still this run's).
+"""The tasks job messages run: claim the rows under a lease, run the jobs by their kind through the engine,
+store the outcomes (only while the lease is still the run's). A message carries one job, or up to
+`CONVOQ_BULK_GROUP` lines of one batch (`jobs.publish`): those are claimed in one statement, run side by side,
+stored in one write and acknowledged together, each line settled on its own (one that fails fails alone).
 
 `worker_app(settings, name)` is the Celery app of a worker process: the shared app (`jobs.broker`) with this task
 registered, and the process's context (database, engine, reconciler, metrics) created when the worker starts.
@@ -12,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -28,7 +31,7 @@ from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
 from jobs.group_commit import GroupCommit
 from jobs.publish import publish
-from jobs.queues import TASK_RUN_JOB, home_tag
+from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
@@ -87,6 +90,7 @@ class WorkerContext:
     claim: GroupCommit[str, results.Claimed | None]  # job id -> the claimed job, or None: not queued
     store: GroupCommit[tuple[results.Claimed, Outcome], results.Stored]
     shutdown: Shutdown  # the grace of a warm shutdown, then its hand-back
+    lines: ThreadPoolExecutor  # a grouped message's lines run side by side here, its Celery thread waiting on them
 
     @classmethod
     def start(cls, settings: Settings, celery: Celery, name: str,
@@ -108,8 +112,10 @@ class WorkerContext:
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
                                                            settings.dead_after_s), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, worker=name), "stores")
+        # the bulk gate holds the lines in flight to its share of `worker_concurrency` (give or take a group)
+        lines = ThreadPoolExecutor(settings.worker_concurrency, thread_name_prefix="line")
         return cls(settings, celery, sessions, router, bridge, reconciler, name, metrics, progress, leases, Solo(),
-                   claim, store, shutdown)
+                   claim, store, shutdown, lines)
 
     def close(self) -> int:
         """Hand back the jobs this worker still holds, then close the engine and the rest; returns how many went
@@ -122,6 +128,7 @@ class WorkerContext:
         finally:  # a hand-back that failed is the sweep's to finish (leases); the rest closes all the same
             rehome_own(self.settings, self.name)
             self.bridge.close()
+            self.lines.shutdown(wait=False)
             self.claim.close()
             self.store.close()
             self.progress.close()
@@ -189,22 +196,30 @@ class Worker:
         if returned:
             log.warning("handed %d unfinished jobs back to the queue", returned)
 
-    def run_job(self, job_id: str, routing_key: str | None = None) -> None:
-        """Run the job of a message delivered from the queue `routing_key`."""
+    def run(self, job_ids: list[str], routing_key: str | None = None) -> None:
+        """Run the jobs of a message delivered from the queue `routing_key`, claimed in one statement."""
         ctx = self.context
         if ctx.shutdown.begun.is_set():  # delivered but not started: the next worker takes it now, not after us
-            raise Reject(f"job {job_id} not started: the worker is shutting down", requeue=True)
-        claimed = ctx.claim(job_id)
-        if claimed is None:
-            log.info("job %s is not queued (finished, taken, or given up); dropping this message", job_id)
-            return
-        ctx.leases.add(claimed)
-        if claimed.job.conversation_id is not None:
-            ctx.metrics.conversation_job(home=routing_key in self.own)
+            raise Reject(f"jobs {', '.join(job_ids)} not started: the worker is shutting down", requeue=True)
+        claims = []
+        for job_id, future in zip(job_ids, ctx.claim.many(job_ids), strict=True):
+            try:
+                claimed = future.result()
+            except Exception:  # this line alone: its row stays queued, and the sweep sends it again
+                log.exception("could not claim job %s; the sweep sends it again", job_id)
+                continue
+            if claimed is None:
+                log.info("job %s is not queued (finished, taken, or given up); dropping its message", job_id)
+                continue
+            ctx.leases.add(claimed)
+            claims.append(claimed)
+            if claimed.job.conversation_id is not None:
+                ctx.metrics.conversation_job(home=routing_key in self.own)
         try:
-            run_claimed(ctx, claimed)
+            run_claims(ctx, claims)
         finally:
-            ctx.leases.drop(claimed)
+            for claimed in claims:
+                ctx.leases.drop(claimed)
 
 
 def worker_app(settings: Settings, name: str) -> Celery:
@@ -223,7 +238,11 @@ def worker_app(settings: Settings, name: str) -> Celery:
     # summary at a glance); what runs is read from the job's row
     @celery.task(name=TASK_RUN_JOB, bind=True)
     def run_job(task, job_id: str, kind: str | None = None, priority: int | None = None) -> None:
-        worker.run_job(job_id, (task.request.delivery_info or {}).get("routing_key"))
+        worker.run([job_id], (task.request.delivery_info or {}).get("routing_key"))
+
+    @celery.task(name=TASK_RUN_GROUP, bind=True)
+    def run_group(task, job_ids: list[str], kind: str | None = None, priority: int | None = None) -> None:
+        worker.run(job_ids, (task.request.delivery_info or {}).get("routing_key"))
 
     @control_command(name=CANCEL_COMMAND, args=[("job_ids", list), ("reason", str)],
                      signature="<job_ids> [reason]")
@@ -235,50 +254,91 @@ def worker_app(settings: Settings, name: str) -> Celery:
     return celery
 
 
-def run_claimed(ctx: WorkerContext, claimed: results.Claimed) -> None:
-    """Run a job this worker holds the lease of, and store its outcome. A suspect (in `suspect_after_crashes`
-    crashes) runs with the engine to itself, and says so in its row first; it keeps the engine to itself until
-    its outcome is written, so that a crash after it cannot be blamed on it."""
-    job_id = str(claimed.job_id)
-    suspect = claimed.crashes >= ctx.settings.suspect_after_crashes
-    ctx.progress.status(job_id, JobStatus.running)
-    with ctx.solo.alone() if suspect else ctx.solo.shared():
+def run_claims(ctx: WorkerContext, claims: list[results.Claimed]) -> None:
+    """Run the jobs of a message, which this worker holds the leases of, and store their outcomes in one write.
+    A suspect (in `suspect_after_crashes` crashes) runs with the engine to itself, after the others, and says so in
+    its row first; it keeps the engine to itself until its outcome is written, so that a crash after it cannot be
+    blamed on it. A job handed back at shutdown returns the message to the queue once every job of it is through
+    (the message's other jobs, finished, are dropped at their next claim)."""
+    suspect = ctx.settings.suspect_after_crashes
+    together = [c for c in claims if c.crashes < suspect]
+    handed_back = False
+    if together:
+        with ctx.solo.shared():
+            handed_back |= run_together(ctx, together, alone=False)
+    for claimed in claims:
+        if claimed.crashes >= suspect:
+            with ctx.solo.alone():
+                handed_back |= run_together(ctx, [claimed], alone=True)
+    if handed_back:
+        raise Reject(f"jobs {', '.join(str(c.job_id) for c in claims)} handed back: the worker is shutting down",
+                     requeue=True)
+
+
+def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool) -> bool:
+    """Run `claims` side by side (a single job on this thread), then store the outcomes of those that finished in
+    one write; True if one of them was handed back at shutdown."""
+    def attempt(claimed: results.Claimed) -> Outcome | bool:
         try:
-            if suspect and not results.mark_alone(ctx.sessions, claimed):
+            return execute(ctx, claimed, alone)
+        except Exception:  # its settling failed too (the database away for long): it alone, not its group
+            log.exception("job %s could not be settled; its lease expires and the sweep hands it back", claimed.job_id)
+            return False
+
+    ran = [attempt(claims[0])] if len(claims) == 1 else list(ctx.lines.map(attempt, claims))
+    done = [(c, outcome) for c, outcome in zip(claims, ran, strict=True) if isinstance(outcome, Outcome)]
+    for (claimed, outcome), future in zip(done, ctx.store.many(done), strict=True):
+        try:
+            stored = future.result()
+        except Exception as exc:  # this line's write alone: the others' went through without it
+            run_failed(ctx, claimed, exc)
+            continue
+        if not stored.applied:
+            ctx.metrics.refused()
+            continue
+        ctx.progress.status(str(claimed.job_id), stored.status)
+        ctx.metrics.observe(claimed.job.priority, stored, outcome.completion_tokens)
+    return any(outcome is True for outcome in ran)
+
+
+def execute(ctx: WorkerContext, claimed: results.Claimed, alone: bool) -> Outcome | bool:
+    """Run one claimed job through the engine: its outcome, to store; or, once it was settled here otherwise,
+    True if it was handed back at shutdown (its message must go back to the queue), else False."""
+    job_id = str(claimed.job_id)
+    ctx.progress.status(job_id, JobStatus.running)
+    try:
+        if alone and not results.mark_alone(ctx.sessions, claimed):
+            ctx.metrics.refused()
+            return False
+        with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
+                            on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease)) as run:
+            if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
+                run.stop(SHUTDOWN)
+            outcome = RUN_BY_KIND[claimed.job.kind](run)
+        verdict = outcome.verdict
+        if verdict.finish_reason == SHUTDOWN:
+            return hand_back_at_shutdown(ctx, claimed)
+        if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
+            if not results.give_back(ctx.sessions, claimed):
                 ctx.metrics.refused()
-                return
-            with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
-                                on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease)) as run:
-                if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
-                    run.stop(SHUTDOWN)
-                outcome = RUN_BY_KIND[claimed.job.kind](run)
-            verdict = outcome.verdict
-            if verdict.finish_reason == SHUTDOWN:
-                hand_back_at_shutdown(ctx, claimed)
-                return
-            if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
-                if not results.give_back(ctx.sessions, claimed):
-                    ctx.metrics.refused()
-                return
-            if verdict.retryable:
-                raise RuntimeError(verdict.error)
-            stored = ctx.store((claimed, outcome))
-            if not stored.applied:
-                ctx.metrics.refused()
-                return
-            ctx.progress.status(job_id, stored.status)
-            ctx.metrics.observe(claimed.job.priority, stored, outcome.completion_tokens)
-        except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
-            hand_back_stalled(ctx, claimed)
-        except Reject:
-            raise
-        except EngineDead as exc:
-            if not ctx.shutdown.begun.is_set():
-                engine_died(exc)
-            hand_back_at_shutdown(ctx, claimed)  # closed under it at shutdown: no crash of this job's doing
-        except Exception as exc:
-            log.exception("job %s failed (attempt %d of %d)", job_id, claimed.attempt, ctx.settings.max_attempts)
-            retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
+            return False
+        if verdict.retryable:
+            raise RuntimeError(verdict.error)
+        return outcome
+    except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
+        hand_back_stalled(ctx, claimed)
+    except EngineDead as exc:
+        if not ctx.shutdown.begun.is_set():
+            engine_died(exc)
+        return hand_back_at_shutdown(ctx, claimed)  # closed under it at shutdown: no crash of this job's doing
+    except Exception as exc:
+        run_failed(ctx, claimed, exc)
+    return False
+
+
+def run_failed(ctx: WorkerContext, claimed: results.Claimed, exc: Exception) -> None:
+    log.exception("job %s failed (attempt %d of %d)", claimed.job_id, claimed.attempt, ctx.settings.max_attempts)
+    retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
 
 
 def engine_died(error: EngineDead, shutdown: Shutdown | None = None) -> None:
@@ -292,15 +352,16 @@ def engine_died(error: EngineDead, shutdown: Shutdown | None = None) -> None:
     os._exit(3)
 
 
-def hand_back_at_shutdown(ctx: WorkerContext, claimed: results.Claimed) -> None:
-    """A run its worker's shutdown ended: the job goes back uncharged and its message back to the queue, where the
-    next worker takes it (`worker.shutdown`). A job that moved on meanwhile needs neither: its message is acked."""
+def hand_back_at_shutdown(ctx: WorkerContext, claimed: results.Claimed) -> bool:
+    """A run its worker's shutdown ended: the job goes back uncharged; True: its message must go back to the queue,
+    where the next worker takes it (`worker.shutdown`). A job that moved on meanwhile needs neither: its message
+    is acked."""
     ctx.leases.drop(claimed)  # first: the heartbeat must not take a job on its way back for a lost one
     if not results.give_back(ctx.sessions, claimed, requeued=True):
         ctx.metrics.refused()
-        return
+        return False
     ctx.progress.status(str(claimed.job_id), JobStatus.queued)
-    raise Reject(f"job {claimed.job_id} handed back: the worker is shutting down", requeue=True)
+    return True
 
 
 def hand_back_stalled(ctx: WorkerContext, claimed: results.Claimed) -> None:

@@ -33,7 +33,7 @@ from api.service.file_store import pieces
 from api.service.files import UPLOAD_PURPOSE
 from jobs.affinity import Router
 from jobs.clock import db_now
-from jobs.db import insert_ignore
+from jobs.db import copy_ignore, insert_ignore
 from jobs.publish import publish
 from jobs.schemas import BatchStatus
 from jobs.settings import Settings
@@ -42,6 +42,7 @@ from jobs.tables import Batch, BatchLineError, File, Job, job_row, utcnow
 log = logging.getLogger(__name__)
 
 INSERT_ROWS = 1000  # job and line-error rows per INSERT
+PUBLISH_PAGE = 4096  # jobs read and published at a time: whole groups of any `bulk_group` up to 256
 MAX_FAILURES = 3  # ingests of a batch that raised (not those that died with their process) before it fails
 MAX_MESSAGE = 2000  # characters of a line error's reason
 VALIDATING = BatchStatus.validating.value
@@ -175,10 +176,27 @@ def ingest(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
             return
         _drop_upload(session, source)
         session.commit()
-        # committed before any message exists; what a message (and its route) needs is a few columns per job
-        jobs = session.execute(select(Job.id, Job.kind, Job.priority, Job.tenant, Job.conversation_id)
-                               .where(Job.batch_id == batch_id)).all()
-        publish(celery, session, jobs, settings, router=router)
+        publish_lines(celery, sessions, session, settings, batch_id, router)
+
+
+def publish_lines(celery: Celery, sessions: sessionmaker[Session], session: Session, settings: Settings,
+                  batch_id: uuid.UUID, router: Router | None) -> None:
+    """Publish a committed batch's jobs as one read streamed a page at a time, so that the API's memory does not
+    grow with the batch. A message (and its route) needs a few columns per job.
+
+    The lines were stamped `published_at` as they were inserted, which saves a second write of every row (the
+    stamp was most of an ingest's database time). A line whose message then never goes out (the broker refused,
+    this process died) is a sent job whose message is missing: the sweep sends it once two sweeps in a row found
+    no message for it, as it does for a message Redis lost."""
+    lines = (select(Job.id, Job.kind, Job.priority, Job.tenant, Job.conversation_id, Job.batch_id)
+             .where(Job.batch_id == batch_id).execution_options(yield_per=PUBLISH_PAGE))
+    with sessions() as reader:
+        for page in reader.execute(lines).partitions():
+            publish(celery, session, page, settings, router=router, stamp=stamped_at_insert)
+
+
+def stamped_at_insert(job_ids: list[uuid.UUID]) -> None:
+    """`publish`'s stamp for the lines of a batch: they have theirs (`publish_lines`)."""
 
 
 def release(session: Session, batch_id: uuid.UUID, lease: uuid.UUID, source: str) -> None:
@@ -222,7 +240,8 @@ def _store_lines(session: Session, batch: Batch, check: PromptCheck, source: Ite
 
     def flush() -> None:
         if jobs:
-            insert_ignore(session, Job, jobs)  # one statement run for every row
+            # stamped published as they are inserted (see `publish_lines`): one write per line, not two
+            copy_ignore(session, Job, jobs, published_at=db_now())
         if bad:
             insert_ignore(session, BatchLineError, bad)
         jobs.clear()

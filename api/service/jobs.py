@@ -4,6 +4,7 @@ need of them."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from uuid import UUID
 
 from celery import Celery
@@ -57,9 +58,9 @@ def enqueue(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
                 raise HTTPException(status.HTTP_409_CONFLICT, f"idempotency_key {job_in.idempotency_key!r} was "
                                                               "used for a different job; use a new key") from None
             return JobAccepted(id=existing.id, status=JobStatus(existing.status), created=False)
-        job = Job(**row)
-        publish(celery, session, [job], settings, stamp=intake.stamp, router=intake.router)
-    return JobAccepted(id=job.id, status=JobStatus.queued, created=True)
+        # what a message needs of the row, without an ORM object to build and track
+        publish(celery, session, [SimpleNamespace(**row)], settings, stamp=intake.stamp, router=intake.router)
+    return JobAccepted(id=row["id"], status=JobStatus.queued, created=True)
 
 
 def load(sessions: sessionmaker[Session], job_id: UUID, caller: ApiKey) -> JobOut | None:

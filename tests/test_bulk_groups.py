@@ -1,0 +1,165 @@
+"""Bulk lines travel in grouped messages: claimed in one statement, stored in one write, acknowledged together,
+each line settled on its own; interactive jobs keep a message each."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy import event, insert
+
+from api.client import Client
+from bench.audit import messages_by_job
+from cli.stack import Stack
+from jobs.broker import GROUP_HEADER, create_celery, message_headers
+from jobs.db import make_db_engine, make_sessions
+from jobs.group_commit import GroupCommit
+from jobs.publish import publish
+from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB
+from jobs.schemas import JobIn
+from jobs.settings import Settings
+from jobs.tables import Job, job_row, utcnow
+from tests.conftest import API_KEY
+from tests.test_batches import upload, wait_settled
+from tests.test_faults import FAST_RECOVERY, clean, supervise
+from worker import results
+from worker.bulk_gate import bulk_gate
+
+
+def sent_messages(broker_url: str) -> list[dict]:
+    client = redis.Redis.from_url(broker_url)
+    raw = [m for key in client.keys("convoq.*") for m in client.lrange(key, 0, -1)]
+    client.close()
+    return [message_headers(m) for m in raw]
+
+
+def test_bulk_lines_are_grouped_by_batch_and_interactive_jobs_travel_alone(database, broker):
+    settings = Settings(broker_url=broker, database_url=database, bulk_group=16)
+    celery = create_celery(settings)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    lines = [SimpleNamespace(id=uuid.uuid4(), kind="chat", priority=2, batch_id=b) for b in [first] * 40 + [second] * 3]
+    urgent = [SimpleNamespace(id=uuid.uuid4(), kind="chat", priority=p, batch_id=first) for p in (7, 9)]
+    loose = [SimpleNamespace(id=uuid.uuid4(), kind="chat", priority=1, batch_id=None)]
+    with make_sessions(make_db_engine(database))() as session:
+        sent = publish(celery, session, [*lines, *urgent, *loose], settings)
+    assert sorted(sent) == sorted(j.id for j in [*lines, *urgent, *loose])
+    headers = sent_messages(broker)
+    groups = [h[GROUP_HEADER] for h in headers if h["task"] == TASK_RUN_GROUP]
+    alone = [h["id"] for h in headers if h["task"] == TASK_RUN_JOB]
+    # 40 lines of one batch: 16 + 16 + 8; the other batch's 3 are a group of their own
+    assert sorted(map(len, groups)) == [3, 8, 16, 16]
+    assert all(len({str(j.batch_id) for j in lines if str(j.id) in g}) == 1 for g in groups)
+    assert sorted(alone) == sorted(str(j.id) for j in [*urgent, *loose])  # interactive, or no batch: never grouped
+    client = redis.Redis.from_url(broker)
+    found = messages_by_job(client, settings)  # the broker's view finds every line of a group
+    client.close()
+    assert sorted(found) == sorted(sent) and all(len(m) == 1 for m in found.values())
+
+
+def queued_jobs(sessions, n: int) -> list[str]:
+    rows = [job_row(JobIn(messages=[{"role": "user", "content": f"line {i}"}], priority=1), utcnow())
+            for i in range(n)]
+    with sessions.begin() as session:
+        session.execute(insert(Job.__table__), rows)
+    return [str(row["id"]) for row in rows]
+
+
+def test_a_group_is_claimed_in_one_statement_and_a_bad_line_fails_alone(database):
+    engine = make_db_engine(database)
+    sessions = make_sessions(engine)
+    ids = queued_jobs(sessions, 16)
+    claims: list[str] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement.lstrip().upper().startswith("UPDATE JOBS"):
+            claims.append(statement)
+
+    writer = GroupCommit(lambda batch: results.claim_many(sessions, batch, "w1", 3), "claims")
+    claimed = [f.result() for f in writer.many(ids)]
+    assert [str(c.job_id) for c in claimed] == ids and len({c.lease for c in claimed}) == 1
+    assert len(claims) == 1  # one UPDATE ... RETURNING for the whole group
+
+    # a line whose write raises is written again alone; the rest of its group commits without it
+    bad = "not-a-uuid"
+    futures = writer.many([*queued_jobs(sessions, 3), bad])
+    assert all(f.result() is not None for f in futures[:3])
+    with pytest.raises(ValueError):
+        futures[3].result()
+    writer.close()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM jobs WHERE status = 'running'")).scalar_one() == 19
+
+
+def line_with(i: int, content: str) -> bytes:
+    return json.dumps({"custom_id": f"req-{i:03d}", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "qwen3", "max_tokens": 4,
+                                "messages": [{"role": "user", "content": content}]}}).encode()
+
+
+def batch_job_ids(database: str) -> dict[str, uuid.UUID]:
+    engine = sa.create_engine(database)
+    with engine.connect() as conn:
+        rows = dict(conn.execute(sa.text("SELECT custom_id, id FROM jobs")).all())
+    engine.dispose()
+    return rows
+
+
+@pytest.mark.slow
+def test_a_poison_line_fails_alone_in_its_group(service_env, database, tmp_path):
+    env = {**service_env, "CONVOQ_BACKEND": "tests.poison_backend:create", "CONVOQ_RETRY_BACKOFF_S": "0.5"}
+    with Stack(env, tmp_path / "logs") as stack:
+        stack.start_api()
+        stack.start_worker()
+        with Client(stack.api_url, API_KEY) as client:
+            batch = client.create_batch(upload(32, bad={10: line_with(10, "Please summarize POISON for me")}))
+            done = wait_settled(client, batch.id, timeout=240)
+    assert (done.request_counts.completed, done.request_counts.failed) == (31, 1), done
+    ids = batch_job_ids(database)
+    poison = ids.pop("req-010")
+    clean(database, list(ids.values()))  # each other line ran once, its result written once
+    engine = sa.create_engine(database)
+    with engine.connect() as conn:
+        status, attempts = conn.execute(sa.text("SELECT status, attempts FROM jobs WHERE id = :i"),
+                                        {"i": poison}).one()
+    engine.dispose()
+    assert (status, attempts) == ("failed", 3)
+
+
+@pytest.mark.slow
+def test_a_group_whose_worker_dies_is_run_again_without_doubles(service_env, database, tmp_path):
+    env = {**service_env, **FAST_RECOVERY, "CONVOQ_BACKEND": "tests.poison_backend:create_crash"}
+    with Stack(env, tmp_path / "logs") as stack:
+        stack.start_api()
+        with Client(stack.api_url, API_KEY) as client:
+            batch = client.create_batch(upload(24, bad={12: line_with(12, "Please CRASH now")}))
+            deadline = time.monotonic() + 60
+            while client.get_batch(batch.id).status == "validating":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            stack.start_worker()
+            deaths = supervise(stack, database, 24, timeout=300)
+    assert deaths == 3  # the crashing line, a suspect after two, is condemned running alone
+    ids = batch_job_ids(database)
+    ids.pop("req-012")
+    clean(database, list(ids.values()))  # its group's other lines went back and ran once more, none twice
+
+
+def test_the_bulk_gate_counts_a_group_by_its_lines():
+    gate = object.__new__(bulk_gate(["convoq.bulk"], 0.75))  # its state alone: no consumer, no signals
+    gate.held, gate.lines, gate.holding, gate.gated, gate.c = Counter(), {}, 0, None, None
+    bulk = {"routing_key": "convoq.bulk"}
+    gate._received(request=SimpleNamespace(id="g", task_name=TASK_RUN_GROUP, args=[["a", "b", "c"]],
+                                           delivery_info=bulk))
+    gate._received(request=SimpleNamespace(id="j", task_name=TASK_RUN_JOB, args=["d"], delivery_info=bulk))
+    gate._received(request=SimpleNamespace(id="u", task_name=TASK_RUN_JOB, args=["e"],
+                                           delivery_info={"routing_key": "convoq.interactive"}))
+    assert gate.holding == 4  # the group's three lines and the bulk job; the urgent one is not bulk's
+    gate._finished("g")
+    assert gate.holding == 1 and "g" not in gate.lines
