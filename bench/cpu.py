@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.usage import process_cpu_s, stat_fields
+
 PROC = Path("/proc")
-TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,10 @@ def processes() -> dict[int, Proc]:
     """Every process readable now (one that ends while being read is left out)."""
     found = {}
     for entry in PROC.glob("[0-9]*") if PROC.is_dir() else ():
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # the name is in parentheses and may hold spaces; the fields after it are numbered from 3 (state)
-        name, fields = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        found[int(entry.name)] = Proc(int(entry.name), name, int(fields[3]), (int(fields[11]) + int(fields[12])) * TICK_S)
+        pid = int(entry.name)
+        if (stat := stat_fields(pid)) is not None:
+            name, fields = stat
+            found[pid] = Proc(pid, name, int(fields[3]), process_cpu_s(fields))
     return found
 
 

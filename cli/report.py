@@ -26,7 +26,7 @@ from jobs.db import make_db_engine, make_sessions
 from jobs.queues import is_interactive
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
-from jobs.tables import Job, Result, Timing, as_utc
+from jobs.tables import Job, Result, Timing, Worker, as_utc
 
 # seconds: from a demo's few seconds to weeks of service, the smallest that keeps under MAX_BUCKETS points
 BUCKET_WIDTHS = (1, 2, 5, 10, 15, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
@@ -95,6 +95,32 @@ def load(session: Session, since: datetime) -> tuple[dict[str, int], Finished]:
         .order_by(Timing.created_at)
     ).all()
     return statuses, Finished.from_rows(rows)
+
+
+def load_workers(session: Session, since: datetime) -> list:
+    """The workers that beat since `since`, with what they used over their lives (`Worker.cpu_s`)."""
+    return session.execute(
+        select(Worker.name, Worker.started_at, Worker.heartbeat_at, Worker.cpu_s, Worker.jobs_finished)
+        .where(Worker.heartbeat_at >= since).order_by(Worker.started_at, Worker.name)
+    ).all()
+
+
+def usage_rows(workers: list) -> list[list[str]]:
+    """One row per worker: its life, the jobs it finished and its CPU over that life, and CPU per job."""
+    rows = []
+    for w in workers:
+        per_job = f"{1e3 * w.cpu_s / w.jobs_finished:.2f}" if w.cpu_s is not None and w.jobs_finished else "-"
+        rows.append([w.name, f"{as_utc(w.started_at):%Y-%m-%d %H:%M:%S}", f"{as_utc(w.heartbeat_at):%Y-%m-%d %H:%M:%S}",
+                     "-" if w.jobs_finished is None else str(w.jobs_finished),
+                     "-" if w.cpu_s is None else f"{w.cpu_s:.1f}", per_job])
+    return rows
+
+
+USAGE_HEADER = ["worker", "started", "last heartbeat", "jobs finished", "CPU (s)", "CPU per job (ms)"]
+USAGE_NOTE = ("<p>Over each worker's life, as of its last heartbeat: the CPU time of the worker process and of its "
+              "engine process, and the jobs it brought to an end. An API process serves its CPU time as "
+              "<code>process_cpu_seconds_total</code> on <code>/metrics</code>: its rate over that of the workers' "
+              "<code>convoq_jobs_finished_total</code> is the API's CPU per job.</p>")
 
 
 @dataclass
@@ -328,13 +354,16 @@ def finished_sections(jobs: Finished, settings: Settings) -> list[str]:
 
 
 def render(statuses: dict[str, int], jobs: Finished, since: datetime, now: datetime,
-           settings: Settings) -> str:
+           settings: Settings, workers: list = ()) -> str:
+    """The page; `workers`: those of `load_workers`."""
     window = f"{since:%Y-%m-%d %H:%M} to {now:%Y-%m-%d %H:%M} UTC"
     if not statuses:
         parts = [f'<p class="empty">No jobs were created from {window}: nothing to report.</p>']
     else:
         parts = [section("statuses", "Jobs by status", status_table(statuses))]
         parts += finished_sections(jobs, settings) if len(jobs) else [NOTHING_FINISHED]
+    if workers:
+        parts.append(section("cpu", "CPU per job, by worker", USAGE_NOTE + table(USAGE_HEADER, usage_rows(workers))))
     return PAGE.format(window=window, generated=f"{now:%Y-%m-%d %H:%M:%S}", body="\n".join(parts))
 
 
@@ -346,9 +375,10 @@ def write_report(settings: Settings, since: datetime, out: Path) -> Path:
     try:
         with make_sessions(engine)() as session:
             statuses, jobs = load(session, since)
+            workers = load_workers(session, since)
     finally:
         engine.dispose()
-    out.write_text(render(statuses, jobs, since, now, settings), encoding="utf-8")
+    out.write_text(render(statuses, jobs, since, now, settings, workers), encoding="utf-8")
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from sqlalchemy import JSON, Column, Engine, MetaData, QueuePool, Table, create_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import Insert
 
 T = TypeVar("T")
 # deadlock_detected, serialization_failure: PostgreSQL aborted the transaction to let another one through
@@ -46,8 +48,19 @@ def insert_ignore(session: Session, table, rows: dict | list[dict], **same: obje
 
     One statement run for every row (executemany), so its compiled form is cached whatever the row count."""
     dialect = session.get_bind().dialect.name
-    insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}[dialect]
-    session.connection().execute(insert(table.__table__).values(**same).on_conflict_do_nothing(), rows)
+    statement = _insert_ignore(dialect, table) if not same else _INSERTS[dialect](table.__table__).values(
+        **same).on_conflict_do_nothing()
+    session.connection().execute(statement, rows)
+
+
+_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+
+
+@functools.cache
+def _insert_ignore(dialect: str, table) -> Insert:
+    """`insert_ignore`'s statement, built once: the workers' claims and stores run it for every job, and building
+    and keying a statement costs more CPU than sending it."""
+    return _INSERTS[dialect](table.__table__).on_conflict_do_nothing()
 
 
 def copy_ignore(session: Session, table, rows: list[dict], **same: object) -> None:

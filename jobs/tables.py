@@ -285,6 +285,10 @@ class Worker(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # over the worker's life, stamped at each heartbeat: CPU seconds of the worker process and its engine process,
+    # and the jobs it brought to a terminal status (the report's CPU per job)
+    cpu_s: Mapped[float | None] = mapped_column(Float)
+    jobs_finished: Mapped[int | None] = mapped_column(Integer)
 
     # workers gone silent (the reconciler), alive (`/readyz`), long dead (retention)
     __table_args__ = (Index("ix_workers_heartbeat", "heartbeat_at"),)

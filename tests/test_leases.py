@@ -178,6 +178,23 @@ def test_heartbeats_renew_held_leases_only_and_report_lost_and_cancelled_jobs(db
     assert left.total_seconds() > 25  # renewed for lease_s on the database's clock
 
 
+def test_a_heartbeat_stamps_what_its_worker_used_on_its_row(db):
+    """The report's CPU per job reads it (`cli.report.usage_rows`): the first beat inserts the row with it, later
+    beats replace it; a beat that brings none leaves the last one."""
+    engine, sessions = db
+
+    def used() -> tuple:
+        with engine.connect() as conn:
+            return conn.execute(sa.text("SELECT cpu_s, jobs_finished FROM workers WHERE name = 'w-usage'")).one()
+
+    beat(sessions, "w-usage", {}, 30, 15, usage=(1.5, 3))
+    assert used() == (1.5, 3)
+    beat(sessions, "w-usage", {}, 30, 15, usage=(4.25, 10))
+    assert used() == (4.25, 10)
+    beat(sessions, "w-usage", {}, 30, 15)
+    assert used() == (4.25, 10)
+
+
 def crash(engine, sessions, *job_ids: str) -> dict:
     expire_leases(engine, *job_ids)
     return dict(hand_back_expired(sessions, max_crashes=5))

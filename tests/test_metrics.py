@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import time
 import uuid
 from datetime import timedelta
 
@@ -26,6 +29,7 @@ from tests.conftest import API_KEY
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.outcome import Outcome
 from worker.results import Claimed, Stored, finished_status, timing_row
+from worker.usage import cpu_seconds, process_cpu_s, stat_fields
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -197,6 +201,25 @@ def test_worker_metrics_count_failures_retries_cancellations_and_conversation_ro
     assert value("convoq_jobs_finished_total", {"status": "failed"}) == 1
     assert value("convoq_job_retries_total") == 1
     assert value("convoq_job_end_to_end_seconds_count", {"priority": "7"}) is None  # no timings row either
+    assert metrics.finished_total() == 2  # whatever the status: the worker row's `jobs_finished`
+
+
+def test_a_workers_cpu_time_counts_its_engine_process():
+    """`worker.usage.cpu_seconds`: this process's CPU time, plus that of the engine process it names (a busy
+    child here), which keeps the worker row's CPU per job honest when the engine runs apart."""
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.6\n"
+                              "while time.process_time() < end: pass\ntime.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while (found := stat_fields(child.pid)) is None or process_cpu_s(found[1]) < 0.5:
+            assert time.monotonic() < deadline, "the child never used its CPU"
+            time.sleep(0.05)
+        alone = cpu_seconds(None)
+        assert cpu_seconds(child.pid) - alone >= 0.5
+        assert cpu_seconds(2**22 + 7) == pytest.approx(alone, abs=0.05)  # no such process: nothing of it
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_engine_gauges_expose_the_stats_the_engine_reports():

@@ -13,14 +13,14 @@ from typer.testing import CliRunner
 from cli.main import app
 from cli.report import Finished, parse_since, render, write_report
 from jobs.settings import Settings
-from jobs.tables import Job, Result, Timing
+from jobs.tables import Job, Result, Timing, Worker
 
 NOW = datetime.now(UTC)
 SUCCEEDED = 240
 OTHERS = {"failed": 30, "queued": 20, "cancelled": 10}
 PRIORITIES = (9, 5, 1)
 SECTIONS = ("statuses", "latency-summary", "latency", "throughput", "interactive-vs-bulk", "wait-vs-compute", "batch-size",
-            "prefix-reuse")
+            "prefix-reuse", "cpu")
 
 
 def e2e_ms(i: int) -> float:
@@ -63,8 +63,15 @@ def seed(database: str) -> None:
         jobs += [dict(id=uuid.uuid4(), status=status, kind="summarize", priority=1, payload={}, created_at=created,
                       finished_at=None if status == "queued" else created, conversation_id=None, worker=None)
                  for _ in range(n)]
+    workers = [dict(name="w-a", hostname="h", pid=1, started_at=NOW - timedelta(hours=4), heartbeat_at=NOW,
+                    cpu_s=12.5, jobs_finished=500),
+               dict(name="w-new", hostname="h", pid=2, started_at=NOW, heartbeat_at=NOW, cpu_s=None,
+                    jobs_finished=None),  # its first beat, before it had a figure
+               dict(name="w-gone", hostname="h", pid=3, started_at=NOW - timedelta(days=3),
+                    heartbeat_at=NOW - timedelta(days=2), cpu_s=1.0, jobs_finished=10)]  # outside the window
     engine = sa.create_engine(database)
     with engine.begin() as conn:
+        conn.execute(sa.insert(Worker), workers)
         conn.execute(sa.insert(Job), jobs)
         conn.execute(sa.insert(Result), results)
         conn.execute(sa.insert(Timing), timings)
@@ -91,6 +98,10 @@ def test_report_of_a_seeded_database(database, tmp_path):
     assert f"<td>8.5</td><td>30.0</td><td>{SUCCEEDED * 20}</td></tr></tbody>" in page
     # by worker: jobs, reuse, later turns of conversations and the share on their previous turn's worker (one
     # turn of w-a's first conversation ran on w-b)
+    # CPU per job by worker, over each one's life: 12.5 s over 500 jobs
+    at = f"{NOW - timedelta(hours=4):%Y-%m-%d %H:%M:%S}"
+    assert f"<tr><td>w-a</td><td>{at}</td><td>{NOW:%Y-%m-%d %H:%M:%S}</td><td>500</td><td>12.5</td><td>25.00</td></tr>" in page
+    assert "<td>w-new</td>" in page and "<td>-</td><td>-</td><td>-</td></tr>" in page and "w-gone" not in page
     for name, later, home in (("w-a", 29, "100.0"), ("w-b", 31, f"{100 * 30 / 31:.1f}")):
         ran = [i for i in range(SUCCEEDED) if worker(i) == name]
         reused = f"{100 * sum((i % 3) * 30 for i in ran) / (100 * len(ran)):.1f}"

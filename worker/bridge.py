@@ -266,6 +266,11 @@ class Bridge:
     def stats(self) -> dict[str, float]:
         return self.runner.stats()
 
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine's process, when it runs in one of its own (not as a thread of this one)."""
+        return getattr(self.runner, "pid", None)
+
     def close(self) -> None:
         self._closed.set()
         self.runner.close()

@@ -144,6 +144,11 @@ class WorkerMetrics:
         self.reused.inc(t["prompt_tokens_reused"])
         self.host_reused.inc(t["host_tokens_reused"])
 
+    def finished_total(self) -> int:
+        """Jobs this worker brought to a terminal status so far, whatever the status."""
+        return int(sum(sample.value for family in self.finished.collect() for sample in family.samples
+                       if sample.name.endswith("_total")))
+
     def conversation_job(self, home: bool) -> None:
         """A job with a conversation was claimed here, from this worker's own queue or a shared one."""
         self.conversation_jobs.labels("home" if home else "shared").inc()

@@ -72,18 +72,20 @@ class Beat:
 
 
 def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uuid.UUID], lease_s: float,
-         sweep_every_s: float) -> Beat:
-    """Stamp this worker alive and renew the leases it holds (job id -> lease id), in one transaction."""
+         sweep_every_s: float, usage: tuple[float, int] | None = None) -> Beat:
+    """Stamp this worker alive and renew the leases it holds (job id -> lease id), in one transaction; with its
+    `usage` so far (CPU seconds, jobs finished: `Worker.cpu_s`, `Worker.jobs_finished`)."""
+    used = {} if usage is None else dict(cpu_s=usage[0], jobs_finished=usage[1])
     workers, jobs, sweeps = Worker.__table__, Job.__table__, Sweep.__table__
     swept_at = select(sweeps.c.swept_at).where(sweeps.c.name == SWEEP).scalar_subquery()
     due = case((swept_at.is_(None), True), (swept_at < db_now(-sweep_every_s), True), else_=False)
     with sessions.begin() as session:
         row = session.execute(update(workers).where(workers.c.name == name)
-                              .values(heartbeat_at=db_now(), stopped_at=None).returning(due)).first()
+                              .values(heartbeat_at=db_now(), stopped_at=None, **used).returning(due)).first()
         if row is None:  # first beat (or the row was pruned while this worker was cut off)
             now = utcnow()
             insert_ignore(session, Worker, dict(name=name, hostname=socket.gethostname(), pid=os.getpid(),
-                                                 started_at=now, heartbeat_at=now))
+                                                 started_at=now, heartbeat_at=now, **used))
         renewed: list[Row] = []
         if leases:
             renewed = session.execute(
@@ -399,9 +401,11 @@ class Reconciler:
     back: the leases of the sweeper's own jobs would expire under it, and charge them a crash."""
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
-                 leases: Leases, stop_jobs: Callable[[list[str], str], list[str]]) -> None:
+                 leases: Leases, stop_jobs: Callable[[list[str], str], list[str]],
+                 usage: Callable[[], tuple[float, int]] | None = None) -> None:
+        """`usage`: the worker's CPU seconds and jobs finished so far, stamped on its row at every beat."""
         self.sessions, self.settings, self.name, self.leases = sessions, settings, name, leases
-        self.stop_jobs = stop_jobs
+        self.stop_jobs, self.usage = stop_jobs, usage
         self.sweeper = Sweeper(sessions, celery, settings)
         self._stop = threading.Event()
         self._sweep_due = threading.Event()
@@ -432,7 +436,8 @@ class Reconciler:
     def beat(self) -> Beat:
         s = self.settings
         held = self.leases.held()
-        result = beat(self.sessions, self.name, held, s.dead_after_s, s.sweep_every_s)
+        result = beat(self.sessions, self.name, held, s.dead_after_s, s.sweep_every_s,
+                      self.usage() if self.usage is not None else None)
         now = time.monotonic()
         if self._last_beat is None or now - self._last_beat > self._quiet_s:  # started, or back from an outage
             self._answering_since = now
