@@ -4,7 +4,6 @@ their sequence through reasoning, pre-emption and cancels, and log-probabilities
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -171,13 +170,21 @@ def test_json_strings_hold_only_what_json_and_utf8_allow(tiny_model, string):
     assert matcher.accept_token(vocab.index(b"\x9d"))  # U+D740..: a character
 
 
-def test_masking_on_two_threads_masks_exactly_what_one_does():
-    logits = torch.randn(40, 4096)
+def test_host_masking_does_what_xgrammars_kernel_does():
+    """Rows of both kinds `mask_host` tells apart (most words 0: a few tokens allowed; most words full: a few
+    forbidden) and mixed ones, with logits narrower than the mask's words (a vocabulary not a multiple of 32)."""
+    from xgrammar import apply_token_bitmask_inplace
+
+    torch.manual_seed(0)
     bitmask = torch.randint(-2**31, 2**31 - 1, (40, 128), dtype=torch.int32)
-    masks = TokenMasks([*range(0, 40, 2), 1, 3], bitmask)
-    alone, shared = logits.clone(), logits.clone()
-    mask(alone, masks)
-    with ThreadPoolExecutor(1) as helper:
-        mask(shared, masks, helper)
-    assert torch.equal(alone, shared) and not torch.equal(alone, logits)
-    assert torch.equal(alone[5], logits[5])  # a row without a grammar
+    bitmask[:15, 4:] = 0  # a few allowed
+    bitmask[15:30, :120] = -1  # a few forbidden
+    for vocab in (4096, 4090):
+        logits = torch.randn(40, vocab)
+        masks = TokenMasks([*range(0, 40, 2), 1, 3, 15, 29, 31], bitmask)
+        ours, theirs = logits.clone(), logits.clone()
+        mask(ours, masks)
+        apply_token_bitmask_inplace(theirs, bitmask, indices=masks.rows)
+        assert torch.equal(ours, theirs) and not torch.equal(ours, logits)
+        assert torch.equal(ours[5], logits[5])  # a row without a grammar
+        assert torch.isinf(ours[0]).sum() > vocab - 200 and torch.isinf(ours[16]).sum() < 200

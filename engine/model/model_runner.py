@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,8 +53,6 @@ class ModelRunner:
         self.pieces = pieces
         self.dense = dense
         self.device = next(model.parameters()).device
-        # on the CPU, a thread that masks half of a step's constrained rows (engine.model.sampler.mask)
-        self.helper = ThreadPoolExecutor(1, thread_name_prefix="mask") if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, masks: Callable[[], TokenMasks | None] | None = None) -> StepResult:
@@ -65,7 +62,7 @@ class ModelRunner:
         logits = self.logits(plan)
         if logits is None:
             return StepResult([], [])
-        tokens, logprobs = sample(logits, plan.sampling, masks() if masks is not None else None, self.helper)
+        tokens, logprobs = sample(logits, plan.sampling, masks() if masks is not None else None)
         return StepResult(plan.sample_ids, tokens, logprobs)
 
     @torch.inference_mode()
