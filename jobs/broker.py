@@ -15,14 +15,13 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from urllib.parse import urlsplit
 
 import redis
 from celery import Celery
 from kombu import Queue
 
+from jobs import redis_transport
 from jobs.queues import HOME_SEP, broker_priority
-from jobs.redis_transport import SCHEMES
 from jobs.settings import Settings
 
 PRIORITY_SEP = ":"
@@ -211,12 +210,11 @@ def worker_node_name(pid: int) -> str:
 
 
 def create_celery(settings: Settings) -> Celery:
-    url = settings.broker_url.get_secret_value()
-    app = Celery("convoq", broker=url)
+    # redis:// takes kombu's Redis transport keeping a Redis client per channel instead of building one per
+    # command (`jobs.redis_transport`); other schemes (rediss, sentinel) keep kombu's own
+    redis_transport.install()
+    app = Celery("convoq", broker=settings.broker_url.get_secret_value())
     app.conf.update(
-        # kombu's Redis transport, keeping a Redis client per channel instead of building one per command
-        # (`jobs.redis_transport`); other schemes (rediss, sentinel) keep kombu's own.
-        broker_transport="jobs.redis_transport:Transport" if urlsplit(url).scheme in SCHEMES else None,
         # JSON only: a pickled message is code execution for whoever can write to the broker.
         task_serializer="json",
         accept_content=["json"],

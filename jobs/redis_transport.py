@@ -10,10 +10,10 @@ the pool), so a channel keeps one, made again if the channel's pool is replaced.
 from __future__ import annotations
 
 import redis
+from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 
-# the broker URL's schemes this transport stands in for (others keep kombu's own)
-SCHEMES = ("redis",)
+SCHEME = "redis"  # the broker URL scheme this transport stands in for (`rediss` and sentinel keep kombu's own)
 
 
 class Channel(kombu_redis.Channel):
@@ -30,3 +30,11 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+def install() -> None:
+    """Make `redis://` broker URLs take this transport in this process. kombu finds a URL's transport by its
+    scheme in its alias table; replacing the alias, rather than naming the class in Celery's `broker_transport`,
+    keeps every connection's URL a plain `redis://` one: Flower picks its queue-length reader by that scheme, and
+    the worker's banner shows it."""
+    TRANSPORT_ALIASES[SCHEME] = f"{__name__}:Transport"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kombu import Queue
 
 from jobs.broker import create_celery
-from jobs.redis_transport import Channel
+from jobs.redis_transport import Channel, Transport
 from jobs.settings import Settings
 
 
@@ -37,7 +37,13 @@ def test_messages_go_through_it_both_ways(broker):
     assert sorted(got) == [0, 1, 2]
 
 
-def test_other_schemes_keep_kombus_transport():
-    assert create_celery(Settings(broker_url="rediss://example:6380/0")).conf.broker_transport is None
-    assert create_celery(Settings(broker_url="redis://example:6379/0")).conf.broker_transport == \
-        "jobs.redis_transport:Transport"
+def test_redis_urls_take_it_and_still_read_as_redis_urls():
+    """Flower picks its broker reader (queue lengths, on-call's view) by the URL's scheme."""
+    from flower.utils.broker import Broker, Redis
+
+    with create_celery(Settings(broker_url="redis://example:6379/0")).connection() as connection:
+        assert isinstance(connection.transport, Transport)
+        assert connection.as_uri(include_password=True) == "redis://example:6379/0"
+        assert isinstance(Broker(connection.as_uri(include_password=True)), Redis)
+    with create_celery(Settings(broker_url="rediss://example:6380/0")).connection() as connection:
+        assert not isinstance(connection.transport, Transport)

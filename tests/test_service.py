@@ -97,6 +97,10 @@ def test_flower_sees_the_worker_and_its_tasks(service_env, tmp_path):
         assert all(tasks[t]["name"] == "convoq.run_job" for t in ids)
         # on-call tells a chat from a bulk summary at a glance: the message carries the job's kind and priority
         assert all("'kind': 'chat'" in tasks[t]["kwargs"] and "'priority': " in tasks[t]["kwargs"] for t in ids)
+        # and the queues' lengths, read from Redis by the broker URL's scheme (`jobs.redis_transport` keeps it)
+        lengths = httpx.get(f"{flower}/api/queues/length", auth=auth, timeout=10)
+        assert lengths.status_code == 200, lengths.text
+        assert "convoq.interactive" in {q["name"] for q in lengths.json()["active_queues"]}
 
 
 def test_two_workers_on_one_host_get_node_names_and_metrics_ports_of_their_own(service_env, tmp_path):

@@ -160,6 +160,7 @@ def test_a_stalled_engine_thread_hands_its_jobs_back_and_ends_its_worker(service
             assert stack.start_worker().wait(60) == 3
             assert wait_for(database, lambda c: c.get("queued", 0) + c.get("succeeded", 0) == 5, 10, "handed back")
             stack.env["CONVOQ_BACKEND"] = "hf"  # the next worker's engine does not hang
+            stack.env["CONVOQ_ENGINE_STALL_S"] = "120"  # nor is a slow step of it, on a loaded machine, a stall
             stack.start_worker()
             done = [client.wait(i, timeout=60) for i in ids]
     assert [j.status for j in done] == ["succeeded"] * 5
