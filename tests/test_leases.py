@@ -180,7 +180,7 @@ def test_heartbeats_renew_held_leases_only_and_report_lost_and_cancelled_jobs(db
 
 def test_a_heartbeat_stamps_what_its_worker_used_on_its_row(db):
     """The report's CPU per job reads it (`cli.report.usage_rows`): the first beat inserts the row with it, later
-    beats replace it; a beat that brings none leaves the last one."""
+    beats replace it, a beat that brings none leaves the last one, and a clean stop stamps its last."""
     engine, sessions = db
 
     def used() -> tuple:
@@ -193,6 +193,8 @@ def test_a_heartbeat_stamps_what_its_worker_used_on_its_row(db):
     assert used() == (4.25, 10)
     beat(sessions, "w-usage", {}, 30, 15)
     assert used() == (4.25, 10)
+    reconciler.hand_back(sessions, "w-usage", usage=(5.0, 12))  # a clean stop: what it did since its last beat
+    assert used() == (5.0, 12)
 
 
 def crash(engine, sessions, *job_ids: str) -> dict:

@@ -104,8 +104,10 @@ def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uui
                 cancelled=[str(i) for i, asked in renewed if asked is not None])
 
 
-def hand_back(sessions: sessionmaker[Session], name: str) -> int:
-    """A worker stopping cleanly returns the jobs it still holds, uncharged; a sweep sends them again."""
+def hand_back(sessions: sessionmaker[Session], name: str, usage: tuple[float, int] | None = None) -> int:
+    """A worker stopping cleanly returns the jobs it still holds, uncharged; a sweep sends them again. Its row
+    says it stopped, with its last `usage` (as `beat` stamps it)."""
+    used = {} if usage is None else dict(cpu_s=usage[0], jobs_finished=usage[1])
     jobs = Job.__table__
     with sessions.begin() as session:
         back = session.execute(
@@ -114,7 +116,7 @@ def hand_back(sessions: sessionmaker[Session], name: str) -> int:
             .returning(jobs.c.id, jobs.c.lease_id)
         ).all()
         end_runs(session, [(job_id, lease, "returned") for job_id, lease in back])
-        session.execute(update(Worker.__table__).where(Worker.name == name).values(stopped_at=db_now()))
+        session.execute(update(Worker.__table__).where(Worker.name == name).values(stopped_at=db_now(), **used))
     return len(back)
 
 

@@ -125,8 +125,10 @@ class WorkerContext:
         its job to expire and be charged."""
         self.shutdown.begin(cold=True)  # whatever still runs stops now, and an engine gone from here is no crash
         self.reconciler.stop()
+        usage = self.reconciler.usage() if self.reconciler.usage is not None else None  # the jobs since its last beat
         try:
-            return results.retrying(lambda: hand_back(self.sessions, self.name), "hand back at shutdown", deadline_s=10.0)
+            return results.retrying(lambda: hand_back(self.sessions, self.name, usage), "hand back at shutdown",
+                                    deadline_s=10.0)
         finally:  # a hand-back that failed is the sweep's to finish (leases); the rest closes all the same
             rehome_own(self.settings, self.name)
             self.bridge.close()
