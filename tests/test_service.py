@@ -51,9 +51,12 @@ def test_twenty_jobs_end_to_end(stack, database):
 def test_urgent_jobs_overtake_queued_bulk_work(service_env, database, tmp_path):
     """40 bulk jobs at priority 1 wait in Redis before 5 summaries at priority 9; the 5 still finish first.
 
-    The engine runs at most 4 sequences at a time here, so that priority decides who runs, not just who starts.
+    The engine runs at most 4 sequences at a time here, so that priority decides who runs, not just who starts;
+    the worker has 8 threads, so that, as in a deployment whose bulk work outnumbers its threads, the bulk gate
+    holds most of the bulk jobs in Redis (with 256 threads every job reached the engine at once, and on a loaded
+    machine the urgent ones' prompts could reach it seconds after the bulk ones').
     """
-    env = {**service_env, "CONVOQ_MAX_NUM_SEQS": "4"}
+    env = {**service_env, "CONVOQ_MAX_NUM_SEQS": "4", "CONVOQ_WORKER_CONCURRENCY": "8"}
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()
         with Client(stack.api_url, API_KEY) as client:
