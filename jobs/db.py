@@ -48,9 +48,8 @@ def insert_ignore(session: Session, table, rows: dict | list[dict], **same: obje
 
     One statement run for every row (executemany), so its compiled form is cached whatever the row count."""
     dialect = session.get_bind().dialect.name
-    statement = _insert_ignore(dialect, table) if not same else _INSERTS[dialect](table.__table__).values(
-        **same).on_conflict_do_nothing()
-    session.connection().execute(statement, rows)
+    statement = _insert_ignore(dialect, table)
+    session.connection().execute(statement.values(**same) if same else statement, rows)
 
 
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}

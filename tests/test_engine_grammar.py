@@ -179,12 +179,14 @@ def test_host_masking_does_what_xgrammars_kernel_does():
     bitmask = torch.randint(-2**31, 2**31 - 1, (40, 128), dtype=torch.int32)
     bitmask[:15, 4:] = 0  # a few allowed
     bitmask[15:30, :120] = -1  # a few forbidden
+    bitmask[38], bitmask[39] = 0, -1  # nothing allowed; everything allowed
     for vocab in (4096, 4090):
         logits = torch.randn(40, vocab)
-        masks = TokenMasks([*range(0, 40, 2), 1, 3, 15, 29, 31], bitmask)
+        masks = TokenMasks([*range(0, 40, 2), 1, 3, 15, 29, 31, 39], bitmask)
         ours, theirs = logits.clone(), logits.clone()
         mask(ours, masks)
         apply_token_bitmask_inplace(theirs, bitmask, indices=masks.rows)
         assert torch.equal(ours, theirs) and not torch.equal(ours, logits)
         assert torch.equal(ours[5], logits[5])  # a row without a grammar
         assert torch.isinf(ours[0]).sum() > vocab - 200 and torch.isinf(ours[16]).sum() < 200
+        assert torch.isinf(ours[38]).all() and torch.equal(ours[39], logits[39])

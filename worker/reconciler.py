@@ -71,11 +71,16 @@ class Beat:
     cancelled: list[str] = field(default_factory=list)
 
 
+def usage_columns(usage: tuple[float, int] | None) -> dict:
+    """A worker row's columns for its `usage` (CPU seconds, jobs finished); none when there is none."""
+    return {} if usage is None else dict(cpu_s=usage[0], jobs_finished=usage[1])
+
+
 def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uuid.UUID], lease_s: float,
          sweep_every_s: float, usage: tuple[float, int] | None = None) -> Beat:
     """Stamp this worker alive and renew the leases it holds (job id -> lease id), in one transaction; with its
     `usage` so far (CPU seconds, jobs finished: `Worker.cpu_s`, `Worker.jobs_finished`)."""
-    used = {} if usage is None else dict(cpu_s=usage[0], jobs_finished=usage[1])
+    used = usage_columns(usage)
     workers, jobs, sweeps = Worker.__table__, Job.__table__, Sweep.__table__
     swept_at = select(sweeps.c.swept_at).where(sweeps.c.name == SWEEP).scalar_subquery()
     due = case((swept_at.is_(None), True), (swept_at < db_now(-sweep_every_s), True), else_=False)
@@ -107,7 +112,7 @@ def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uui
 def hand_back(sessions: sessionmaker[Session], name: str, usage: tuple[float, int] | None = None) -> int:
     """A worker stopping cleanly returns the jobs it still holds, uncharged; a sweep sends them again. Its row
     says it stopped, with its last `usage` (as `beat` stamps it)."""
-    used = {} if usage is None else dict(cpu_s=usage[0], jobs_finished=usage[1])
+    used = usage_columns(usage)
     jobs = Job.__table__
     with sessions.begin() as session:
         back = session.execute(
