@@ -27,7 +27,6 @@ from api.service.jobs import statuses
 from jobs.affinity import Router
 from jobs.broker import create_celery
 from jobs.db import make_db_engine, make_sessions
-from jobs.publish import stamp_writer
 from jobs.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     db_engine = make_db_engine(settings.database_url.get_secret_value(), pool_size=DB_POOL_SIZE,
                                pool_class=metrics.WaitCountingPool)
     sessions = make_sessions(db_engine)
-    stamps = stamp_writer(sessions)
     # Redis, within `api_redis_connections`: the streams' one pub/sub connection, one for health and metrics,
     # the rest Celery's pool for publishing and cancel broadcasts, where each pooled connection is two of Redis's
     # (kombu's channel keeps a client for commands and one for consuming, which it pings when it opens)
@@ -63,7 +61,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ingests.start()  # it also takes over the ingests that stopped API processes left
         yield
         await run_in_threadpool(ingests.stop)
-        await run_in_threadpool(stamps.close)  # the `published_at` stamps still waiting
         await hub.close()
         if broker is not None:
             broker.close()
@@ -82,8 +79,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.broker = broker
     app.state.probe = Probe(sessions, celery, broker)
     app.state.prompt_check = check
-    app.state.intake = Intake(check=check, admission=Admission(settings), stamp=stamps.submit, ingest=ingests.submit,
-                               router=router)
+    app.state.intake = Intake(settings, sessions, celery, check=check, admission=Admission(settings),
+                              ingest=ingests.submit, router=router)
     app.add_middleware(Gate, settings=settings,
                        per_key=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst),
                        failures=RateLimiter(settings.auth_failures_per_s, settings.auth_failures_burst))

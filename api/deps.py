@@ -62,13 +62,17 @@ async def get_probe(request: Request) -> Probe:
 
 @dataclass(frozen=True)
 class Intake:
-    """What new work passes on its way in, one of each per API process: the prompt check (what can never run is
-    refused), admission (the bounds on unfinished jobs), the writer of `published_at` stamps, what starts a
-    stored batch's ingest under its lease (`batch_ingest.Ingests.submit`), and the conversations' router."""
+    """What new work passes on its way in, one of each per API process: where it is stored and published, the
+    prompt check (what can never run is refused), admission (the bounds on unfinished jobs), what starts a stored
+    batch's ingest under its lease (`batch_ingest.Ingests.submit`), and the conversations' router. One
+    dependency for all of it: FastAPI resolves each of a route's dependencies on every request, a cost a
+    submission feels."""
 
+    settings: Settings
+    sessions: sessionmaker[Session]
+    celery: Celery
     check: PromptCheck
     admission: Admission
-    stamp: Callable[[list[uuid.UUID]], object]
     ingest: Callable[[uuid.UUID, uuid.UUID], object]
     router: Router  # where a job with a conversation is published (`jobs.affinity`)
 

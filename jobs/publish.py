@@ -10,13 +10,13 @@ from celery import Celery
 from kombu import Producer
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from jobs.affinity import Router, Waiting, direct_queue
 from jobs.broker import GROUP_HEADER
 from jobs.clock import db_now
-from jobs.group_commit import GroupCommit
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, broker_priority, home_queue, queue_for
+from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
 
@@ -25,13 +25,14 @@ log = logging.getLogger(__name__)
 
 def publish(
     celery: Celery, session: Session, jobs: Sequence[Job], settings: Settings, countdown: float = 0,
-    stamp: Callable[[list[uuid.UUID]], object] | None = None, router: Router | None = None,
+    stamped: bool = False, router: Router | None = None,
 ) -> list[uuid.UUID]:
-    """Send the jobs' messages over one connection, then stamp `published_at` on those that went out: in
-    this session, or by handing their ids to `stamp` (a `stamp_writer`'s `submit`). With a `router`, a job
-    with a conversation goes to its home worker's queue while that queue has room (`jobs.affinity`). A job is
-    anything with a job's `id`, `kind` and `priority` (a `Job`, or a row of those columns); one with a
-    `batch_id` is a batch line.
+    """Send the jobs' messages over one connection, then stamp `published_at` on those that went out, in this
+    session. `stamped`: the rows were stamped as they were inserted (`published_at=db_now()`: one write per
+    job, not two), so only those whose message did not go out are written, their stamps taken back. With a
+    `router`, a job with a conversation goes to its home worker's queue while that queue has room
+    (`jobs.affinity`). A job is anything with a job's `id`, `kind` and `priority` (a `Job`, or a row of those
+    columns); one with a `batch_id` is a batch line.
 
     An interactive job, or one sent to its home worker, has a message of its own (`convoq.run_job`); bulk lines
     of one batch go `settings.bulk_group` to a message (`convoq.run_group`, its jobs listed in the
@@ -39,7 +40,8 @@ def publish(
 
     A job whose message could not be sent stays `queued` with no `published_at`: the row keeps it, and the
     reconciler publishes it later. A stamp that fails is only logged: a sweep finds the message and stamps
-    it (it never sends a second one). Returns the ids of the jobs that went out.
+    it (it never sends a second one); a stamp that could not be taken back leaves a job the sweep sees without
+    a message, and sends once two sweeps in a row found none. Returns the ids of the jobs that went out.
     """
     sent = []
     homes = router.homes(session, jobs) if router is not None else {}
@@ -63,16 +65,21 @@ def publish(
                     sent += [job.id for job in group]
     except Exception:  # the broker is down or refused: the committed rows keep the jobs
         log.exception("published %d of %d jobs; the rest stay queued for the reconciler", len(sent), len(jobs))
-    if sent and stamp is not None:
-        stamp(sent)
+    if stamped:
+        if unsent := [job.id for job in jobs if job.id not in set(sent)]:
+            _stamp(session, lambda: unstamp(session, unsent), f"took back the stamps of {len(unsent)} unsent jobs")
     elif sent:
-        try:
-            mark_published(session, sent)
-        except DBAPIError:  # a deadlock with a claim or a cancel of the same rows, or the database away
-            session.rollback()
-            log.warning("sent %d jobs but could not stamp them; a sweep finds their messages and stamps them",
-                        len(sent), exc_info=True)
+        _stamp(session, lambda: mark_published(session, sent), f"sent {len(sent)} jobs but could not stamp them")
     return sent
+
+
+def _stamp(session: Session, write: Callable[[], None], failure: str) -> None:
+    """A stamp, which the reconciler's sweep makes up for if it cannot be written (see `publish`)."""
+    try:
+        write()
+    except DBAPIError:  # a deadlock with a claim or a cancel of the same rows, or the database away
+        session.rollback()
+        log.warning("%s; the reconciler's sweep puts them right", failure, exc_info=True)
 
 
 def _send(celery: Celery, producer: Producer, jobs: Sequence[Job], queue: str, countdown: float) -> None:
@@ -90,6 +97,7 @@ def _send(celery: Celery, producer: Producer, jobs: Sequence[Job], queue: str, c
         priority=broker_priority(first.priority),
         producer=producer,
         countdown=countdown or None,
+        ignore_result=True,  # results go to PostgreSQL: no result backend to tell of the task
         retry=True,
         retry_policy={"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2},
     )
@@ -106,21 +114,10 @@ def mark_published(session: Session, job_ids: list[uuid.UUID]) -> None:
     session.commit()
 
 
-def stamp_writer(sessions: sessionmaker[Session]) -> GroupCommit[list[uuid.UUID], None]:
-    """Stamps `published_at` in the background, for everything published meanwhile in one statement.
-
-    The API's jobs take this path, so a submission costs one transaction, not two. A stamp that never lands
-    (the process died first, or the database is away) only makes the reconciler publish that job again once
-    `unpublished_grace_s` has passed, and the duplicate message is dropped at claim.
-    """
-
-    def flush(batches: list[list[uuid.UUID]]) -> list[None]:
-        try:
-            with sessions() as session:
-                mark_published(session, [job_id for ids in batches for job_id in ids])
-        except Exception:
-            log.exception("could not stamp %d published jobs; the reconciler will publish them again",
-                          sum(map(len, batches)))
-        return [None] * len(batches)
-
-    return GroupCommit(flush, "published-stamps")
+def unstamp(session: Session, job_ids: list[uuid.UUID]) -> None:
+    """Take back the stamps of jobs stamped at insert whose messages did not go out: the reconciler sends them
+    once `unpublished_grace_s` has passed, as any job never published."""
+    jobs_table = Job.__table__
+    session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids), jobs_table.c.status == JobStatus.queued.value)
+                    .values(published_at=None))
+    session.commit()

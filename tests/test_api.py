@@ -122,11 +122,10 @@ def test_idempotency_key_returns_the_same_job_once(client, database, broker):
     assert job_rows(database) == 1 and queued_messages(broker) == 1
 
 
-def test_published_jobs_are_stamped_in_the_background(database, broker, tiny_model):
+def test_published_jobs_are_stamped_as_they_are_inserted(database, broker, tiny_model):
     settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model))
     with TestClient(create_app(settings)) as c:
         ids = [c.post("/v1/jobs", json=GOOD, headers=AUTH).json()["id"] for _ in range(5)]
-    # leaving the client shuts the app down, which writes the stamps still waiting
     engine = sa.create_engine(database)
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT id, published_at FROM jobs")).all()

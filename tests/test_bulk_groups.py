@@ -19,7 +19,6 @@ from bench.audit import messages_by_job
 from cli.stack import Stack
 from jobs.broker import GROUP_HEADER, create_celery, message_headers
 from jobs.db import make_db_engine, make_sessions
-from jobs.group_commit import GroupCommit
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB
 from jobs.schemas import JobIn
@@ -30,6 +29,7 @@ from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise
 from worker import results
 from worker.bulk_gate import bulk_gate
+from worker.group_commit import GroupCommit
 
 
 def sent_messages(broker_url: str) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 
@@ -118,7 +119,7 @@ def test_group_commit_writes_waiting_items_together_and_isolates_a_bad_one():
     import threading
     import time
 
-    from jobs.group_commit import GroupCommit
+    from worker.group_commit import GroupCommit
 
     flushes: list[list[int]] = []
     started = threading.Event()
@@ -207,3 +208,40 @@ def test_a_stopped_run_keeps_its_text_and_ends_with_the_reason(database, reason)
         text, finish = conn.execute(sa.text("SELECT text, finish_reason FROM results")).one()
     assert (text, finish) == ("half an ans", reason)
     assert "kept in its result" in job_columns(engine, job_id)[1]
+
+
+@pytest.mark.parametrize("ping_idle_s", [0.0, None])
+def test_a_pooled_connection_dropped_while_idle_is_replaced_when_pinged(empty_database, ping_idle_s):
+    """The API pings a pooled connection only once it has been idle a while (`jobs.db._ping_when_idle`): one the
+    server dropped meanwhile is replaced before it is used; unpinged, its first use fails."""
+    engine = make_db_engine(empty_database, pool_size=1, ping_idle_s=ping_idle_s)
+    with engine.connect() as conn:
+        pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    killer = sa.create_engine(empty_database)
+    with killer.connect() as other:
+        assert other.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar_one()
+    killer.dispose()
+    try:
+        if ping_idle_s is None:
+            with pytest.raises(sa.exc.OperationalError), engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+        else:
+            with engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() != pid
+    finally:
+        engine.dispose()
+
+
+def test_a_connection_in_use_a_moment_ago_is_not_pinged(database):
+    engine = make_db_engine(database, pool_size=1, ping_idle_s=0.5)
+    pings = []
+    ping = engine.dialect.do_ping
+    engine.dialect.do_ping = lambda dbapi_connection: pings.append(1) or ping(dbapi_connection)
+    try:
+        for pause in (0.0, 0.0, 0.7, 0.0):
+            time.sleep(pause)
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+    finally:
+        engine.dispose()
+    assert len(pings) == 1  # the checkout after the pause alone

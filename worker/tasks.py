@@ -29,7 +29,6 @@ from jobs.affinity import Router, direct_queue, own_queues
 from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
-from jobs.group_commit import GroupCommit
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
 from jobs.schemas import JobStatus
@@ -40,6 +39,7 @@ from worker import results
 from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
 from worker.engine_factory import start_engine
+from worker.group_commit import GroupCommit
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.outcome import LEASE_LOST, SHUTDOWN, Outcome
@@ -99,7 +99,8 @@ class WorkerContext:
         """`name`: this worker's row in `workers` (`worker_name`); `on_stall`: what to do when an engine thread
         stalls (an engine process is restarted instead)."""
         # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
-        db = make_db_engine(settings.database_url.get_secret_value(), pool_size=min(settings.worker_concurrency, 32), pre_ping=False)
+        db = make_db_engine(settings.database_url.get_secret_value(), pool_size=min(settings.worker_concurrency, 32),
+                            ping_idle_s=None)
         sessions = make_sessions(db)
         shutdown = Shutdown(settings.shutdown_grace_s)  # before the engine: its death during a shutdown is no crash
         bridge = Bridge.for_settings(start_engine(settings, on_death=partial(engine_died, shutdown=shutdown),

@@ -25,7 +25,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from api.batch_input import OpenAIBody, openai_job
-from api.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDep, SettingsDep, errors
+from api.deps import V1_ERRORS, Caller, HubDep, IntakeDep, errors
 from api.errors import openai_error
 from api.events import EventStream, follow, stored_text
 from api.json_body import BoundedJsonRoute
@@ -100,9 +100,6 @@ class Deltas:
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
-    sessions: SessionsDep,
-    celery: CeleryDep,
-    settings: SettingsDep,
     intake: IntakeDep,
     hub: HubDep,
     caller: Caller,
@@ -112,6 +109,7 @@ async def chat_completions(
 ):
     """OpenAI's chat completions (`n` up to 8; with `stream`, 1). Sampling fields as in a batch line; unset ones
     take the model's defaults. Answers a `chat.completion`, or with `stream` its chunks as Server-Sent Events."""
+    settings, sessions, celery = intake.settings, intake.sessions, intake.celery
     if body.model != settings.model:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"model {body.model!r} is not served here; GET /v1/models "
                                                        "lists the one that is")
@@ -125,7 +123,7 @@ async def chat_completions(
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from exc
     release = hub.admit(caller.digest)  # before anything is stored: a refused chat leaves no job behind
     try:
-        job_id = (await run_in_threadpool(enqueue, sessions, celery, settings, intake, caller, job_in)).id
+        job_id = (await run_in_threadpool(enqueue, intake, caller, job_in)).id
     except Unrunnable as exc:  # a prompt the model cannot take is OpenAI's 400
         release()
         raise HTTPException(status.HTTP_400_BAD_REQUEST, exc.message) from exc

@@ -24,10 +24,8 @@ NOT_FOUND = errors(e404="No such job (or another tenant's)")
                                                                     "this tenant with the same body"},
                         **errors(e409="The idempotency key was used by this tenant with a different body",
                                  e429="Rate limited, or too many unfinished jobs (see Retry-After)")})
-def submit_job(
-    job_in: JobIn, sessions: SessionsDep, celery: CeleryDep, settings: SettingsDep, intake: IntakeDep, caller: Caller,
-) -> Response:
-    accepted = enqueue(sessions, celery, settings, intake, caller, job_in)
+def submit_job(job_in: JobIn, intake: IntakeDep, caller: Caller) -> Response:
+    accepted = enqueue(intake, caller, job_in)
     # serialized once, here: returned as a model, it would be validated against `response_model` first
     return Response(accepted.model_dump_json(), media_type="application/json",
                     status_code=status.HTTP_202_ACCEPTED if accepted.created else status.HTTP_200_OK)

@@ -185,18 +185,15 @@ def publish_lines(celery: Celery, sessions: sessionmaker[Session], session: Sess
     grow with the batch. A message (and its route) needs a few columns per job.
 
     The lines were stamped `published_at` as they were inserted, which saves a second write of every row (the
-    stamp was most of an ingest's database time). A line whose message then never goes out (the broker refused,
-    this process died) is a sent job whose message is missing: the sweep sends it once two sweeps in a row found
-    no message for it, as it does for a message Redis lost."""
+    stamp was most of an ingest's database time). A line whose message the broker refused has its stamp taken back
+    (`publish`); one whose message never went out because this process died is a sent job whose message is
+    missing: the sweep sends it once two sweeps in a row found no message for it, as it does for a message Redis
+    lost."""
     lines = (select(Job.id, Job.kind, Job.priority, Job.tenant, Job.conversation_id, Job.batch_id)
              .where(Job.batch_id == batch_id).execution_options(yield_per=PUBLISH_PAGE))
     with sessions() as reader:
         for page in reader.execute(lines).partitions():
-            publish(celery, session, page, settings, router=router, stamp=stamped_at_insert)
-
-
-def stamped_at_insert(job_ids: list[uuid.UUID]) -> None:
-    """`publish`'s stamp for the lines of a batch: they have theirs (`publish_lines`)."""
+            publish(celery, session, page, settings, router=router, stamped=True)
 
 
 def release(session: Session, batch_id: uuid.UUID, lease: uuid.UUID, source: str) -> None:

@@ -16,9 +16,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.deps import Intake, sees
 from jobs.batch_settle import settle_batch
 from jobs.broker import broadcast_cancel
+from jobs.clock import db_now
 from jobs.publish import publish
 from jobs.schemas import JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut
-from jobs.settings import ApiKey, Settings
+from jobs.settings import ApiKey
 from jobs.tables import Job, Result, Timing, job_row, utcnow
 from jobs.tool_calls import stream_stops
 
@@ -35,17 +36,21 @@ class Unrunnable(HTTPException):
         self.message = f"{field}: {message}"
 
 
-def enqueue(sessions: sessionmaker[Session], celery: Celery, settings: Settings, intake: Intake, caller: ApiKey,
-            job_in: JobIn) -> JobAccepted:
+# A new job is stamped published as it is inserted, so a submission is one write; should its message not go out,
+# `publish` takes the stamp back (and if this process dies first, the sweep finds no message and sends one).
+_INSERT_PUBLISHED = insert(Job.__table__).values(published_at=db_now())
+
+
+def enqueue(intake: Intake, caller: ApiKey, job_in: JobIn) -> JobAccepted:
     """Check, store and publish a job (or find the one its idempotency key names in the caller's tenant);
     raises 409, 422 or 429."""
     if problem := intake.check.problem(job_in):
         raise Unrunnable(*problem)
-    with sessions() as session:
+    with intake.sessions() as session:
         intake.admission.admit(session, caller.digest, 1)
         row = job_row(job_in, utcnow(), owner=caller.digest, tenant=caller.tenant)
         try:
-            session.execute(insert(Job.__table__), row)
+            session.execute(_INSERT_PUBLISHED, row)
             session.commit()  # the row exists before any message does: a lost publish is recoverable
         except IntegrityError:
             session.rollback()
@@ -59,7 +64,8 @@ def enqueue(sessions: sessionmaker[Session], celery: Celery, settings: Settings,
                                                               "used for a different job; use a new key") from None
             return JobAccepted(id=existing.id, status=JobStatus(existing.status), created=False)
         # what a message needs of the row, without an ORM object to build and track
-        publish(celery, session, [SimpleNamespace(**row)], settings, stamp=intake.stamp, router=intake.router)
+        publish(intake.celery, session, [SimpleNamespace(**row)], intake.settings, stamped=True,
+                router=intake.router)
     return JobAccepted(id=row["id"], status=JobStatus.queued, created=True)
 
 

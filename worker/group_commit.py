@@ -1,11 +1,11 @@
 """Many threads' database writes of one kind, committed together.
 
-Every Celery thread of a worker claims its job before the run and stores the outcome after it, and the API
-stamps each job it publishes. Done one by one, each write is its own transaction and round trips, and their
-Python cost under the GIL is what limits a process's jobs per second. Here callers hand their item to one
-writer thread (and wait for it, or not); the writer takes everything that is waiting and runs it through
-`flush` as one transaction, so a burst of N jobs costs a few statements instead of N transactions. A flush
-that raises is retried item by item, so one bad item fails alone and the others still commit.
+Every Celery thread of a worker claims its job before the run and stores the outcome after it. Done one by one,
+each write is its own transaction and round trips, and their Python cost under the GIL is what limits a
+process's jobs per second. Here callers hand their item to one writer thread (and wait for it, or not); the
+writer takes everything that is waiting and runs it through `flush` as one transaction, so a burst of N jobs
+costs a few statements instead of N transactions. A flush that raises is retried item by item, so one bad item
+fails alone and the others still commit.
 """
 
 from __future__ import annotations
