@@ -66,7 +66,8 @@ def publish(
     except Exception:  # the broker is down or refused: the committed rows keep the jobs
         log.exception("published %d of %d jobs; the rest stay queued for the reconciler", len(sent), len(jobs))
     if stamped:
-        if unsent := [job.id for job in jobs if job.id not in set(sent)]:
+        went = set(sent)
+        if unsent := [job.id for job in jobs if job.id not in went]:
             _stamp(session, lambda: unstamp(session, unsent), f"took back the stamps of {len(unsent)} unsent jobs")
     elif sent:
         _stamp(session, lambda: mark_published(session, sent), f"sent {len(sent)} jobs but could not stamp them")
