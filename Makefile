@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 # three processes, a test file each at a time: most tests wait on real servers, so two cores keep up
 test: $(STAMP)
-	$(PY) -m pytest -q -n 3 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile --durations=20
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
