@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from cli.gpus import gpu_list, placements
-from cli.servers import free_port
+from tests.test_metrics import two_free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,7 @@ def serving(port: int) -> bool:
 
 
 def test_one_worker_per_gpu_each_pinned_restarted_when_it_dies_and_stopped_together(service_env, tmp_path):
-    port = free_port()
+    port = two_free_ports()  # the second worker serves on the next port, or moves on if it is taken
     env = {**os.environ, **service_env, "CONVOQ_DEVICE": "cpu", "CONVOQ_WORKER_METRICS_PORT": str(port),
            "CONVOQ_HEARTBEAT_S": "0.5"}
     with open(tmp_path / "supervisor.log", "wb") as log:
