@@ -3,6 +3,7 @@ placement checked with fake GPU ids on the CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -100,5 +101,9 @@ def test_one_worker_per_gpu_each_pinned_restarted_when_it_dies_and_stopped_toget
         assert not any(Path(f"/proc/{pid}").exists() for pid in [*workers, *again])
     finally:
         if supervisor.poll() is None:
+            left = children(supervisor.pid)
             supervisor.kill()
             supervisor.wait()
+            for pid in left:  # a killed supervisor stops none of its workers: they would outlive the test
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
