@@ -88,10 +88,15 @@ def _send(celery: Celery, producer: Producer, jobs: Sequence[Job], queue: str, c
     first = jobs[0]
     ids = [str(job.id) for job in jobs]
     grouped = len(jobs) > 1
+    labels = {"kind": first.kind, "priority": first.priority}  # for Flower: a chat told from a bulk summary
     celery.send_task(
         TASK_RUN_GROUP if grouped else TASK_RUN_JOB,
         args=[ids] if grouped else ids,
-        kwargs={"kind": first.kind, "priority": first.priority},  # labels for Flower
+        kwargs=labels,
+        # what Flower shows of the arguments, written here: Celery's own careful repr of them costs more than the
+        # rest of the message (a group's ids are summed up, not listed)
+        argsrepr=f"[{len(ids)} jobs: {ids[0]}, ...]" if grouped else repr(ids),
+        kwargsrepr=repr(labels),
         task_id=str(uuid.uuid4()) if grouped else ids[0],
         headers={GROUP_HEADER: ids} if grouped else None,
         queue=queue,

@@ -56,6 +56,11 @@ def test_bulk_lines_are_grouped_by_batch_and_interactive_jobs_travel_alone(datab
     assert sorted(map(len, groups)) == [3, 8, 16, 16]
     assert all(len({str(j.batch_id) for j in lines if str(j.id) in g}) == 1 for g in groups)
     assert sorted(alone) == sorted(str(j.id) for j in [*urgent, *loose])  # interactive, or no batch: never grouped
+    # what Flower shows of each: a job's id, a group's count and first id; the kind and priority of both
+    assert all(h["argsrepr"] == repr([h["id"]]) for h in headers if h["task"] == TASK_RUN_JOB)
+    assert all(h["argsrepr"] == f"[{len(h[GROUP_HEADER])} jobs: {h[GROUP_HEADER][0]}, ...]"
+               for h in headers if h["task"] == TASK_RUN_GROUP)
+    assert {h["kwargsrepr"] for h in headers} == {repr({"kind": "chat", "priority": p}) for p in (1, 2, 7, 9)}
     client = redis.Redis.from_url(broker)
     found = messages_by_job(client, settings)  # the broker's view finds every line of a group
     client.close()
