@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from celery import Celery
 from kombu import Producer
@@ -65,22 +65,16 @@ def publish(
                     sent += [job.id for job in group]
     except Exception:  # the broker is down or refused: the committed rows keep the jobs
         log.exception("published %d of %d jobs; the rest stay queued for the reconciler", len(sent), len(jobs))
-    if stamped:
-        went = set(sent)
-        if unsent := [job.id for job in jobs if job.id not in went]:
-            _stamp(session, lambda: unstamp(session, unsent), f"took back the stamps of {len(unsent)} unsent jobs")
-    elif sent:
-        _stamp(session, lambda: mark_published(session, sent), f"sent {len(sent)} jobs but could not stamp them")
+    went = set(sent)
+    write, ids = (unstamp, [job.id for job in jobs if job.id not in went]) if stamped else (mark_published, sent)
+    if ids:
+        try:
+            write(session, ids)
+        except DBAPIError:  # a deadlock with a claim or a cancel of the same rows, or the database away
+            session.rollback()
+            log.warning("%s of %d jobs failed; the reconciler's sweep puts them right", write.__name__, len(ids),
+                        exc_info=True)
     return sent
-
-
-def _stamp(session: Session, write: Callable[[], None], failure: str) -> None:
-    """A stamp, which the reconciler's sweep makes up for if it cannot be written (see `publish`)."""
-    try:
-        write()
-    except DBAPIError:  # a deadlock with a claim or a cancel of the same rows, or the database away
-        session.rollback()
-        log.warning("%s; the reconciler's sweep puts them right", failure, exc_info=True)
 
 
 def _send(celery: Celery, producer: Producer, jobs: Sequence[Job], queue: str, countdown: float) -> None:
@@ -124,6 +118,6 @@ def unstamp(session: Session, job_ids: list[uuid.UUID]) -> None:
     """Take back the stamps of jobs stamped at insert whose messages did not go out: the reconciler sends them
     once `unpublished_grace_s` has passed, as any job never published."""
     jobs_table = Job.__table__
-    session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids), jobs_table.c.status == JobStatus.queued.value)
-                    .values(published_at=None))
+    queued = jobs_table.c.status == JobStatus.queued.value
+    session.execute(update(jobs_table).where(jobs_table.c.id.in_(job_ids), queued).values(published_at=None))
     session.commit()

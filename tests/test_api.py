@@ -124,8 +124,14 @@ def test_idempotency_key_returns_the_same_job_once(client, database, broker):
 
 def test_published_jobs_are_stamped_as_they_are_inserted(database, broker, tiny_model):
     settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model))
-    with TestClient(create_app(settings)) as c:
+    app = create_app(settings)
+    writes = []
+    sa.event.listen(app.state.db_engine, "before_cursor_execute",
+                    lambda _conn, _cursor, statement, *_: writes.append(statement.split(None, 2)[:2]))
+    with TestClient(app) as c:
         ids = [c.post("/v1/jobs", json=GOOD, headers=AUTH).json()["id"] for _ in range(5)]
+    # a submission is one write: the insert, stamp included (no UPDATE of the row after its message went out)
+    assert [w for w in writes if w[0] in ("INSERT", "UPDATE")] == [["INSERT", "INTO"]] * 5
     engine = sa.create_engine(database)
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT id, published_at FROM jobs")).all()
@@ -145,6 +151,33 @@ def test_broker_down_keeps_the_job_queued_and_unpublished(database, redis_url):
         status, published = conn.execute(sa.text("SELECT status, published_at FROM jobs")).one()
     engine.dispose()
     assert status == "queued" and published is None
+
+
+def test_an_api_that_dies_between_the_commit_and_the_send_loses_no_job(database, broker, tiny_model, monkeypatch):
+    """The row is committed stamped published, then the process dies before its message goes out (the client may
+    even have had no 202): the sweep finds a sent job with no message and sends it, once, after two sweeps."""
+    from api.service import jobs as service
+    from bench.audit import messages_by_job
+    from jobs.broker import create_celery
+    from jobs.db import make_db_engine, make_sessions
+    from worker.reconciler import Sweeper
+
+    settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model),
+                        unpublished_grace_s=0)
+    monkeypatch.setattr(service, "publish", lambda *args, **kwargs: [])  # dead before the send
+    with TestClient(create_app(settings)) as c:
+        job_id = c.post("/v1/jobs", json=GOOD, headers=AUTH).json()["id"]
+    monkeypatch.undo()
+    assert queued_messages(broker) == 0
+    engine = make_db_engine(database)
+    sweeper = Sweeper(make_sessions(engine), create_celery(settings), settings)
+    first, second, third = (sweeper.sweep(force=True) for _ in range(3))
+    engine.dispose()
+    assert (first["published"], first["awaiting_confirmation"]) == (0, 1)  # maybe still on its way
+    assert second["published"] == 1 and third["published"] == 0
+    client = redis.Redis.from_url(broker)
+    assert {str(i): len(m) for i, m in messages_by_job(client, settings).items()} == {job_id: 1}
+    client.close()
 
 
 def test_healthz_and_openapi(client):
