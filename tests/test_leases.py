@@ -119,16 +119,22 @@ def test_a_live_worker_renews_its_expired_leases_unless_their_jobs_moved_on(db):
 
 class LostReply:
     """Makes the next `n` commits of these sessions raise after the database committed, as a connection cut
-    between COMMIT and its reply would."""
+    between COMMIT and its reply would: a transaction's COMMIT, or a statement that commits on its own (run with
+    autocommit, as a claim on PostgreSQL is)."""
 
     def __init__(self, sessions, n: int = 1) -> None:
         self.left = n
         event.listen(sessions, "after_commit", self)
+        event.listen(sessions.kw["bind"], "after_execute", self.autocommitted)
 
-    def __call__(self, session) -> None:
+    def __call__(self, _session) -> None:
         if self.left:
             self.left -= 1
             raise OperationalError("COMMIT", {}, ConnectionResetError("reply lost"))
+
+    def autocommitted(self, conn, *_) -> None:
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            self(conn)
 
 
 def test_writes_retried_after_a_lost_reply_recognise_their_own_lease(db):
