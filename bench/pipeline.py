@@ -20,7 +20,10 @@ with the hour, so these figures are judged side by side from one run.
 
 Where a job's cost goes: `cpu_ms_per_job` is the CPU time each process spent during the burst divided by the
 jobs (`bench.cpu`: API, worker, engine, PostgreSQL, Redis and this process, the client), `bulk_cpu_ms_per_line`
-the same for the batch, and `bare_celery_cpu_ms_per_task` for the no-op burst. `statements_per_job` and
+the same for the batch, and `bare_celery_cpu_ms_per_task` for the no-op burst;
+`bare_celery_paced_cpu_ms_per_task` for the same no-ops sent at `submit_per_s`, the rate at which the service's
+worker received its jobs (a Celery worker that waits for each message costs more per task than one fed a burst),
+and `worker_vs_bare_celery` the worker's CPU per job over each. `statements_per_job` and
 `bulk_statements_per_line` count the SQL statements the API and the worker sent meanwhile (`bench.statements`),
 their heartbeats and sweeps included.
 """
@@ -99,10 +102,12 @@ def wait_all(engine: sa.Engine, mine: sa.ColumnElement[bool], n: int, timeout: f
             time.sleep(0.2)
 
 
-def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path,
-                timeout: float = 300) -> tuple[float, dict[str, float]]:
+def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path, rates: list[float],
+                timeout: float = 300) -> tuple[float, list[dict[str, float]]]:
     """Tasks per second of a burst of `n_tasks` no-ops through a bare Celery worker, sent from here, and the
-    CPU ms per task of each part (the worker, Redis, this process)."""
+    CPU ms per task of each part (the worker, Redis, this process): sent all at once, then at each of `rates`
+    (tasks per second). A Celery worker's cost per task depends on how its messages arrive: one that waits for
+    each message pays a wake-up and a new fetch for it, where a burst finds the next one already there."""
     queue = f"bench-noop-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(), "CONVOQ_INTERACTIVE_QUEUE": queue,
            "CONVOQ_BULK_QUEUE": f"{queue}-bulk"}
@@ -121,10 +126,12 @@ def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path
                 raise RuntimeError(f"the bare Celery worker did not start:\n{log.read_text()[-3000:]}")
             time.sleep(0.1)
 
-        def burst(n: int) -> float:
+        def burst(n: int, rate: float = 0.0) -> float:
             redis.delete(counter)
             start = time.monotonic()
-            for _ in range(n):
+            for i in range(n):
+                if rate > 0:
+                    time.sleep(max(0.0, start + i / rate - time.monotonic()))
                 sender.send_task("bench.noop", args=[counter], queue=queue)
             while int(redis.get(counter) or 0) < n:
                 if time.monotonic() - start > timeout:
@@ -134,9 +141,14 @@ def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path
 
         burst(8)  # warm-up: connections, the threads' first fetches
         meter = CpuMeter({"worker": lambda p: p.pid == proc.pid, **shared_parts()})
-        meter.start()
-        per_s = n_tasks / burst(n_tasks)
-        return per_s, per_item_ms(meter.stop(), n_tasks)
+
+        def metered(rate: float) -> tuple[float, dict[str, float]]:
+            meter.start()
+            seconds = burst(n_tasks, rate)
+            return n_tasks / seconds, per_item_ms(meter.stop(), n_tasks)
+
+        per_s, cpu = metered(0.0)
+        return per_s, [cpu, *(metered(rate)[1] for rate in rates)]
     finally:
         proc.terminate()
         proc.wait(30)
@@ -203,7 +215,10 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
             sa.select(Timing.queue_wait_ms, Timing.end_to_end_ms, Timing.engine_ms).where(Timing.job_id.in_(mine))
         ).all()
     db.dispose()
-    noop_per_s, noop_cpu = bare_celery(settings, n_jobs, settings.worker_concurrency, logdir)
+    submit_per_s = n_jobs / (submitted - start).total_seconds()
+    # the service's worker received its jobs' messages as fast as they were submitted: bare Celery, the same way
+    noop_per_s, (noop_cpu, paced_cpu) = bare_celery(settings, n_jobs, settings.worker_concurrency, logdir,
+                                                    [submit_per_s])
     engine_s, _, _ = through_engine(jobs, settings.model_copy(update={"model": str(model)}), settings.worker_concurrency)
     jobs_per_s = n_jobs / (end - start).total_seconds()
     engine_per_s = n_jobs / engine_s
@@ -219,7 +234,7 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
         "engine_alone_jobs_per_s": round(engine_per_s, 1),
         "pipeline_vs_engine": round(jobs_per_s / engine_per_s, 3),
         "bulk_vs_engine": round(n_jobs / (bulk_end - bulk_start).total_seconds() / engine_per_s, 3),
-        "submit_per_s": round(n_jobs / (submitted - start).total_seconds(), 1),
+        "submit_per_s": round(submit_per_s, 1),
         "queue_wait_p50_ms": round(percentile(waits, 0.5), 1),
         "queue_wait_p95_ms": round(percentile(waits, 0.95), 1),
         "overhead_p50_ms": round(statistics.median(overhead), 1),
@@ -227,6 +242,11 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
         "cpu_ms_per_job": cpu,
         "bulk_cpu_ms_per_line": bulk_cpu,
         "bare_celery_cpu_ms_per_task": noop_cpu,
+        "bare_celery_paced_cpu_ms_per_task": paced_cpu,
+        # the issue's measure: the worker's CPU per interactive job over a bare Celery task's, sent all at once and
+        # sent at the rate the service's jobs were
+        "worker_vs_bare_celery": {"burst": round(cpu["worker"] / noop_cpu["worker"], 2),
+                                  "paced": round(cpu["worker"] / paced_cpu["worker"], 2)},
         "statements_per_job": per_job,
         "bulk_statements_per_line": per_line,
     }

@@ -115,6 +115,55 @@ def test_many_jobs_are_claimed_and_stored_in_one_transaction_each(database):
     assert batch_status == "completed"  # every job of the batch finished, so the store settled it
 
 
+class Statements:
+    """The SQL statements an engine sends, as they are sent."""
+
+    def __init__(self, engine) -> None:
+        self.sent: list[str] = []
+        sa.event.listen(engine, "before_cursor_execute", lambda _c, _k, statement, *_: self.sent.append(statement))
+
+    def take(self) -> list[str]:
+        sent, self.sent = self.sent, []
+        return sent
+
+
+def test_a_claim_and_a_store_are_one_statement_each_on_postgresql(database):
+    engine = make_db_engine(database)
+    sessions = make_sessions(engine)
+    ids = [new_job(sessions) for _ in range(4)]
+    statements = Statements(engine)
+    claimed = results.claim_many(sessions, ids, "w1", 3)
+    assert len(statements.take()) == 1  # the jobs and their runs rows, committed on their own
+    with engine.begin() as conn:  # the last job's lease is lost: a sweep handed it to another worker
+        conn.execute(sa.text("UPDATE jobs SET lease_id = :l WHERE id = :i"), {"l": uuid.uuid4(), "i": claimed[3].job_id})
+    statements.take()
+    stopped = Outcome(Completion(ids[2], [1], "half", 7, "cancelled", None, Timings()), 1.0)
+    failed = Outcome(Completion(ids[1], [], "", 7, "error", "bad prompt", Timings()), 1.0)
+    stored = results.store_many(sessions, [(claimed[0], outcome(ids[0], "one")), (claimed[1], failed),
+                                           (claimed[2], stopped), (claimed[3], outcome(ids[3]))], "w1")
+    # one statement for all of them; then, as one of them was not written, why, and its refusal recorded
+    assert len(statements.take()) == 3
+    assert [(s.status.value, s.applied, s.timing is not None) for s in stored] == [
+        ("succeeded", True, True), ("failed", True, False), ("cancelled", True, False), ("succeeded", False, False)]
+    with engine.connect() as conn:
+        jobs = dict(conn.execute(sa.text("SELECT id, status FROM jobs")).all())
+        texts = dict(conn.execute(sa.text("SELECT job_id, text FROM results")).all())
+        timed = set(conn.execute(sa.text("SELECT job_id FROM timings")).scalars())
+        runs = {row[0]: row[1:] for row in conn.execute(
+            sa.text("SELECT job_id, outcome, stale_writes, ended_at IS NOT NULL FROM runs"))}
+    assert [jobs[uuid.UUID(i)] for i in ids] == ["succeeded", "failed", "cancelled", "running"]
+    assert texts == {uuid.UUID(ids[0]): "one", uuid.UUID(ids[2]): "half"}  # a stopped job keeps its text
+    assert timed == {uuid.UUID(ids[0])}
+    assert [runs[uuid.UUID(i)] for i in ids] == [
+        ("succeeded", 0, True), ("failed", 0, True), ("cancelled", 0, True), (None, 1, False)]
+    # the same write again (its reply was lost): what it wrote is recognised as its own, nothing is written twice
+    again = results.store_many(sessions, [(claimed[0], outcome(ids[0], "other"))], "w1")
+    assert again[0].applied
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT text FROM results WHERE job_id = :i"), {"i": claimed[0].job_id}) \
+            .scalar_one() == "one"
+
+
 def test_group_commit_writes_waiting_items_together_and_isolates_a_bad_one():
     import threading
     import time

@@ -26,6 +26,8 @@ from pydantic import ValidationError
 from sqlalchemy import (
     JSON,
     ColumnElement,
+    Connection,
+    Engine,
     Executable,
     Row,
     Text,
@@ -334,7 +336,7 @@ def _claim(sessions: sessionmaker[Session], lease_s: float, params: dict) -> lis
     """The rows `claim_many` took, their `runs` rows inserted and committed."""
     bind = sessions.kw["bind"]
     if bind.dialect.name == "postgresql":
-        with bind.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with _committing(bind) as conn:
             return conn.execute(_claim_statement(lease_s, True), params).all()
     with sessions.begin() as session:  # SQLite: no data-modifying CTE, so two statements in one transaction
         rows = session.execute(_claim_statement(lease_s, False), params).all()
@@ -343,6 +345,12 @@ def _claim(sessions: sessionmaker[Session], lease_s: float, params: dict) -> lis
                                               worker=params["claim_worker"], started_at=params["claim_now"])
                                          for row in rows])
         return rows
+
+
+def _committing(bind: Engine) -> Connection:
+    """A connection whose every statement commits on its own: a write that is one statement needs neither BEGIN nor
+    COMMIT, each a round trip of its own."""
+    return bind.connect().execution_options(isolation_level="AUTOCOMMIT")
 
 
 def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str, max_attempts: int,
@@ -479,9 +487,9 @@ def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcom
     """Results, timings and final statuses of finished jobs, all or nothing; then their batches settle.
 
     Only jobs their run still holds are written: the update of their rows is fenced by the lease, and their
-    results, timings and runs are written with it, in one statement on PostgreSQL (`_store_statement`), in one
-    transaction on rows locked first elsewhere. A job this write already finished (a retry after a lost reply)
-    counts as written; the rest are refused and nothing of theirs is stored.
+    results, timings and runs are written with it: in one statement on PostgreSQL (`_store_statement`); on
+    SQLite in one transaction, its rows locked first. A job this write already finished (a retry after a lost
+    reply) counts as written; the rest are refused and nothing of theirs is stored.
     """
     def action() -> list[Stored]:
         now = utcnow()
@@ -505,7 +513,7 @@ def _store(sessions: sessionmaker[Session], writes: list[_Write], now: datetime)
     params = dict(finished=_json(Job, [w.finished for w in writes]), now=now,
                   results=_json(Result, [w.result for w in writes if w.result is not None]),
                   timings=_json(Timing, [w.timing for w in writes if w.timing is not None]))
-    with bind.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with _committing(bind) as conn:
         written = set(conn.execute(_store_statement(), params).scalars())
     if len(written) == len(writes):
         return written
@@ -539,7 +547,7 @@ def _store_statement() -> Executable:
     """`store_many` on PostgreSQL as one statement, committed on its own: one round trip for any number of jobs.
     The rows come as JSON parameters (`finished`, `results`, `timings`); the jobs' fenced update returns the ids
     it changed, and only their results, timings and runs are written (data-modifying CTEs on its RETURNING).
-    JSON, not JSONB: a result's log-probabilities may hold a NUL, which only JSON can carry."""
+    Each row carries every column of its table: a column it left out would be NULL, not its default."""
     jobs, runs = _JOBS, _RUNS
     rows = (func.json_to_recordset(_json_param("finished"))
             .table_valued(column("job", Uuid), column("lease", Uuid), column("new_status", Text),
@@ -576,9 +584,9 @@ def _store_in_transaction(sessions: sessionmaker[Session], writes: list[_Write])
     """`_store` where a statement cannot write several tables (SQLite): the jobs' rows locked, then one statement
     per table."""
     with sessions.begin() as session:
-        held = session.execute(_HELD, {"held": [(w.claimed.job_id, w.claimed.lease) for w in writes]}).all()
-        live = [w for w in writes if w.claimed.job_id in {job_id for job_id, status in held if status == RUNNING}]
-        before = {job_id for job_id, status in held if status != RUNNING}  # this write, tried before
+        held = dict(session.execute(_HELD, {"held": [(w.claimed.job_id, w.claimed.lease) for w in writes]}).all())
+        live = [w for w in writes if held.get(w.claimed.job_id) == RUNNING]
+        before = {job_id for job_id, status in held.items() if status != RUNNING}  # this write, tried before
         if rows := [w.result for w in live if w.result is not None]:
             insert_ignore(session, Result, rows)
         if rows := [w.timing for w in live if w.timing is not None]:
@@ -586,7 +594,7 @@ def _store_in_transaction(sessions: sessionmaker[Session], writes: list[_Write])
         if live:
             session.connection().execute(_FINISH, [w.finished for w in live])
             end_runs(session, [(w.claimed.job_id, w.claimed.lease, w.status.value) for w in live])
-        _refuse(session, [w.claimed for w in writes if w.claimed.job_id not in before and w not in live], "result")
+        _refuse(session, [w.claimed for w in writes if w.claimed.job_id not in held], "result")
     return {w.claimed.job_id for w in live} | before
 
 
