@@ -3,7 +3,7 @@
     CONVOQ_BACKEND=bench.faults:lost_replies CONVOQ_LOST_REPLY_EVERY=5 CONVOQ_ENGINE_PROCESS=false convoq worker
 
 The worker runs our engine as usual, but one commit in CONVOQ_LOST_REPLY_EVERY (of claims, results, retries,
-heartbeats, sweeps: every session of the process) raises after the database committed, as a connection cut
+heartbeats, sweeps: every transaction and autocommitted statement of the process) raises after the database committed, as a connection cut
 between COMMIT and its reply would. Each write must then find, when it retries, that it already happened.
 The fault is installed where the backend is built, so the engine runs as a thread of the worker here
 (`lost_replies_env`): in a process of its own it would break that process's commits, of which it has none.
@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 
-from sqlalchemy import event
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
@@ -32,14 +32,29 @@ def lost_replies_env(every: int) -> dict[str, str]:
 
 
 def lose_replies(every: int) -> None:
-    """From now on, every `every`-th commit of any session in this process loses its reply."""
+    """From now on, every `every`-th commit in this process loses its reply: a session's COMMIT, or a statement
+    that commits on its own (run with autocommit, as the worker's claims and stores on PostgreSQL are)."""
     commits = itertools.count(1)
 
+    def lost() -> bool:
+        if next(commits) % every:
+            return False
+        log.warning("injected: the reply to a COMMIT is lost")
+        return True
+
+    def reply_lost() -> OperationalError:
+        return OperationalError("COMMIT", {}, ConnectionResetError("injected: reply lost"))
+
     @event.listens_for(Session, "after_commit")
-    def _lose(session: Session) -> None:
-        if next(commits) % every == 0:
-            log.warning("injected: the reply to a COMMIT is lost")
-            raise OperationalError("COMMIT", {}, ConnectionResetError("injected: reply lost"))
+    def _committed(_session: Session) -> None:
+        if lost():
+            raise reply_lost()
+
+    @event.listens_for(Engine, "after_execute")
+    def _autocommitted(conn: Connection, *_) -> None:
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT" and lost():
+            conn.invalidate()  # as a cut connection is: its server session ends, with whatever lock it held
+            raise reply_lost()
 
 
 def lost_replies(model: str, device: str, dtype: str) -> LLMEngine:
