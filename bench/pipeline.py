@@ -15,8 +15,10 @@ The same run also pushes as many no-op tasks through a bare Celery worker (`benc
 broker, convoq's Celery settings, a task that only counts itself) in one burst, once the service has stopped,
 and runs the same jobs through the worker's bridge and engine process with no broker and no database
 (`bench.engine_alone`): `engine_alone_jobs_per_s` is the most the service could reach on this machine, whatever
-it spends around the engine, and `pipeline_vs_engine` the service's jobs/s over it. A machine's speed varies
-with the hour, so these figures are judged side by side from one run.
+it spends around the engine, and `pipeline_vs_engine` the service's jobs/s over it. `cpu_bound_vs_engine` is
+the most `pipeline_vs_engine` could be on this machine at the CPU the jobs cost: its cores over that CPU per job
+(every part's: the engine's, the service's, the client's). A machine's speed varies with the hour, so these
+figures are judged side by side from one run.
 
 Where a job's cost goes: `cpu_ms_per_job` is the CPU time each process spent during the burst divided by the
 jobs (`bench.cpu`: API, worker, engine, PostgreSQL, Redis and this process, the client), `bulk_cpu_ms_per_line`
@@ -233,6 +235,9 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
         "bare_celery_tasks_per_s": round(noop_per_s, 1),
         "engine_alone_jobs_per_s": round(engine_per_s, 1),
         "pipeline_vs_engine": round(jobs_per_s / engine_per_s, 3),
+        # the most the machine's cores allow at the CPU the jobs cost (every part's, the client's included) over
+        # the engine alone: where `pipeline_vs_engine` stops, however the parts share the cores
+        "cpu_bound_vs_engine": round(len(os.sched_getaffinity(0)) * 1e3 / cpu["total"] / engine_per_s, 3),
         "bulk_vs_engine": round(n_jobs / (bulk_end - bulk_start).total_seconds() / engine_per_s, 3),
         "submit_per_s": round(submit_per_s, 1),
         "queue_wait_p50_ms": round(percentile(waits, 0.5), 1),
