@@ -23,6 +23,7 @@ from sqlalchemy import Engine, event
 from api.app import create_app
 from cli.servers import free_port
 from jobs.broker import progress_channel
+from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from tests.conftest import API_KEY
 from worker.progress import ProgressPublisher
@@ -336,3 +337,32 @@ def test_progress_events_name_the_run_they_come_from(redis_url):
         publisher.close()
         listener.close()
     assert json.loads(message["data"]) == {"event": "text", "text": "1 2 3", "tokens": 3, "run": str(lease)}
+
+
+def test_progress_is_published_only_for_jobs_someone_follows(redis_url):
+    tag = uuid.uuid4().hex
+    followed, unfollowed = f"{tag}-followed", f"{tag}-unfollowed"
+    client = redis.Redis.from_url(redis_url)
+    listener, everything = client.pubsub(), client.pubsub()
+    listener.subscribe(progress_channel(followed))
+    # a pattern subscription is not a follower (PUBSUB NUMSUB counts channels): it sees whatever is published
+    everything.psubscribe(progress_channel(f"{tag}-*"))
+    assert listener.get_message(timeout=5)["type"] == "subscribe"
+    assert everything.get_message(timeout=5)["type"] == "psubscribe"
+    publisher = ProgressPublisher(redis_url, None, interval=0.05)
+    try:
+        for job in (unfollowed, followed):
+            publisher.status(job, JobStatus.running)
+            publisher.status(job, JobStatus.succeeded)
+        seen = []
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            if message := everything.get_message(timeout=1):
+                seen.append((message["channel"].decode(), json.loads(message["data"])["status"]))
+        time.sleep(0.3)  # a flush or two more: nothing else comes
+        assert everything.get_message(timeout=0.1) is None
+    finally:
+        publisher.close()
+        listener.close()
+        everything.close()
+    assert seen == [(progress_channel(followed), "running"), (progress_channel(followed), "succeeded")]

@@ -1,8 +1,10 @@
 """Progress of the jobs a worker runs, published on Redis pub/sub for `GET /v1/jobs/{id}/events`.
 
-Status changes go out as they happen. Text is published only for jobs someone is subscribed to (one PUBSUB
-NUMSUB per flush asks), at most once per `interval` per job, and always as the whole text so far, so a
-subscriber that connects late is up to date with its first text event. Each text event names its run (the
+Events are published only for jobs someone is subscribed to (one PUBSUB NUMSUB per flush asks): most jobs,
+a batch's lines above all, are followed by nobody, and a publish each would cost the worker and Redis for
+nothing. A subscriber misses nothing by it: it reads the job's row once subscribed, and a status is queued here
+only once the row says so. Status changes go out as they happen; text at most once per `interval` per job, and
+always as the whole text so far, so a subscriber that connects late is up to date with its first text event. Each text event names its run (the
 lease of the claim that produced it): a job handed back and run again samples a new text, and the API must
 tell it from the old one's. Nothing is stored: a subscriber reads the job's row for what happened before it
 connected. Publishing is best-effort: a Redis error loses
@@ -64,12 +66,15 @@ class ProgressPublisher:
         if not statuses and not tokens:
             return
         try:
-            watched = self._watched(list(tokens))
+            watched = self._watched(list(dict.fromkeys([*(job_id for job_id, _ in statuses), *tokens])))
+            if not watched:
+                return
+            statuses = [(job_id, status) for job_id, status in statuses if job_id in watched]
             pipe = self.client.pipeline(transaction=False)
             ending = [(j, s) for j, s in statuses if s in TERMINAL]
             for job_id, status in (x for x in statuses if x[1] not in TERMINAL):
                 pipe.publish(progress_channel(job_id), json.dumps({"event": "status", "status": status.value}))
-            for job_id in watched:
+            for job_id in (j for j in tokens if j in watched):
                 run, ids = tokens[job_id]
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 pipe.publish(progress_channel(job_id),
@@ -80,8 +85,8 @@ class ProgressPublisher:
         except redis.RedisError as exc:
             log.warning("progress events lost: %s", exc)
 
-    def _watched(self, job_ids: list[str]) -> list[str]:
+    def _watched(self, job_ids: list[str]) -> set[str]:
         if not job_ids:
-            return []
+            return set()
         counts = self.client.pubsub_numsub(*(progress_channel(j) for j in job_ids))
-        return [j for j, (_, n) in zip(job_ids, counts, strict=True) if n > 0]
+        return {j for j, (_, n) in zip(job_ids, counts, strict=True) if n > 0}
