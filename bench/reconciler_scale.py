@@ -24,10 +24,11 @@ import uuid
 
 import redis
 import sqlalchemy as sa
-from sqlalchemy import event, insert
+from sqlalchemy import insert
 from tqdm import tqdm
 
 from bench.common import report
+from bench.statements import Statements
 from cli.servers import PostgresServer, RedisServer
 from jobs.broker import UNACKED_INDEX_KEY, UNACKED_KEY, create_celery
 from jobs.clock import db_now
@@ -40,17 +41,6 @@ from migrations.apply import upgrade
 from worker.reconciler import Sweeper, beat
 
 CHUNK = 5000
-
-
-class Statements:
-    """Counts the SQL statements an engine runs."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        self.n = 0
-        event.listen(engine, "before_cursor_execute", self._count)
-
-    def _count(self, *_) -> None:
-        self.n += 1
 
 
 def message_template(settings: Settings, sessions) -> tuple[bytes, str, str]:
@@ -139,7 +129,7 @@ def main() -> None:
         for name in tqdm(alive, desc="beats", file=sys.stderr):
             beat(sessions, name, leases[name], settings.dead_after_s, settings.sweep_every_s)
         beat_s = (time.perf_counter() - start) / len(alive)
-        beat_statements = statements.n / len(alive)
+        beat_statements = len(statements.sent) / len(alive)
 
         # every contender finds the sweep due and tries at once; the advisory lock and the turn let one through
         barrier, swept = threading.Barrier(args.contenders), []
@@ -158,12 +148,12 @@ def main() -> None:
 
         sweeper = Sweeper(sessions, create_celery(settings), settings)
         first = sweeper.sweep(force=True)  # the contended sweep saw the lost messages missing; this confirms them
-        statements.n = 0
+        statements.take()
         calls_before = redis_calls(broker.url)
         start = time.perf_counter()
         second = sweeper.sweep(force=True)
         sweep_s = time.perf_counter() - start
-        sweep_statements = statements.n
+        sweep_statements = len(statements.take())
         sweep_redis = redis_calls(broker.url) - calls_before - 1  # less the INFO call itself
     finally:
         pg.stop()

@@ -5,12 +5,15 @@ have. Instead the processes a benchmark starts import a `sitecustomize` of ours 
 PYTHONPATH) that counts every cursor execution of every SQLAlchemy engine (`before_cursor_execute`: an
 executemany is one, as it is one round trip) and writes its count to a file named after its pid a few times a
 second. `total` sums the files: read before and after a burst, the difference is what the burst cost.
+`Statements` is the same count for an engine of this process, with the statements themselves.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from sqlalchemy import Engine, event
 
 HOOK = '''
 import os, threading, time
@@ -53,3 +56,19 @@ def counting_env(folder: Path) -> dict[str, str]:
 def total(folder: Path) -> int:
     """Statements counted so far by every process that counts into `folder` (a count is at most 0.1 s old)."""
     return sum(int(f.read_text()) for f in folder.glob("*.count"))
+
+
+class Statements:
+    """The SQL statements an engine of this process sends, as they are sent (an executemany is one)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.sent: list[str] = []
+        event.listen(engine, "before_cursor_execute", self._sent)
+
+    def _sent(self, _conn, _cursor, statement: str, *_) -> None:
+        self.sent.append(statement)
+
+    def take(self) -> list[str]:
+        """The statements sent since the last take."""
+        sent, self.sent = self.sent, []
+        return sent

@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from bench.statements import Statements
 from jobs.queues import broker_priority
 from jobs.settings import Settings
 from tests.conftest import API_KEY
@@ -125,11 +126,10 @@ def test_idempotency_key_returns_the_same_job_once(client, database, broker):
 def test_published_jobs_are_stamped_as_they_are_inserted(database, broker, tiny_model):
     settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model))
     app = create_app(settings)
-    writes = []
-    sa.event.listen(app.state.db_engine, "before_cursor_execute",
-                    lambda _conn, _cursor, statement, *_: writes.append(statement.split(None, 2)[:2]))
+    statements = Statements(app.state.db_engine)
     with TestClient(app) as c:
         ids = [c.post("/v1/jobs", json=GOOD, headers=AUTH).json()["id"] for _ in range(5)]
+    writes = [s.split(None, 2)[:2] for s in statements.sent]
     # a submission is one write: the insert, stamp included (no UPDATE of the row after its message went out)
     assert [w for w in writes if w[0] in ("INSERT", "UPDATE")] == [["INSERT", "INTO"]] * 5
     engine = sa.create_engine(database)

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy import event, insert
+from sqlalchemy import insert
 
 from api.client import Client
 from bench.audit import messages_by_job
+from bench.statements import Statements
 from cli.stack import Stack
 from jobs.broker import GROUP_HEADER, create_celery, message_headers
 from jobs.db import make_db_engine, make_sessions
@@ -79,16 +80,11 @@ def test_a_group_is_claimed_in_one_statement_and_a_bad_line_fails_alone(database
     engine = make_db_engine(database)
     sessions = make_sessions(engine)
     ids = queued_jobs(sessions, 16)
-    claims: list[str] = []
-
-    @event.listens_for(engine, "before_cursor_execute")
-    def count(conn, cursor, statement, parameters, context, executemany) -> None:
-        claims.append(statement)
-
+    statements = Statements(engine)
     writer = GroupCommit(lambda batch: results.claim_many(sessions, batch, "w1", 3), "claims")
     claimed = [f.result() for f in writer.many(ids)]
     assert [str(c.job_id) for c in claimed] == ids and len({c.lease for c in claimed}) == 1
-    assert len(claims) == 1  # one statement for the whole group, its runs rows included
+    assert len(statements.take()) == 1  # one statement for the whole group, its runs rows included
 
     # a line whose write raises is written again alone; the rest of its group commits without it
     bad = "not-a-uuid"

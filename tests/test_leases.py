@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy import event, insert
+from sqlalchemy import insert
 from sqlalchemy.exc import OperationalError
 
 from bench.audit import audit, messages_by_job
+from bench.faults import lose_replies_of
 from engine.interface import Completion, Timings
 from jobs.broker import create_celery
 from jobs.db import make_db_engine, make_sessions
@@ -118,23 +119,18 @@ def test_a_live_worker_renews_its_expired_leases_unless_their_jobs_moved_on(db):
 
 
 class LostReply:
-    """Makes the next `n` commits of these sessions raise after the database committed, as a connection cut
-    between COMMIT and its reply would: a transaction's COMMIT, or a statement that commits on its own (run with
-    autocommit, as a claim on PostgreSQL is)."""
+    """Makes the next `n` commits of these sessions lose their reply (`bench.faults.lose_replies_of`): a
+    transaction's COMMIT, or a statement that commits on its own, as a claim on PostgreSQL does."""
 
     def __init__(self, sessions, n: int = 1) -> None:
         self.left = n
-        event.listen(sessions, "after_commit", self)
-        event.listen(sessions.kw["bind"], "after_execute", self.autocommitted)
+        lose_replies_of(sessions, sessions.kw["bind"], self.lost)
 
-    def __call__(self, _session) -> None:
-        if self.left:
-            self.left -= 1
-            raise OperationalError("COMMIT", {}, ConnectionResetError("reply lost"))
-
-    def autocommitted(self, conn, *_) -> None:
-        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
-            self(conn)
+    def lost(self) -> bool:
+        if not self.left:
+            return False
+        self.left -= 1
+        return True
 
 
 def test_writes_retried_after_a_lost_reply_recognise_their_own_lease(db):

@@ -10,10 +10,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import insert
 
+from bench.statements import Statements
 from engine.interface import Completion, Timings
 from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobIn
-from jobs.tables import Job, job_row, utcnow
+from jobs.tables import Job, Result, job_row, utcnow
 from worker import results
 from worker.outcome import Outcome
 
@@ -56,6 +57,16 @@ def test_nul_in_generated_text_is_stored(database):
     results.store(sessions, results.claim(sessions, job_id, "w", 3), outcome(job_id, "a\x00b"), "w")
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT text FROM results")).scalar_one() == "a\ufffdb"
+    # and everywhere else a result holds model output: its reasoning, its tool calls, its other choices
+    other = new_job(sessions)
+    calls = [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": "\x00"}'}}]
+    answer = Outcome(Completion(other, [1], "x", 7, "stop"), 1.0, reasoning="r\x00", tool_calls=calls,
+                     choices=[outcome(other, "c\x00")])
+    assert results.store(sessions, results.claim(sessions, other, "w", 3), answer, "w").applied
+    with make_sessions(engine)() as session:
+        stored = session.get(Result, uuid.UUID(other))
+    assert stored.reasoning == "r\ufffd" and stored.choices[0]["text"] == "c\ufffd"
+    assert stored.tool_calls == calls  # JSON holds a NUL, escaped
 
 
 def test_a_crashed_run_marks_the_job_failed(database):
@@ -113,18 +124,6 @@ def test_many_jobs_are_claimed_and_stored_in_one_transaction_each(database):
     assert [rows[uuid.UUID(i)] for i in ids] == ["one", "two", "fine", None]
     assert [statuses[uuid.UUID(i)] for i in ids] == ["succeeded", "succeeded", "succeeded", "failed"]
     assert batch_status == "completed"  # every job of the batch finished, so the store settled it
-
-
-class Statements:
-    """The SQL statements an engine sends, as they are sent."""
-
-    def __init__(self, engine) -> None:
-        self.sent: list[str] = []
-        sa.event.listen(engine, "before_cursor_execute", lambda _c, _k, statement, *_: self.sent.append(statement))
-
-    def take(self) -> list[str]:
-        sent, self.sent = self.sent, []
-        return sent
 
 
 def test_a_claim_and_a_store_are_one_statement_each_on_postgresql(database):

@@ -510,9 +510,9 @@ def _store(sessions: sessionmaker[Session], writes: list[_Write], now: datetime)
     bind = sessions.kw["bind"]
     if bind.dialect.name != "postgresql":
         return _store_in_transaction(sessions, writes)
-    params = dict(finished=_json(Job, [w.finished for w in writes]), now=now,
-                  results=_json(Result, [w.result for w in writes if w.result is not None]),
-                  timings=_json(Timing, [w.timing for w in writes if w.timing is not None]))
+    params = dict(finished=_json([w.finished for w in writes]), now=now,
+                  results=_json([w.result for w in writes if w.result is not None], _json_columns(Result)),
+                  timings=_json([w.timing for w in writes if w.timing is not None], _json_columns(Timing)))
     with _committing(bind) as conn:
         written = set(conn.execute(_store_statement(), params).scalars())
     if len(written) == len(writes):
@@ -525,10 +525,9 @@ def _store(sessions: sessionmaker[Session], writes: list[_Write], now: datetime)
     return written
 
 
-def _json(table, rows: list[dict]) -> str:
-    """Rows of `table` as one JSON parameter: ids and times as text, which PostgreSQL reads back into their
-    columns, and the values of its JSON columns as their JSON text (`_json_columns`)."""
-    nested = _json_columns(table)
+def _json(rows: list[dict], nested: frozenset[str] = frozenset()) -> str:
+    """Rows as one JSON parameter: ids and times as text, which PostgreSQL reads back into their columns, and the
+    values of the `nested` columns (a table's JSON columns: `_json_columns`) as their JSON text."""
     if nested:
         rows = [{k: json.dumps(v) if k in nested and v is not None else v for k, v in row.items()} for row in rows]
     return json.dumps(rows, default=str, ensure_ascii=False)
