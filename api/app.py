@@ -27,6 +27,7 @@ from api.service.jobs import statuses
 from jobs.affinity import Router
 from jobs.broker import create_celery
 from jobs.db import make_db_engine, make_sessions
+from jobs.heap import freeze_startup_heap
 from jobs.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(check.load)  # the tokenizer now, not in the first request (or batch) that needs it
         ingests.start()  # it also takes over the ingests that stopped API processes left
+        freeze_startup_heap()
         yield
         await run_in_threadpool(ingests.stop)
         await hub.close()

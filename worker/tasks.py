@@ -20,7 +20,13 @@ from functools import partial
 
 from celery import Celery
 from celery.exceptions import Reject
-from celery.signals import after_setup_logger, worker_init, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    after_setup_logger,
+    worker_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,6 +35,7 @@ from jobs.affinity import Router, direct_queue, own_queues
 from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
+from jobs.heap import freeze_startup_heap
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
 from jobs.schemas import JobStatus
@@ -174,6 +181,12 @@ class Worker:
         self.context = WorkerContext.start(self.settings, self.celery, self.name, on_stall=self.engine_stalled)
         log.info("engine ready: %s", self.settings.model)
 
+    def ready(self, sender=None, **_) -> None:
+        """The worker consumes from now on: what its start built lives as long as it does (`jobs.heap`)."""
+        if sender is not None and sender.app is not self.celery:
+            return
+        log.info("startup heap frozen: %d objects the collector no longer walks", freeze_startup_heap())
+
     def engine_stalled(self, error: EngineStalled) -> None:
         """An engine thread stalled (CONVOQ_ENGINE_PROCESS=false; a process is killed and restarted instead). A
         thread cannot be killed, so the jobs in the engine go back as a stall's (`results.stalled`), every other
@@ -236,6 +249,7 @@ def worker_app(settings: Settings, name: str) -> Celery:
     celery.steps["consumer"].add(bulk_gate([settings.bulk_queue, *own[1:]], settings.bulk_share))
     worker = Worker(settings, celery, name)
     worker_init.connect(worker.start, weak=False)
+    worker_ready.connect(worker.ready, weak=False)
     worker_shutting_down.connect(worker.shutting_down, weak=False)
     worker_shutdown.connect(worker.stop, weak=False)
     after_setup_logger.connect(quiet_per_task_lines, weak=False)

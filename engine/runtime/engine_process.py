@@ -20,6 +20,7 @@ process group: it stops when its parent says so or is gone.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -345,6 +346,10 @@ def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int, b
     except BaseException:
         conn.send([Failed(traceback.format_exc())])
         return
+    # The model and the libraries live as long as this process: the collector's periodic walks of its oldest
+    # generation would stop the step loop for each (a tenth of a second and more) and never find garbage there.
+    gc.collect()
+    gc.freeze()
     child = Child(EngineThread(engine), Outbox(conn))
     threading.Thread(target=child.watch, name="engine-watch", daemon=True).start()
     child.outbox.put(Ready(engine.max_model_len))
