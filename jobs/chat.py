@@ -32,9 +32,26 @@ def encode_chat(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool,
     to the template as `enable_thinking`: off, Qwen3's template opens the answer with an empty think block; a
     template without the switch ignores it. `tools` (OpenAI's function tools) are the template's to show: Qwen3's
     lists them in the system prompt."""
-    enc = _template(tokenizer, chat, thinking, tools, tokenize=True)
-    # transformers 5 returns a BatchEncoding, older versions a plain list
-    return list(enc["input_ids"] if isinstance(enc, Mapping) else enc)
+    return encode_rendered(tokenizer, _template(tokenizer, chat, thinking, tools, tokenize=False))
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered chat, its control tokens (`<|im_start|>`...) read as such, as the template's own
+    tokenization does (`apply_chat_template(tokenize=True)`).
+
+    A fast tokenizer's Rust tokenizer is called directly, without transformers' call around it: that call
+    encodes through `encode_batch`, which lets go of the interpreter lock for a few microseconds of work, and
+    getting it back behind a busy thread of the same process takes up to a switch interval (5 ms). In a worker
+    whose other threads are busy, that made a prompt cost 0.2 ms of CPU and 4 ms of wall time instead of
+    0.03 and 0.04 (`python -m bench.prompt_encode`). Transformers' call also resets the Rust tokenizer's
+    truncation, padding and special-token splitting; where any of those is set, it is left to do so.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or backend.truncation is not None or backend.padding is not None
+            or backend.encode_special_tokens or getattr(tokenizer, "split_special_tokens", False)):
+        enc = tokenizer(text, add_special_tokens=False)
+        return list(enc["input_ids"])
+    return backend.encode(text, add_special_tokens=False).ids
 
 
 def _template(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool, tools: list[dict] | None,
@@ -130,7 +147,7 @@ def problem(job: JobIn, tokenizer, context: int, default_thinking: bool) -> tupl
         # most prompts fit by their bytes alone: tokenizing them (most of an ingested line's cost) settles nothing
         if len(text.encode()) <= prompt_budget(context, max_new) and token_per_byte_at_most(tokenizer):
             return None
-        prompt_tokens = len(tokenizer.encode(text, add_special_tokens=False))  # as the template tokenizes it
+        prompt_tokens = len(encode_rendered(tokenizer, text))  # as the template tokenizes it
     except Exception as exc:  # a template may refuse a chat (Qwen's raise when a system message is not first)
         return "messages", f"the model's chat template cannot render these messages: {exc}"
     message = chat_problem(prompt_tokens, max_new, context)
