@@ -163,6 +163,22 @@ def test_a_claim_and_a_store_are_one_statement_each_on_postgresql(database):
             .scalar_one() == "one"
 
 
+def test_a_claims_text_is_the_same_whatever_its_number_of_jobs_on_postgresql(database):
+    """Its ids are one array parameter: the driver parses the text once, however many jobs a flush claims."""
+    engine = make_db_engine(database)
+    sessions = make_sessions(engine)
+    statements = Statements(engine)
+    texts = set()
+    for n in (1, 3, 60):
+        ids = [new_job(sessions) for _ in range(n)]
+        statements.take()
+        assert all(c is not None for c in results.claim_many(sessions, ids, "w1", 3))
+        sent = statements.take()
+        assert len(sent) == 1
+        texts.add(sent[0])
+    assert len(texts) == 1
+
+
 def test_group_commit_writes_waiting_items_together_and_isolates_a_bad_one():
     import threading
     import time
