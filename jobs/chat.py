@@ -42,8 +42,8 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
     A fast tokenizer's Rust tokenizer is called directly, without transformers' call around it: that call
     encodes through `encode_batch`, which lets go of the interpreter lock for a few microseconds of work, and
     getting it back behind a busy thread of the same process takes up to a switch interval (5 ms). In a worker
-    whose other threads are busy, that made a prompt cost 0.2 ms of CPU and 4 ms of wall time instead of
-    0.03 and 0.04 (`python -m bench.prompt_encode`). Transformers' call also resets the Rust tokenizer's
+    whose other threads are busy, that made a prompt cost 0.24 ms of CPU and 5 ms of wall time instead of
+    0.06 and 0.1 (`python -m bench.prompt_encode`). Transformers' call also resets the Rust tokenizer's
     truncation, padding and special-token splitting; where any of those is set, it is left to do so.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
