@@ -60,7 +60,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(check.load)  # the tokenizer now, not in the first request (or batch) that needs it
         ingests.start()  # it also takes over the ingests that stopped API processes left
-        freeze_startup_heap()
         yield
         await run_in_threadpool(ingests.stop)
         await hub.close()
@@ -95,4 +94,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(models.router)
     app.include_router(metrics.router)
+    return app
+
+
+def serving_app() -> FastAPI:
+    """The app an API process serves (`convoq api`, in each of its processes): `create_app`, then the heap the
+    process's start built frozen (`jobs.heap`). Tests build theirs with `create_app`, many to a process, and the
+    collection before the freeze would take a second there, with torch loaded."""
+    app = create_app()
+    freeze_startup_heap()
     return app

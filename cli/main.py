@@ -31,7 +31,7 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     # httptools and uvloop, not the pure-Python h11 parser and asyncio's loop: on a small machine the API's
     # share of a job's CPU is mostly the HTTP round trip (bench.pipeline's cpu_ms_per_job). The client address
     # (what failed authentications are counted by) comes from X-Forwarded-For only when a named proxy sent it.
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
+    uvicorn.run("api.app:serving_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
                 http="httptools", loop="uvloop", proxy_headers=True,
                 forwarded_allow_ips=get_settings().forwarded_allow_ips)
 

@@ -1,5 +1,5 @@
 """A long-lived process freezes the heap its start built, so that the collector's full collections do not walk
-it again and again (`jobs.heap`): the worker once it is ready to consume, the API once it has started."""
+it again and again (`jobs.heap`): the worker once it is ready to consume, an API process once its app is built."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from celery.signals import worker_ready
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from api.app import create_app, serving_app
 from jobs.broker import create_celery
 from jobs.heap import freeze_startup_heap
 from jobs.settings import Settings
@@ -57,9 +57,13 @@ def test_a_worker_freezes_its_heap_once_it_is_ready_and_only_for_its_own_app(dat
     assert gc.get_freeze_count() > 0
 
 
-def test_the_api_freezes_its_heap_once_started(database, broker, tiny_model):
-    settings = Settings(database_url=database, broker_url=broker, model=str(tiny_model), api_keys="k" * 16)
-    app = create_app(settings)
+def test_an_api_process_freezes_its_heap_once_its_app_is_built(database, broker, tiny_model, monkeypatch):
+    for name, value in {"CONVOQ_DATABASE_URL": database, "CONVOQ_BROKER_URL": broker, "CONVOQ_MODEL": str(tiny_model),
+                        "CONVOQ_API_KEYS": "k" * 16}.items():
+        monkeypatch.setenv(name, value)
+    create_app()  # what tests build: nothing frozen
     assert gc.get_freeze_count() == 0
-    with TestClient(app):
-        assert gc.get_freeze_count() > 0
+    served = serving_app()  # what `convoq api` serves (settings from the environment)
+    assert gc.get_freeze_count() > 0
+    with TestClient(served) as client:
+        assert client.get("/healthz").status_code < 500
