@@ -4,8 +4,8 @@
 
 The worker runs our engine as usual, but one commit in CONVOQ_LOST_REPLY_EVERY (of claims, results, retries,
 heartbeats, sweeps: every transaction and autocommitted statement of the process) raises after the database
-committed, as a connection cut between COMMIT and its reply would. Each write must then find, when it retries, that it already happened.
-The fault is installed where the backend is built, so the engine runs as a thread of the worker here
+committed, as a connection cut between COMMIT and its reply would. Each write must then find, when it retries,
+that it already happened. The fault is installed where the backend is built, so the engine runs as a thread of the worker here
 (`lost_replies_env`): in a process of its own it would break that process's commits, of which it has none.
 """
 

@@ -31,7 +31,7 @@ from worker.outcome import Outcome
 from worker.sampling import OURS, sampling_params
 from worker.tasks import reply
 
-THINK, END_THINK, IM_END = 151667, 151668, 151645
+THINK, END_THINK, IM_END, IM_START = 151667, 151668, 151645, 151644
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +272,20 @@ def test_a_tokenizer_left_truncating_is_called_through_transformers(qwen3_model)
     assert encode_chat(tokenizer, chat_for(long), False) == full and len(full) > 8
     # the API's check counts the same tokens: this prompt does not fit a context of its own length
     assert problem(long, tokenizer, len(full), False)[0] == "messages"
+
+
+def test_a_tokenizer_that_splits_special_tokens_is_called_through_transformers(qwen3_model):
+    """Loaded to read control tokens as text, a tokenizer gives what transformers' own tokenization gives: the
+    template's `<|im_start|>` spelled out, even after a call that asked otherwise left its Rust tokenizer reading
+    them as control tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_model, split_special_tokens=True)
+    tokenizer("<|im_start|>", split_special_tokens=False)
+    assert not tokenizer.backend_tokenizer.encode_special_tokens
+    chat = chat_for(PROMPTS[2])
+    ours = encode_chat(tokenizer, chat, False)  # first: transformers' call sets the Rust tokenizer back
+    theirs = tokenizer.apply_chat_template([dict(m) for m in chat], add_generation_prompt=True, tokenize=True,
+                                           enable_thinking=False)
+    assert ours == list(theirs["input_ids"]) and IM_START not in ours
 
 
 # --- text endings and a multilingual prompt -----------------------------------------------------------------------

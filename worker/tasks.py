@@ -174,8 +174,12 @@ class Worker:
         self.own = set(own_queues(settings, name))  # what a message came from says whether it was sent here
         self.context: WorkerContext | None = None
 
+    def others(self, sender) -> bool:
+        """Whether a worker signal came from another app's worker in this process (Celery's signals are global)."""
+        return sender is not None and sender.app is not self.celery
+
     def start(self, sender=None, **_) -> None:
-        if sender is not None and sender.app is not self.celery:
+        if self.others(sender):
             return
         # The model is loaded here, in the process that runs it, before the worker consumes anything.
         self.context = WorkerContext.start(self.settings, self.celery, self.name, on_stall=self.engine_stalled)
@@ -183,7 +187,7 @@ class Worker:
 
     def ready(self, sender=None, **_) -> None:
         """The worker consumes from now on: what its start built lives as long as it does (`jobs.heap`)."""
-        if sender is not None and sender.app is not self.celery:
+        if self.others(sender):
             return
         log.info("startup heap frozen: %d objects the collector no longer walks", freeze_startup_heap())
 
@@ -208,7 +212,7 @@ class Worker:
 
     def stop(self, sender=None, **_) -> None:
         ctx = self.context
-        if ctx is None or (sender is not None and sender.app is not self.celery):
+        if ctx is None or self.others(sender):
             return
         returned = ctx.close()
         if returned:
