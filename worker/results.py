@@ -49,7 +49,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.interface import Completion
-from jobs.batch_settle import settle_batch
+from jobs.batch_settle import batch_pending, settle_batch
 from jobs.clock import db_now
 from jobs.db import insert_ignore
 from jobs.schemas import INVALID_REQUEST, JobIn, JobStatus
@@ -603,6 +603,12 @@ def _store_in_transaction(sessions: sessionmaker[Session], writes: list[_Write])
 
 
 def settle(sessions: sessionmaker[Session], batch_id: uuid.UUID) -> None:
+    """`settle_batch` in a transaction of its own, once the batch has no job left pending. Until then (every store
+    but a batch's last) the check is one statement committed on its own: a transaction around it would add a
+    BEGIN and a COMMIT, each a round trip of the worker's store thread."""
+    with _committing(sessions.kw["bind"]) as conn:
+        if batch_pending(conn, batch_id):
+            return
     with sessions.begin() as session:
         settle_batch(session, batch_id)
 
