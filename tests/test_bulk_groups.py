@@ -4,9 +4,11 @@ each line settled on its own; interactive jobs keep a message each."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,7 @@ from api.client import Client
 from bench.audit import messages_by_job
 from bench.statements import Statements
 from cli.stack import Stack
+from engine.runtime.engine_thread import EngineThread
 from jobs.broker import GROUP_HEADER, create_celery, message_headers
 from jobs.db import make_db_engine, make_sessions
 from jobs.publish import publish
@@ -26,11 +29,14 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from tests.conftest import API_KEY
+from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise
 from worker import results
+from worker.bridge import Bridge
 from worker.bulk_gate import bulk_gate
 from worker.group_commit import GroupCommit
+from worker.tasks import run_together
 
 
 def sent_messages(broker_url: str) -> list[dict]:
@@ -163,3 +169,73 @@ def test_the_bulk_gate_counts_a_group_by_its_lines():
     assert gate.holding == 4  # the group's three lines and the bulk job; the urgent one is not bulk's
     gate._finished("g")
     assert gate.holding == 1 and "g" not in gate.lines
+
+
+class Recorder:
+    """What a worker's context records of a group's run: statuses published, writes handed to the store, and
+    whether anything went to the lines' thread pool."""
+
+    def __init__(self) -> None:
+        self.statuses: list[tuple[str, str]] = []
+        self.stored: list[tuple[results.Claimed, object]] = []
+        self.pooled: list[str] = []
+
+    def status(self, job_id: str, status) -> None:
+        self.statuses.append((job_id, status.value))
+
+    def many(self, done: list) -> list[Future]:
+        self.stored += done
+        futures = [Future() for _ in done]
+        for (_, outcome), future in zip(done, futures, strict=True):
+            future.set_result(results.Stored(results.finished_status(outcome.verdict), None))
+        return futures
+
+    def map(self, fn, items):
+        self.pooled += [str(c.job_id) for c in items]
+        return [fn(c) for c in items]
+
+
+def worker_context(bridge: Bridge, recorder: Recorder) -> SimpleNamespace:
+    return SimpleNamespace(
+        bridge=bridge, lines=recorder, store=recorder, settings=Settings(),
+        progress=SimpleNamespace(status=recorder.status, tokens=lambda *_: None),
+        shutdown=SimpleNamespace(over=threading.Event(), begun=threading.Event()),
+        metrics=SimpleNamespace(observe=lambda *_: None, refused=lambda: None))
+
+
+def claimed(job: JobIn) -> results.Claimed:
+    return results.Claimed(uuid.uuid4(), job, utcnow(), uuid.uuid4(), 1, lease=uuid.uuid4())
+
+
+def test_a_group_of_single_answer_chats_runs_on_its_own_thread_all_in_the_engine_at_once(tiny_model):
+    bridge = Bridge(EngineThread(make_engine(tiny_model)), Settings())
+    recorder = Recorder()
+    ctx = worker_context(bridge, recorder)
+    chats = [claimed(JobIn(messages=[{"role": "user", "content": f"Where is parcel {i}?"}], priority=1,
+                           sampling={"max_new_tokens": 6})) for i in range(5)]
+    too_long = claimed(JobIn(messages=[{"role": "user", "content": "word " * 5000}], priority=1))
+    group = [*chats[:2], too_long, *chats[2:]]
+    try:
+        assert run_together(ctx, group, alone=False) is False
+        assert recorder.pooled == []  # no thread of the pool: every line ran on the group's thread
+        outcomes = {c.job_id: o for c, o in recorder.stored}
+        assert list(outcomes) == [c.job_id for c in group]  # each line stored, in its group's order
+        assert all(outcomes[c.job_id].verdict.ok and outcomes[c.job_id].completion.text for c in chats)
+        # the lines ran side by side in the engine, as a thread each would have had them
+        assert all(outcomes[c.job_id].completion.timings.batch_size == len(chats) for c in chats)
+        assert "context" in outcomes[too_long.job_id].verdict.error  # the line that cannot run fails alone
+        assert recorder.statuses[:len(group)] == [(str(c.job_id), "running") for c in group]  # all asked first
+        assert recorder.statuses[len(group):] == [(str(c.job_id), "failed" if c is too_long else "succeeded")
+                                                  for c in group]
+        assert bridge.running() == []  # every line's run left the bridge
+
+        # lines that wait on each other in the engine (a chat's further choices, a summary's levels) keep a thread
+        # each, so that one line's wait does not hold the next one's requests back
+        recorder.stored.clear()
+        several = claimed(JobIn(messages=[{"role": "user", "content": "Two answers, please."}], priority=1, n=2,
+                                sampling={"max_new_tokens": 4}))
+        run_together(ctx, [chats[0], several], alone=False)
+        assert recorder.pooled == [str(chats[0].job_id), str(several.job_id)]
+        assert len(recorder.stored) == 2 and len(recorder.stored[1][1].choices) == 1
+    finally:
+        bridge.close()

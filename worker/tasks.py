@@ -13,10 +13,12 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TypeVar
 
 from celery import Celery
 from celery.exceptions import Reject
@@ -30,6 +32,7 @@ from celery.signals import (
 from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine.interface import Completion
 from engine.runtime.engine_thread import EngineDead, EngineStalled
 from jobs.affinity import Router, direct_queue, own_queues
 from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
@@ -38,7 +41,7 @@ from jobs.db import make_db_engine, make_sessions
 from jobs.heap import freeze_startup_heap
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
-from jobs.schemas import JobStatus
+from jobs.schemas import JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
 from jobs.tool_calls import tool_use
@@ -58,22 +61,44 @@ from worker.summarize import merged_timings, summarize
 from worker.usage import cpu_seconds
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-def reply(run: JobRun) -> Outcome:
-    """A chat job: a request per choice (`n`), its prompt and output within the model's context; choice 0's
-    text streams, and its outcome holds the others, with the timings of all of them as the job's."""
+@dataclass
+class Asked:
+    """A chat job's requests, in the engine since `start`: a future per choice."""
+
+    start: float
+    choices: list[Future[Completion]]
+
+
+def ask(run: JobRun) -> Asked | Outcome:
+    """A chat job's requests into the engine: one per choice (`n`), its prompt and output within the model's
+    context; or, when they are not, the job's failure."""
     start = time.monotonic()
     prompt = run.prompt_ids(chat_for(run.job))
     if problem := chat_problem(len(prompt), run.job.sampling.max_new_tokens, run.context):
         return Outcome.failed(run.job_id, problem)
-    first, *others = completions = [future.result() for future in run.choices(prompt)]
-    engine_ms = (time.monotonic() - start) * 1e3
+    return Asked(start, run.choices(prompt))
+
+
+def answered(run: JobRun, asked: Asked | Outcome) -> Outcome:
+    """What a chat job's requests gave: choice 0's text streams, and its outcome holds the others, with the timings
+    of all of them as the job's."""
+    if isinstance(asked, Outcome):
+        return asked
+    first, *others = completions = [future.result() for future in asked.choices]
+    engine_ms = (time.monotonic() - asked.start) * 1e3
     first = replace(first, timings=merged_timings([completions], first))
     tools = tool_use(run.job)
     outcome = Outcome.answered(first, engine_ms, run.thinking, run.tokenizer, tools)
     outcome.choices = [Outcome.answered(c, engine_ms, run.thinking, run.tokenizer, tools) for c in others]
     return outcome
+
+
+def reply(run: JobRun) -> Outcome:
+    """A chat job: its requests (`ask`), then their answers (`answered`)."""
+    return answered(run, ask(run))
 
 
 # how each kind of job runs on the bridge
@@ -98,7 +123,7 @@ class WorkerContext:
     claim: GroupCommit[str, results.Claimed | None]  # job id -> the claimed job, or None: not queued
     store: GroupCommit[tuple[results.Claimed, Outcome], results.Stored]
     shutdown: Shutdown  # the grace of a warm shutdown, then its hand-back
-    lines: ThreadPoolExecutor  # a grouped message's lines run side by side here, its Celery thread waiting on them
+    lines: ThreadPoolExecutor  # a grouped message's lines that are not single-answer chats run side by side here
 
     @classmethod
     def start(cls, settings: Settings, celery: Celery, name: str,
@@ -311,14 +336,12 @@ def run_claims(ctx: WorkerContext, claims: list[results.Claimed]) -> None:
 def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool) -> bool:
     """Run `claims` side by side (a single job on this thread), then store the outcomes of those that finished in
     one write; True if one of them was handed back at shutdown."""
-    def attempt(claimed: results.Claimed) -> Outcome | bool:
-        try:
-            return execute(ctx, claimed, alone)
-        except Exception:  # its settling failed too (the database away for long): it alone, not its group
-            log.exception("job %s could not be settled; its lease expires and the sweep hands it back", claimed.job_id)
-            return False
-
-    ran = [attempt(claims[0])] if len(claims) == 1 else list(ctx.lines.map(attempt, claims))
+    if len(claims) == 1:
+        ran = [settling(claims[0], lambda: execute(ctx, claims[0], alone))]
+    elif all(two_phase(c.job) for c in claims):
+        ran = run_chats(ctx, claims)
+    else:
+        ran = list(ctx.lines.map(lambda c: settling(c, lambda: execute(ctx, c, alone)), claims))
     done = [(c, outcome) for c, outcome in zip(claims, ran, strict=True) if isinstance(outcome, Outcome)]
     for (claimed, outcome), future in zip(done, ctx.store.many(done), strict=True):
         try:
@@ -334,30 +357,101 @@ def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool)
     return any(outcome is True for outcome in ran)
 
 
+def settling(claimed: results.Claimed, step: Callable[[], T]) -> T | bool:
+    """`step` of a job's run, whose failures it settles itself (`guarded`); False if settling failed too (the
+    database away for long): this job alone, not its group, is left to its lease."""
+    try:
+        return step()
+    except Exception:
+        log.exception("job %s could not be settled; its lease expires and the sweep hands it back", claimed.job_id)
+        return False
+
+
+def two_phase(job: JobIn) -> bool:
+    """A job whose run is one round through the engine: a chat with a single answer (`run_chats`). A chat's
+    further choices wait for the first's prompt to be computed, and a summary's levels for the level before."""
+    return job.kind == "chat" and job.n == 1
+
+
+@dataclass
+class Asking:
+    """A job of `run_chats` between its two phases."""
+
+    run: JobRun
+    asked: Asked | Outcome
+    stack: ExitStack  # leaves the job's run on the bridge, as leaving `execute`'s `with` does
+
+
+def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[Outcome | bool]:
+    """Single-answer chats of one message, on this thread in two phases: every job's request goes into the engine,
+    which batches them as it would a thread's each, then each job's answer is awaited in turn. A thread per job
+    would cost each job its wake-ups, and the process hand-offs of its interpreter lock, for nothing: the jobs
+    wait on the engine, not on each other. Each job is settled on its own, as `execute` settles it."""
+    def begin(claimed: results.Claimed) -> Asking:
+        ctx.progress.status(str(claimed.job_id), JobStatus.running)
+        with ExitStack() as stack:  # asking failed: the run is left here, before its failure is settled
+            run = stack.enter_context(opened(ctx, claimed))
+            asked = ask(run)
+            return Asking(run, asked, stack.pop_all())
+
+    def finish(claimed: results.Claimed, asking: Asking) -> Outcome | bool:
+        with asking.stack:
+            outcome = answered(asking.run, asking.asked)
+        return judged(ctx, claimed, outcome)
+
+    asked = [settling(c, lambda c=c: guarded(ctx, c, lambda: begin(c))) for c in claims]
+    return [settling(c, lambda c=c, a=a: guarded(ctx, c, lambda: finish(c, a))) if isinstance(a, Asking) else a
+            for c, a in zip(claims, asked, strict=True)]
+
+
 def execute(ctx: WorkerContext, claimed: results.Claimed, alone: bool) -> Outcome | bool:
     """Run one claimed job through the engine: its outcome, to store; or, once it was settled here otherwise,
     True if it was handed back at shutdown (its message must go back to the queue), else False."""
-    job_id = str(claimed.job_id)
-    ctx.progress.status(job_id, JobStatus.running)
-    try:
+    def run() -> Outcome | bool:
         if alone and not results.mark_alone(ctx.sessions, claimed):
             ctx.metrics.refused()
             return False
-        with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
-                            on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease)) as run:
-            if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
-                run.stop(SHUTDOWN)
-            outcome = RUN_BY_KIND[claimed.job.kind](run)
-        verdict = outcome.verdict
-        if verdict.finish_reason == SHUTDOWN:
-            return hand_back_at_shutdown(ctx, claimed)
-        if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
-            if not results.give_back(ctx.sessions, claimed):
-                ctx.metrics.refused()
-            return False
-        if verdict.retryable:
-            raise RuntimeError(verdict.error)
-        return outcome
+        with opened(ctx, claimed) as job_run:
+            outcome = RUN_BY_KIND[claimed.job.kind](job_run)
+        return judged(ctx, claimed, outcome)
+
+    ctx.progress.status(str(claimed.job_id), JobStatus.running)
+    return guarded(ctx, claimed, run)
+
+
+@contextmanager
+def opened(ctx: WorkerContext, claimed: results.Claimed) -> Iterator[JobRun]:
+    """The job's run on the bridge, its tokens streaming to the job's progress events."""
+    job_id = str(claimed.job_id)
+    with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
+                        on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease)) as run:
+        if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
+            run.stop(SHUTDOWN)
+        yield run
+
+
+def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> Outcome | bool:
+    """What a finished run leaves to do: its outcome, to store; or, for a run that must not store it (stopped at
+    shutdown, or its lease lost), the job settled here (`execute`'s answer). A failure the engine may not fail
+    again raises, for `guarded` to retry the job."""
+    verdict = outcome.verdict
+    if verdict.finish_reason == SHUTDOWN:
+        return hand_back_at_shutdown(ctx, claimed)
+    if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
+        if not results.give_back(ctx.sessions, claimed):
+            ctx.metrics.refused()
+        return False
+    if verdict.retryable:
+        raise RuntimeError(verdict.error)
+    return outcome
+
+
+def guarded(ctx: WorkerContext, claimed: results.Claimed, step: Callable[[], T]) -> T | bool:
+    """`step` of a job's run, the job settled here if it raises: a stalled engine hands it back as a stall's, a
+    dead one ends the worker (at shutdown, the job goes back uncharged: True), anything else is retried or fails
+    the job (False)."""
+    try:
+        return step()
     except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
         hand_back_stalled(ctx, claimed)
     except EngineDead as exc:
