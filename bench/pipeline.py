@@ -22,7 +22,9 @@ figures are judged side by side from one run.
 
 Where a job's cost goes: `cpu_ms_per_job` is the CPU time each process spent during the burst divided by the
 jobs (`bench.cpu`: API, worker, engine, PostgreSQL, Redis and this process, the client), `bulk_cpu_ms_per_line`
-the same for the batch, and `bare_celery_cpu_ms_per_task` for the no-op burst;
+the same for the batch, `worker_thread_cpu_ms_per_job` and `bulk_worker_thread_cpu_ms_per_line` the worker's
+part of each by thread (read from its metrics, `worker.thread_cpu`: `MainThread` is Celery's event loop,
+`ThreadPoolExecutor` Celery's task threads), and `bare_celery_cpu_ms_per_task` for the no-op burst;
 `bare_celery_paced_cpu_ms_per_task` for the same no-ops sent at `submit_per_s`, the rate at which the service's
 worker received its jobs (a Celery worker that waits for each message costs more per task than one fed a burst),
 and `worker_vs_bare_celery` the worker's CPU per job over each. `statements_per_job` and
@@ -44,7 +46,9 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 from tqdm import tqdm
 
@@ -53,6 +57,7 @@ from bench import statements
 from bench.common import batch_of, percentile, report, tiny_model
 from bench.cpu import CpuMeter, per_item_ms, service_parts, shared_parts
 from bench.engine_alone import through_engine
+from cli.servers import free_port
 from cli.stack import Stack
 from cli.tiny_model import PRESETS
 from jobs.broker import create_celery
@@ -157,21 +162,38 @@ def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path
         redis.delete(counter)
 
 
-class Burst:
-    """The CPU time of each part and the statements counted between `start` and `stop`, per item."""
+def thread_cpu_s(metrics_url: str) -> dict[str, float]:
+    """The worker's CPU seconds by thread label so far, from its Prometheus metrics (`worker.thread_cpu`)."""
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
+        if family.name == "convoq_worker_thread_cpu_seconds":
+            found |= {s.labels["thread"]: s.value for s in family.samples if s.name.endswith("_total")}
+    return found
 
-    def __init__(self, stack: Stack, counts: Path) -> None:
+
+class Burst:
+    """The CPU time of each part, of the worker's threads, and the statements counted between `start` and `stop`,
+    per item."""
+
+    def __init__(self, stack: Stack, counts: Path, metrics_url: str) -> None:
         self.meter = CpuMeter(service_parts(stack.api.pid, stack.workers[0].pid))
         self.counts = counts
+        self.metrics_url = metrics_url
 
     def start(self) -> None:
         self.statements = statements.total(self.counts)
+        self.threads = thread_cpu_s(self.metrics_url)
         self.meter.start()
 
-    def stop(self, n: int) -> tuple[dict[str, float], float]:
+    def stop(self, n: int) -> tuple[dict[str, float], dict[str, float], float]:
         cpu = per_item_ms(self.meter.stop(), n)
+        threads = thread_cpu_s(self.metrics_url)
+        spent = {label: s - self.threads.get(label, 0.0) for label, s in threads.items()}
+        # the threads that spent a part worth showing, most first; the rest summed up
+        shown = {label: s for label, s in sorted(spent.items(), key=lambda kv: -kv[1]) if s * 1e3 / n >= 0.01}
+        shown["others"] = sum(spent.values()) - sum(shown.values())
         time.sleep(0.3)  # the processes' last counts reach their files
-        return cpu, round((statements.total(self.counts) - self.statements) / n, 2)
+        return cpu, per_item_ms(shown, n), round((statements.total(self.counts) - self.statements) / n, 2)
 
 
 def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset: str = "tiny") -> dict:
@@ -181,12 +203,14 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
     db = sa.create_engine(settings.database_url.get_secret_value())
     logdir = Path(tempfile.mkdtemp(prefix="convoq-bench-"))
     counts = logdir / "statements"
+    metrics_port = free_port()
     env = {
         **statements.counting_env(counts),
         "CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
         "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
         "CONVOQ_MODEL": str(model),
         "CONVOQ_API_KEYS": KEY,
+        "CONVOQ_WORKER_METRICS_PORT": str(metrics_port),
     }
     jobs = [JobIn(messages=[{"role": "user", "content": f"Where is my order {i}? It is late."}], priority=i % 10,
                   sampling={"max_new_tokens": max_new_tokens}) for i in range(n_jobs)]
@@ -195,19 +219,19 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
         stack.start_worker()
         # warm-up: the first batch and the connection pools, outside the measurement
         wait_done(db, asyncio.run(submit_all(stack.api_url, jobs[:8], concurrency)), 120)
-        burst = Burst(stack, counts)
+        burst = Burst(stack, counts, f"http://127.0.0.1:{metrics_port}/metrics")
         burst.start()
         start = datetime.now(UTC)
         ids = asyncio.run(submit_all(stack.api_url, jobs, concurrency, rate))
         submitted = datetime.now(UTC)
         end = wait_done(db, ids, 600)
-        cpu, per_job = burst.stop(n_jobs)
+        cpu, threads, per_job = burst.stop(n_jobs)
         burst.start()
         bulk_start = datetime.now(UTC)
         with Client(stack.api_url, KEY) as client:
             batch_id = client.create_batch(batch_of(jobs)).id
         bulk_end = wait_all(db, Job.batch_id == batch_id, n_jobs, 600)
-        bulk_cpu, per_line = burst.stop(n_jobs)
+        bulk_cpu, bulk_threads, per_line = burst.stop(n_jobs)
     mine = [uuid.UUID(i) for i in ids]
     with db.connect() as conn:
         succeeded = conn.execute(
@@ -246,6 +270,9 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
         "overhead_p95_ms": round(percentile(overhead, 0.95), 1),
         "cpu_ms_per_job": cpu,
         "bulk_cpu_ms_per_line": bulk_cpu,
+        # the worker's part of each, by thread (`worker.thread_cpu`: MainThread is Celery's event loop)
+        "worker_thread_cpu_ms_per_job": threads,
+        "bulk_worker_thread_cpu_ms_per_line": bulk_threads,
         "bare_celery_cpu_ms_per_task": noop_cpu,
         "bare_celery_paced_cpu_ms_per_task": paced_cpu,
         # the issue's measure: the worker's CPU per interactive job over a bare Celery task's, sent all at once and

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -29,6 +30,7 @@ from tests.conftest import API_KEY
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.outcome import Outcome
 from worker.results import Claimed, Stored, finished_status, timing_row
+from worker.thread_cpu import thread_label
 from worker.usage import cpu_seconds, process_cpu_s, stat_fields
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -220,6 +222,44 @@ def test_a_workers_cpu_time_counts_its_engine_process():
     finally:
         child.kill()
         child.wait()
+
+
+def spin_for(cpu_s: float) -> None:
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_workers_cpu_is_counted_by_the_threads_that_spend_it():
+    """`convoq_worker_thread_cpu_seconds_total{thread}`: a pool's threads count as one label, by their name
+    without its number, and a thread that ended keeps what it had spent at the last read."""
+    assert [thread_label(n) for n in ("line_12", "ThreadPoolExecutor-0_3", "claims", "engine-reader")] == \
+        ["line", "ThreadPoolExecutor", "claims", "engine-reader"]
+    registry = CollectorRegistry()
+    WorkerMetrics(registry)
+    value = registry.get_sample_value
+    release = threading.Event()
+
+    def work(cpu_s: float) -> None:
+        spin_for(cpu_s)
+        release.wait(30)
+
+    pool = [threading.Thread(target=work, args=(0.1 * (i + 1),), name=f"spinner_{i}") for i in range(3)]
+    for thread in pool:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while (spent := value("convoq_worker_thread_cpu_seconds_total", {"thread": "spinner"}) or 0.0) < 0.6:
+            assert time.monotonic() < deadline, f"the spinners' 0.6 s of CPU never showed: {spent}"
+            time.sleep(0.05)
+        assert spent < 0.6 + 0.2  # their own time, not the process's
+        main = value("convoq_worker_thread_cpu_seconds_total", {"thread": "MainThread"})
+        assert main is not None and main < value("process_cpu_seconds_total")
+    finally:
+        release.set()
+        for thread in pool:
+            thread.join()
+    assert value("convoq_worker_thread_cpu_seconds_total", {"thread": "spinner"}) >= spent  # ended, still counted
 
 
 def test_engine_gauges_expose_the_stats_the_engine_reports():

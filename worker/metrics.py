@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from jobs.schemas import JobStatus
 from worker.results import Stored
+from worker.thread_cpu import ThreadCpuCollector
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         # process_cpu_seconds_total over convoq_jobs_finished_total: this worker's CPU per job
         ProcessCollector(registry=self.registry)
+        # and which of its threads spends it (`worker.thread_cpu`)
+        self.registry.register(ThreadCpuCollector())
         self.served_on: int | None = None  # the port `start` serves the registry on
 
         def seconds(name: str, documentation: str) -> Histogram:
