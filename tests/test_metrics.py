@@ -233,8 +233,9 @@ def spin_for(cpu_s: float) -> None:
 def test_a_workers_cpu_is_counted_by_the_threads_that_spend_it():
     """`convoq_worker_thread_cpu_seconds_total{thread}`: a pool's threads count as one label, by their name
     without its number, and a thread that ended keeps what it had spent at the last read."""
-    assert [thread_label(n) for n in ("line_12", "ThreadPoolExecutor-0_3", "claims", "engine-reader")] == \
-        ["line", "ThreadPoolExecutor", "claims", "engine-reader"]
+    names = ("line_12", "ThreadPoolExecutor-0_3", "Thread-3 (serve)", "claims", "engine-reader", "MainThread")
+    assert [thread_label(n) for n in names] == \
+        ["line", "ThreadPoolExecutor", "Thread (serve)", "claims", "engine-reader", "MainThread"]
     registry = CollectorRegistry()
     WorkerMetrics(registry)
     value = registry.get_sample_value

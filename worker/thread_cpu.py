@@ -27,9 +27,9 @@ TASKS = Path("/proc/self/task")
 
 
 def thread_label(name: str) -> str:
-    """A thread's name without the number its pool gave it: `line_12` and `ThreadPoolExecutor-0_3` are `line`
-    and `ThreadPoolExecutor`."""
-    return re.sub(r"[-_]?[\d_-]*$", "", name) or name
+    """A thread's name without the number its pool gave it: `line_12`, `ThreadPoolExecutor-0_3` and `Thread-3
+    (serve)` are `line`, `ThreadPoolExecutor` and `Thread (serve)`."""
+    return re.sub(r"[-_]\d[\d_-]*(?= \(|$)", "", name)
 
 
 def thread_cpu_s(native_id: int) -> float | None:
