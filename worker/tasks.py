@@ -385,8 +385,8 @@ class Asking:
 def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[Outcome | bool]:
     """Single-answer chats of one message, on this thread in two phases: every job's request goes into the engine,
     which batches them as it would a thread's each, then each job's answer is awaited in turn. A thread per job
-    would cost each job its wake-ups, and the process hand-offs of its interpreter lock, for nothing: the jobs
-    wait on the engine, not on each other. Each job is settled on its own, as `execute` settles it."""
+    would cost each job its wake-ups and its hand-offs of the interpreter lock for nothing: the jobs wait on the
+    engine, not on each other. Each job is settled on its own, as `execute` settles it."""
     def begin(claimed: results.Claimed) -> Asking:
         ctx.progress.status(str(claimed.job_id), JobStatus.running)
         with ExitStack() as stack:  # asking failed: the run is left here, before its failure is settled
