@@ -20,7 +20,7 @@ from api.client import Client
 from bench.audit import messages_by_job
 from bench.statements import Statements
 from cli.stack import Stack
-from engine.runtime.engine_thread import EngineThread
+from engine.runtime.engine_thread import EngineStalled, EngineThread
 from jobs.broker import GROUP_HEADER, create_celery, message_headers
 from jobs.db import make_db_engine, make_sessions
 from jobs.publish import publish
@@ -32,7 +32,7 @@ from tests.conftest import API_KEY
 from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise
-from worker import results
+from worker import results, tasks
 from worker.bridge import Bridge
 from worker.bulk_gate import bulk_gate
 from worker.group_commit import GroupCommit
@@ -237,5 +237,50 @@ def test_a_group_of_single_answer_chats_runs_on_its_own_thread_all_in_the_engine
         run_together(ctx, [chats[0], several], alone=False)
         assert recorder.pooled == [str(chats[0].job_id), str(several.job_id)]
         assert len(recorder.stored) == 2 and len(recorder.stored[1][1].choices) == 1
+    finally:
+        bridge.close()
+
+
+class Stalling:
+    """An engine runner whose requests for the jobs named fail as those of an engine killed for stalling do; the
+    rest run."""
+
+    def __init__(self, runner, stalled: set[str]) -> None:
+        self.runner, self.stalled = runner, stalled
+
+    def submit(self, request, on_tokens=None) -> Future:
+        if request.request_id not in self.stalled:
+            return self.runner.submit(request, on_tokens)
+        future = Future()
+        future.set_exception(EngineStalled("stalled with it inside"))
+        return future
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+
+def test_a_group_line_whose_engine_stalls_is_handed_back_alone_and_one_whose_hand_back_fails_is_left(
+        tiny_model, monkeypatch):
+    """In a group of chats run in two phases, a line the engine fails goes back as a stall's, and one whose
+    hand-back fails too (the database away) is left to its lease: the other lines are stored all the same."""
+    chats = [claimed(JobIn(messages=[{"role": "user", "content": f"Where is parcel {i}?"}], priority=1,
+                           sampling={"max_new_tokens": 4})) for i in range(4)]
+    stalled, unsettled = str(chats[1].job_id), str(chats[2].job_id)
+    bridge = Bridge(Stalling(EngineThread(make_engine(tiny_model)), {stalled, unsettled}), Settings())
+    handed_back = []
+
+    def hand_back_stalled(ctx, claimed: results.Claimed) -> None:
+        if str(claimed.job_id) == unsettled:
+            raise sa.exc.OperationalError("UPDATE jobs", {}, Exception("the database is away"))
+        handed_back.append(str(claimed.job_id))
+
+    monkeypatch.setattr(tasks, "hand_back_stalled", hand_back_stalled)
+    recorder = Recorder()
+    try:
+        assert run_together(worker_context(bridge, recorder), chats, alone=False) is False
+        assert handed_back == [stalled]
+        assert [c.job_id for c, _ in recorder.stored] == [chats[0].job_id, chats[3].job_id]
+        assert all(outcome.verdict.ok for _, outcome in recorder.stored)
+        assert recorder.pooled == [] and bridge.running() == []
     finally:
         bridge.close()

@@ -337,11 +337,11 @@ def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool)
     """Run `claims` side by side (a single job on this thread), then store the outcomes of those that finished in
     one write; True if one of them was handed back at shutdown."""
     if len(claims) == 1:
-        ran = [settling(claims[0], lambda: execute(ctx, claims[0], alone))]
+        ran = [execute(ctx, claims[0], alone)]
     elif all(two_phase(c.job) for c in claims):
         ran = run_chats(ctx, claims)
     else:
-        ran = list(ctx.lines.map(lambda c: settling(c, lambda: execute(ctx, c, alone)), claims))
+        ran = list(ctx.lines.map(lambda c: execute(ctx, c, alone), claims))
     done = [(c, outcome) for c, outcome in zip(claims, ran, strict=True) if isinstance(outcome, Outcome)]
     for (claimed, outcome), future in zip(done, ctx.store.many(done), strict=True):
         try:
@@ -355,16 +355,6 @@ def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool)
         ctx.progress.status(str(claimed.job_id), stored.status)
         ctx.metrics.observe(claimed.job.priority, stored, outcome.completion_tokens)
     return any(outcome is True for outcome in ran)
-
-
-def settling(claimed: results.Claimed, step: Callable[[], T]) -> T | bool:
-    """`step` of a job's run, whose failures it settles itself (`guarded`); False if settling failed too (the
-    database away for long): this job alone, not its group, is left to its lease."""
-    try:
-        return step()
-    except Exception:
-        log.exception("job %s could not be settled; its lease expires and the sweep hands it back", claimed.job_id)
-        return False
 
 
 def two_phase(job: JobIn) -> bool:
@@ -399,8 +389,8 @@ def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[Outcome
             outcome = answered(asking.run, asking.asked)
         return judged(ctx, claimed, outcome)
 
-    asked = [settling(c, lambda c=c: guarded(ctx, c, lambda: begin(c))) for c in claims]
-    return [settling(c, lambda c=c, a=a: guarded(ctx, c, lambda: finish(c, a))) if isinstance(a, Asking) else a
+    asked = [guarded(ctx, c, partial(begin, c)) for c in claims]
+    return [guarded(ctx, c, partial(finish, c, a)) if isinstance(a, Asking) else a
             for c, a in zip(claims, asked, strict=True)]
 
 
@@ -449,17 +439,21 @@ def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> Ou
 def guarded(ctx: WorkerContext, claimed: results.Claimed, step: Callable[[], T]) -> T | bool:
     """`step` of a job's run, the job settled here if it raises: a stalled engine hands it back as a stall's, a
     dead one ends the worker (at shutdown, the job goes back uncharged: True), anything else is retried or fails
-    the job (False)."""
+    the job (False). Should settling fail too (the database away for long), this job alone, not its group, is
+    left to its lease: False."""
     try:
-        return step()
-    except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
-        hand_back_stalled(ctx, claimed)
-    except EngineDead as exc:
-        if not ctx.shutdown.begun.is_set():
-            engine_died(exc)
-        return hand_back_at_shutdown(ctx, claimed)  # closed under it at shutdown: no crash of this job's doing
-    except Exception as exc:
-        run_failed(ctx, claimed, exc)
+        try:
+            return step()
+        except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
+            hand_back_stalled(ctx, claimed)
+        except EngineDead as exc:
+            if not ctx.shutdown.begun.is_set():
+                engine_died(exc)
+            return hand_back_at_shutdown(ctx, claimed)  # closed under it at shutdown: no crash of this job's doing
+        except Exception as exc:
+            run_failed(ctx, claimed, exc)
+    except Exception:
+        log.exception("job %s could not be settled; its lease expires and the sweep hands it back", claimed.job_id)
     return False
 
 
