@@ -27,6 +27,7 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import utcnow
 from tests.conftest import API_KEY
+from worker import thread_cpu
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.outcome import Outcome
 from worker.results import Claimed, Stored, finished_status, timing_row
@@ -261,6 +262,23 @@ def test_a_workers_cpu_is_counted_by_the_threads_that_spend_it():
         for thread in pool:
             thread.join()
     assert value("convoq_worker_thread_cpu_seconds_total", {"thread": "spinner"}) >= spent  # ended, still counted
+
+
+def test_a_thread_label_keeps_counting_when_the_kernel_gives_an_ended_threads_id_to_a_new_one(monkeypatch):
+    """A counter never falls: a pool's thread that ended keeps what it spent, though a later thread of the same
+    pool runs under its native id."""
+    class Thread:
+        def __init__(self, name: str, native_id: int) -> None:
+            self.name, self.native_id = name, native_id
+
+    first, second = Thread("line_1", 7), Thread("line_2", 7)
+    alive, cpu = [first], {first: 0.5}
+    monkeypatch.setattr(threading, "enumerate", lambda: list(alive))
+    monkeypatch.setattr(thread_cpu, "thread_cpu_s", lambda native_id: cpu[alive[0]])
+    threads = thread_cpu.ThreadCpu()
+    assert threads.totals() == {"line": 0.5}
+    alive, cpu = [second], {second: 0.1}  # the first ended; the second has its id
+    assert threads.totals() == {"line": pytest.approx(0.6)}
 
 
 def test_engine_gauges_expose_the_stats_the_engine_reports():

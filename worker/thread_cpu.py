@@ -44,18 +44,20 @@ class ThreadCpu:
     """CPU seconds by thread label since this process started, including threads that ended since."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[str, float]] = {}  # native id -> (label, CPU seconds at the last read)
+        # each thread (the object, not its native id, which the kernel gives again to a later thread) -> (its
+        # label, its CPU seconds at the last read)
+        self._seen: dict[threading.Thread, tuple[str, float]] = {}
         self._ended: Counter[str] = Counter()
         self._lock = threading.Lock()  # two scrapes at once must not count an ended thread twice
 
     def totals(self) -> dict[str, float]:
         with self._lock:
-            now: dict[int, tuple[str, float]] = {}
+            now: dict[threading.Thread, tuple[str, float]] = {}
             for thread in threading.enumerate():
                 if thread.native_id is not None and (cpu := thread_cpu_s(thread.native_id)) is not None:
-                    now[thread.native_id] = (thread_label(thread.name), cpu)
-            for native_id, (label, cpu) in self._seen.items():
-                if native_id not in now:
+                    now[thread] = (thread_label(thread.name), cpu)
+            for thread, (label, cpu) in self._seen.items():
+                if thread not in now:
                     self._ended[label] += cpu
             self._seen = now
             totals = Counter(self._ended)
