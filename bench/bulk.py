@@ -25,11 +25,10 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
 import sqlalchemy as sa
 
 from api.client import Client
-from bench.common import report, tiny_model
+from bench.common import report, scraped, tiny_model
 from bench.engine_alone import through_engine
 from cli.batch import follow
 from cli.demo import SAMPLES
@@ -53,10 +52,9 @@ def workload(n: int, max_new_tokens: int) -> list[dict]:
 
 def loop_gap_ms(metrics_url: str) -> float:
     """The worker's engine loop gap p95, from its Prometheus metrics."""
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("convoq_engine_loop_gap_p95_milliseconds "):
-            return float(line.split()[1])
-    raise RuntimeError("the worker reports no engine loop gap")
+    if (gap := scraped(metrics_url, "convoq_engine_loop_gap_p95_milliseconds").get(())) is None:
+        raise RuntimeError("the worker reports no engine loop gap")
+    return gap
 
 
 def through_service(lines: list[dict], settings: Settings, model: Path, engine_process: bool = True

@@ -72,3 +72,15 @@ def report(result: dict, json_only: bool) -> None:
         for k, v in result.items():
             print(f"{k:>{width}}: {v}")
     print(json.dumps(result))
+
+
+def scraped(url: str, sample: str, timeout: float = 10.0) -> dict[tuple[tuple[str, str], ...], float]:
+    """The values a Prometheus endpoint serves for the sample `sample` (its whole name: `..._total` for a
+    counter), by their labels, sorted; {} when it serves none. Imported here, not above: the GPU check runs these
+    benchmarks where the service's dependencies are not installed."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(httpx.get(url, timeout=timeout).text)
+            for s in family.samples if s.name == sample}

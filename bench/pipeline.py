@@ -46,15 +46,13 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
 import sqlalchemy as sa
-from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 from tqdm import tqdm
 
 from api.client import AsyncClient, Client
 from bench import statements
-from bench.common import batch_of, percentile, report, tiny_model
+from bench.common import batch_of, percentile, report, scraped, tiny_model
 from bench.cpu import CpuMeter, per_item_ms, service_parts, shared_parts
 from bench.engine_alone import through_engine
 from cli.servers import free_port
@@ -164,11 +162,8 @@ def bare_celery(settings: Settings, n_tasks: int, concurrency: int, logdir: Path
 
 def thread_cpu_s(metrics_url: str) -> dict[str, float]:
     """The worker's CPU seconds by thread label so far, from its Prometheus metrics (`worker.thread_cpu`)."""
-    found = {}
-    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
-        if family.name == "convoq_worker_thread_cpu_seconds":
-            found |= {s.labels["thread"]: s.value for s in family.samples if s.name.endswith("_total")}
-    return found
+    return {dict(labels)["thread"]: s for labels, s in
+            scraped(metrics_url, "convoq_worker_thread_cpu_seconds_total").items()}
 
 
 class Burst:

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 import redis
 
-from bench.common import percentile, report, tiny_model
+from bench.common import percentile, report, scraped, tiny_model
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
 from jobs.settings import Settings
@@ -297,10 +297,9 @@ def setup(url: str, batch_lines: int, streams: int) -> tuple[str, str, list[str]
 
 
 def pool_waits(url: str) -> int:
-    for line in httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text.splitlines():
-        if line.startswith("convoq_api_db_pool_waits_total "):
-            return int(float(line.split()[1]))
-    raise RuntimeError("the API does not report convoq_api_db_pool_waits_total")
+    if (waits := scraped(f"{url}/metrics", "convoq_api_db_pool_waits_total", TIMEOUT_S).get(())) is None:
+        raise RuntimeError("the API does not report convoq_api_db_pool_waits_total")
+    return int(waits)
 
 
 def run(streams: int, downloads: int, soak_s: float, idle_s: float, chat_rate: float, read_kb: int,
