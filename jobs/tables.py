@@ -157,7 +157,11 @@ class Job(Base):
     owner: Mapped[str | None] = mapped_column(String(64))  # sha256 of the API key that submitted it
     tenant: Mapped[str | None] = mapped_column(String(64))  # who may see it (None: admin keys only)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # what its tenant is told when it failed: a stable message and an OpenAI-style code (`engine_error`,
+    # `invalid_prompt`, `timeout`, ...); the exception's own text is `error_detail`, shown to admin keys only
     error: Mapped[str | None] = mapped_column(Text)
+    error_code: Mapped[str | None] = mapped_column(String(32))
+    error_detail: Mapped[str | None] = mapped_column(Text)
     worker: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -289,6 +293,12 @@ class Worker(Base):
     # and the jobs it brought to a terminal status (the report's CPU per job)
     cpu_s: Mapped[float | None] = mapped_column(Float)
     jobs_finished: Mapped[int | None] = mapped_column(Integer)
+    # the classes of its own queue it consumes ("interactive,bulk", "bulk", ...; None on rows older than migration
+    # 0014: both), whether it takes conversations (`CONVOQ_AFFINITY`), and when its shutdown began: the router
+    # places a conversation only on a live worker that takes it, consumes its class and is not draining
+    classes: Mapped[str | None] = mapped_column(String(32))
+    affinity: Mapped[bool] = mapped_column(Boolean, default=True, server_default=text("true"))
+    draining_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     # workers gone silent (the reconciler), alive (`/readyz`), long dead (retention)
     __table_args__ = (Index("ix_workers_heartbeat", "heartbeat_at"),)
