@@ -61,6 +61,15 @@ def test_packages_import_only_what_the_layout_allows():
     assert broken == {}
 
 
+def test_migrations_import_no_application_code():
+    """A revision must make what it made whatever the application becomes: it imports nothing of the project but
+    the frozen helpers beside it (`migrations.*`), never `jobs`, whose tables, schemas and counts move on."""
+    revisions = sorted((ROOT / "migrations" / "versions").glob("*.py"))
+    assert len(revisions) >= 14
+    broken = {str(path.relative_to(ROOT)): sorted(imported_packages(path) - {"migrations"}) for path in revisions}
+    assert {path: found for path, found in broken.items() if found} == {}
+
+
 def test_no_import_cycles_between_packages():
     graph = package_graph()
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from jobs import counts
+from migrations import status_count_triggers as counts
 
 revision = '0008'
 down_revision = '0007'

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from jobs import counts
+from migrations import status_count_triggers as counts
 
 revision = '0009'
 down_revision = '0008'

@@ -10,14 +10,13 @@ Create Date: 2026-12-02 09:00:00
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+import re
+from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 from alembic import op
 
-from jobs import counts
-from jobs.schemas import DEFAULT_COMPLETION_WINDOW, safe_metadata, window_seconds
-from jobs.tables import as_utc
+from migrations import status_count_triggers as counts
 
 revision = '0011'
 down_revision = '0010'
@@ -38,6 +37,35 @@ batches = sa.table('batches', sa.column('id', sa.Uuid()), sa.column('status', sa
                    sa.column('invalid_lines', sa.Integer()), sa.column('failed_at', sa.DateTime(timezone=True)),
                    sa.column('created_at', sa.DateTime(timezone=True)), sa.column('completion_window', sa.String()),
                    sa.column('expires_at', sa.DateTime(timezone=True)))
+
+# What a batch may show and how long its window is, as the API had them at this revision: frozen here, so that
+# this migration does what it did whatever the API's bounds become.
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_WINDOW_S = 7 * 24 * 3600
+DEFAULT_COMPLETION_WINDOW = "24h"
+
+
+def safe_metadata(stored: object) -> dict[str, str]:
+    """Of what a row holds, the string keys and values within OpenAI's bounds."""
+    if not isinstance(stored, dict):
+        return {}
+    kept = {k: v for k, v in stored.items() if isinstance(k, str) and isinstance(v, str) and "\x00" not in k + v
+            and len(k) <= METADATA_KEY_CHARS and len(v) <= METADATA_VALUE_CHARS}
+    return dict(list(kept.items())[:METADATA_KEYS])
+
+
+def window_seconds(window: str) -> int:
+    """A completion window (`"24h"`, `"90s"`, `"30m"`, `"2d"`) in seconds; ValueError for one the API refuses."""
+    match = re.fullmatch(r"([1-9]\d{0,6})([smhd])", window)
+    if match is None or int(match[1]) * WINDOW_UNITS[match[2]] > MAX_WINDOW_S:
+        raise ValueError(f"completion_window {window!r}")
+    return int(match[1]) * WINDOW_UNITS[match[2]]
+
+
+def as_utc(moment: datetime) -> datetime:
+    """SQLite hands back naive datetimes; every time written is UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def _recount_around(change) -> None:
