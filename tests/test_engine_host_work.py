@@ -231,6 +231,49 @@ def test_an_ascii_stop_is_not_decoded_for_a_split_character(tokenizer):
     assert "\ufffd" in text and not may_end_stop(text, ["STOP"]) and may_end_stop(text, ["終わり"])
 
 
+def trimmed_from_scratch(tokenizer, ids: list[int], stops: list[str]) -> list[int]:
+    """The shortest prefix whose text holds a stop string, every prefix decoded in turn."""
+    n = first_hit_from_scratch(tokenizer, ids, stops)
+    return ids if n is None else ids[:n]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_an_output_is_trimmed_at_its_stop_as_decoding_every_prefix_trims_it(tokenizer, seed):
+    rng = random.Random(100 + seed)
+    # stops anywhere, as transformers' generate leaves them: a batch's rows run on past their own
+    ids = [t for _ in range(rng.randint(3, 40)) for t in tokenizer.encode(rng.choice(PIECES))]
+    stops = rng.sample(STOPS, rng.randint(1, 3))
+    kept, text, stopped = finish_text(tokenizer, ids, stops, set())
+    assert kept == trimmed_from_scratch(tokenizer, ids, stops)
+    assert (text, stopped) == cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stops)
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the tokens it was asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids: list[int], **kwargs) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("stop_at", [1.0, 0.5, 0.01], ids=["at-the-end", "halfway", "near-the-start"])
+def test_trimming_a_long_output_at_its_stop_decodes_it_a_few_times_not_every_prefix(tokenizer, stop_at):
+    filler = [t for piece in ("Grüße aus ", "naïve ", "x") for t in tokenizer.encode(piece)]
+    body = (filler * 300)[:1500]
+    cut = int(len(body) * stop_at)
+    ids = body[:cut] + tokenizer.encode("STOP") + body[cut:]
+    counting = CountingTokenizer(tokenizer)
+    kept, text, stopped = finish_text(counting, ids, ["STOP"], set())
+    assert stopped and kept == body[:cut] + tokenizer.encode("STOP") and "STOP" not in text
+    # the text, and a probe per halving of the distance back (one for a stop at the end, as the engine ends an
+    # output); decoding every prefix up to the stop's would decode over 700,000 tokens for the one at the end
+    probes = 1 if stop_at == 1.0 else 2 * len(ids).bit_length()
+    assert counting.decoded <= len(ids) * (1 + probes)
+
+
 # --- block tables kept as host arrays -----------------------------------------------------------------------------
 
 def check_table_rows(engine) -> None:
