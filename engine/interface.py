@@ -72,6 +72,9 @@ class Request:
     # on the same clock as `arrival`: unfinished by then, the request is stopped (`expired`, its text kept);
     # among waiting requests of one priority, earlier deadlines are admitted first
     deadline: float | None = None
+    # opaque to the engine: requests share prefix-cache blocks (and are told of them, in `Timings`) only with
+    # requests of an equal salt, str and its UTF-8 bytes alike; None is a salt of its own
+    cache_salt: bytes | str | None = None
 
 
 @dataclass

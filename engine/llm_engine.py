@@ -92,7 +92,7 @@ class LLMEngine:
             seq.matcher = self._grammar_compiler().matcher(p.grammar)
             seq.constrained = not (p.grammar_after_think and self.think_ids is not None)
         if self.blocks.prefix is not None:  # what admission looks the prompt up by
-            extend_keys(seq.block_keys, seq.token_ids, self.config.block_size)
+            extend_keys(seq.block_keys, seq.token_ids, self.config.block_size, seq.cache_root)
         return seq
 
     def add_request(self, request: Request, prepared: Sequence | None = None) -> None:

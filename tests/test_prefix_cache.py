@@ -1,13 +1,15 @@
-"""Prefix reuse: identical outputs with and without the cache, shared blocks never freed while in use, and
-conversations coming back from the host tier without recomputation."""
+"""Prefix reuse: identical outputs with and without the cache, shared blocks never freed while in use,
+conversations coming back from the host tier without recomputation, and requests of different cache salts
+sharing nothing, in either tier."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from engine.interface import Request
+from engine.interface import Request, RequestError
 from engine.llm_engine import LLMEngine
 from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
 
@@ -106,3 +108,49 @@ def test_returning_conversation_comes_back_from_host(tiny_model):
     assert stats["host_prefetch_hit_rate"] == 1.0
     cold = make_engine(tiny_model, enable_prefix_cache=False)
     assert run_all(cold, [Request("a2", second, greedy(4))])["a2"].token_ids == done.token_ids
+
+
+def test_requests_of_different_salts_share_no_block(tiny_model):
+    engine = make_engine(tiny_model)
+    prompt = prompts(1, 160, 160, seed=11)[0]  # ten full blocks: nine can be reused, the last token never is
+
+    def ask(request_id: str, salt: bytes | str | None) -> tuple[int, int, list[int]]:
+        """(prompt tokens reused, tokens computed for it, its output) of `prompt` sent under `salt`."""
+        computed = engine.stats()["tokens_computed"]
+        done = run_all(engine, [Request(request_id, list(prompt), greedy(4), cache_salt=salt)])[request_id]
+        return done.timings.prompt_tokens_reused, engine.stats()["tokens_computed"] - computed, done.token_ids
+
+    reused, computed, first = ask("a1", "tenant:a")
+    assert (reused, computed) == (0, 160 + 3)
+    # another salt, or none, is told of nothing and recomputes the whole prompt
+    for i, salt in enumerate((b"tenant:b", "tenant:", None)):
+        assert ask(f"b{i}", salt) == (0, 160 + 3, first)
+    # the same salt, as str or as its bytes, reuses as before
+    for i, salt in enumerate(("tenant:a", b"tenant:a")):
+        assert ask(f"a{i + 2}", salt) == (144, 16 + 3, first)
+    assert engine.stats()["prefix_cache_hit_tokens"] == 2 * 144
+
+
+def test_the_host_tier_serves_a_block_only_to_its_salt(tiny_model):
+    engine = make_engine(tiny_model, kv_cache_memory=24 * kv_block_bytes(tiny_model), initial_blocks=8)
+    first = prompts(1, 160, 160, seed=7)[0]
+    reply = run_all(engine, [Request("a1", first, greedy(8), cache_salt="tenant:a")])["a1"].token_ids
+    # other traffic pushes the tenant's blocks out to the host tier
+    run_all(engine, [Request(f"x{i}", ids, greedy(4), cache_salt="tenant:x")
+                     for i, ids in enumerate(prompts(4, 150, 170, seed=8))])
+    assert engine.stats()["evictions"] >= 10
+    second = first + reply + prompts(1, 9, 9, seed=9)[0]
+    host_hits = engine.stats()["host_hit_tokens"]
+    other = run_all(engine, [Request("b2", second, greedy(4), cache_salt="tenant:b")])["b2"]
+    assert other.timings.prompt_tokens_reused == other.timings.host_tokens_reused == 0
+    assert engine.stats()["host_hit_tokens"] == host_hits
+    own = run_all(engine, [Request("a2", second, greedy(4), cache_salt="tenant:a")])["a2"]
+    assert own.timings.prompt_tokens_reused == own.timings.host_tokens_reused == 160
+    assert own.token_ids == other.token_ids
+
+
+def test_a_cache_salt_that_is_neither_bytes_nor_str_is_refused(tiny_model):
+    engine = make_engine(tiny_model)
+    with pytest.raises(RequestError, match="cache_salt must be bytes or str, not int"):
+        engine.add_request(Request("r", prompts(1, 40, 40)[0], greedy(4), cache_salt=7))
+    assert not engine.has_unfinished()

@@ -230,6 +230,31 @@ def test_behind_the_proxy_failures_are_counted_per_forwarded_client(service_env,
         assert get("203.0.113.1", SHOP_KEY) == 200  # a valid key, even from the client that failed
 
 
+def test_a_tenant_is_never_told_of_another_tenants_cached_prompt(service_env, tmp_path):
+    """Tenant B sends tenant A's exact prompt right after A: none of it comes from A's prefix cache, where A
+    sending it again reuses it; so neither the counters nor the time to first token confirm a guess."""
+    from api.client import Client
+    from cli.stack import Stack
+
+    secret = {"messages": [{"role": "user", "content": "My account number is 4417 1234 5678 9113 and my name is "
+                                                       "Jane Q. Doe; please move 2,400 euros to my savings."}],
+              "priority": 9, "sampling": {"max_new_tokens": 4}}
+    with Stack({**service_env, "CONVOQ_API_KEYS": KEYS}, tmp_path / "logs") as stack:
+        stack.start_api()
+        stack.start_worker()
+        with Client(stack.api_url, SHOP_KEY) as shop, Client(stack.api_url, BANK_KEY) as bank:
+
+            def reused(client: Client) -> tuple[int, int, int]:
+                job = client.wait(client.submit(JobIn.model_validate(secret)).id, timeout=120)
+                assert job.status == "succeeded", job
+                return job.timings.prompt_tokens_reused, job.timings.host_tokens_reused, job.result.prompt_tokens
+
+            assert reused(bank)[:2] == (0, 0)
+            assert reused(shop)[:2] == (0, 0)
+            again, _, prompt_tokens = reused(bank)
+            assert again == (prompt_tokens - 1) // 16 * 16 > 0  # the tenant's own blocks, as before
+
+
 # --- secrets --------------------------------------------------------------------------------------------------
 
 def test_secrets_never_appear_in_the_logs(database, tiny_model, caplog):

@@ -47,6 +47,12 @@ def engine_clock(moment: datetime) -> float:
     return time.monotonic() - max(0.0, (utcnow() - as_utc(moment)).total_seconds())
 
 
+def cache_salt(tenant: str | None) -> str:
+    """The engine's cache salt for the jobs of `tenant`: they reuse only prefix-cache blocks that jobs of the same
+    tenant computed. Jobs without a tenant (admin keys') share one salt, which no tenant's equals."""
+    return "admin" if tenant is None else f"tenant:{tenant}"
+
+
 def deadline_clock(deadline_at: datetime) -> float:
     """A deadline on the engine's clock; one already past is due now."""
     return time.monotonic() + (as_utc(deadline_at) - utcnow()).total_seconds()
@@ -57,10 +63,11 @@ class JobRun:
     together."""
 
     def __init__(self, bridge: Bridge, job_id: str, job: JobIn, created_at: datetime,
-                 deadline_at: datetime | None, on_tokens: TokensCallback | None) -> None:
+                 deadline_at: datetime | None, on_tokens: TokensCallback | None, tenant: str | None) -> None:
         self.bridge = bridge
         self.job_id = job_id
         self.job = job
+        self.cache_salt = cache_salt(tenant)
         self.arrival = engine_clock(created_at)
         self.deadline = deadline_clock(deadline_at) if deadline_at is not None else None
         self.on_tokens = on_tokens
@@ -116,7 +123,7 @@ class JobRun:
         request = Request(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling,
                           priority=self.job.priority, interactive=self.interactive,
                           conversation_id=self.job.conversation_id,
-                          arrival=self.arrival, deadline=self.deadline)
+                          arrival=self.arrival, deadline=self.deadline, cache_salt=self.cache_salt)
         future: Future[Completion] = Future()
         with self._lock:
             if self.stopped is not None:
@@ -239,9 +246,10 @@ class Bridge:
 
     @contextmanager
     def run(self, job_id: str, job: JobIn, created_at: datetime, deadline_at: datetime | None = None,
-            on_tokens: TokensCallback | None = None) -> Iterator[JobRun]:
-        """Run `job` here: its requests count their wait from `created_at` and stop at `deadline_at`."""
-        run = JobRun(self, job_id, job, created_at, deadline_at, on_tokens)
+            on_tokens: TokensCallback | None = None, tenant: str | None = None) -> Iterator[JobRun]:
+        """Run `job`, a job of `tenant`, here: its requests count their wait from `created_at`, stop at
+        `deadline_at` and share the prefix cache with the tenant's requests only (`cache_salt`)."""
+        run = JobRun(self, job_id, job, created_at, deadline_at, on_tokens, tenant)
         with self._runs_lock:
             self._runs[job_id] = run
         try:

@@ -72,6 +72,7 @@ class Claimed:
     deadline_at: datetime | None = None
     lease: uuid.UUID | None = None  # the fencing token of this run: every write of the run names it
     crashes: int = 0  # earlier runs that ended with their worker
+    tenant: str | None = None  # whose job it is: its requests share the prefix cache with that tenant's only
 
 
 def ms_between(a: datetime, b: datetime) -> float:
@@ -326,7 +327,7 @@ def _claim_statement(lease_s: float, postgres: bool) -> Executable:
                      alone_at=None,
                      attempts=case((jobs.c.status == QUEUED, jobs.c.attempts + 1), else_=jobs.c.attempts))
              .returning(jobs.c.id, jobs.c.payload, jobs.c.created_at, jobs.c.batch_id, jobs.c.attempts,
-                        jobs.c.error, jobs.c.deadline_at, jobs.c.crashes))
+                        jobs.c.error, jobs.c.deadline_at, jobs.c.crashes, jobs.c.tenant))
     if not postgres:
         return claim
     claimed = claim.cte("claimed")
@@ -391,7 +392,7 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
             out.append(None)
             continue
         claimed = Claimed(row.id, None, row.created_at, row.batch_id, row.attempts, row.deadline_at, lease,
-                          row.crashes)
+                          row.crashes, row.tenant)
         if row.attempts > max_attempts:
             fail(sessions, claimed, f"gave up after {max_attempts} attempts; last error: {row.error}")
             out.append(None)

@@ -414,7 +414,8 @@ def opened(ctx: WorkerContext, claimed: results.Claimed) -> Iterator[JobRun]:
     """The job's run on the bridge, its tokens streaming to the job's progress events."""
     job_id = str(claimed.job_id)
     with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
-                        on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease)) as run:
+                        on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease),
+                        tenant=claimed.tenant) as run:
         if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
             run.stop(SHUTDOWN)
         yield run

@@ -1,10 +1,14 @@
-"""Content keys of full KV blocks: a hash chain over the tokens of a block and every block before it."""
+"""Content keys of full KV blocks: a hash chain over the tokens of a block and every block before it, rooted in
+the request's cache salt, so that requests of different salts never share a block."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
-ROOT = 0  # the parent key of a sequence's first block
+from engine.interface import RequestError
+
+ROOT = 0  # the parent key of an unsalted sequence's first block
 
 
 class BlockKey(NamedTuple):  # a named tuple: a long prompt makes hundreds of them, and a frozen dataclass's
@@ -13,9 +17,24 @@ class BlockKey(NamedTuple):  # a named tuple: a long prompt makes hundreds of th
     tokens: tuple[int, ...]
 
 
-def extend_keys(keys: list[BlockKey], token_ids: list[int], block_size: int) -> None:
-    """Append the key of every full block of `token_ids` that `keys` lacks (tokens are only ever appended)."""
+def salt_root(salt: bytes | str | None) -> int:
+    """The parent key of the first block of a sequence with this cache salt (str as its UTF-8 bytes), never
+    ROOT. The prefix cache compares a hit's parent exactly, so a first block is only found under the salt that
+    computed it, and every later block chains from that one; the root is a 128-bit digest, where `hash()` would
+    give 64 bits, for two salts' roots never to be equal."""
+    if salt is None:
+        return ROOT
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if not isinstance(salt, bytes):
+        raise RequestError(f"cache_salt must be bytes or str, not {type(salt).__name__}")
+    return int.from_bytes(hashlib.blake2b(salt, digest_size=16, person=b"convoq-salt").digest()) | 1
+
+
+def extend_keys(keys: list[BlockKey], token_ids: list[int], block_size: int, root: int) -> None:
+    """Append the key of every full block of `token_ids` that `keys` lacks (tokens are only ever appended);
+    `root` is the first block's parent (`salt_root`)."""
     for i in range(len(keys), len(token_ids) // block_size):
-        parent = keys[-1].key if keys else ROOT
+        parent = keys[-1].key if keys else root
         tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
         keys.append(BlockKey(hash((parent, tokens)), parent, tokens))

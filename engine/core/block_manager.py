@@ -138,7 +138,7 @@ class BlockManager:
         computes it is the one that samples."""
         if self.prefix is None:
             return []
-        extend_keys(seq.block_keys, seq.token_ids, self.block_size)
+        extend_keys(seq.block_keys, seq.token_ids, self.block_size, seq.cache_root)
         blocks = []
         for entry in seq.block_keys[:(seq.num_tokens - 1) // self.block_size]:
             block = self.prefix.lookup(entry)
@@ -181,7 +181,7 @@ class BlockManager:
         full = seq.num_computed // self.block_size
         if self.prefix is None or full <= seq.num_indexed:  # most steps: no block filled up
             return
-        extend_keys(seq.block_keys, seq.token_ids, self.block_size)
+        extend_keys(seq.block_keys, seq.token_ids, self.block_size, seq.cache_root)
         for i in range(seq.num_indexed, full):
             self.prefix.insert(seq.block_tables[0][i], seq.block_keys[i])
         seq.num_indexed = max(seq.num_indexed, full)

@@ -1,4 +1,6 @@
-"""The host-memory tier under the prefix cache: blocks evicted from the KV pool, by key, LRU-bounded.
+"""The host-memory tier under the prefix cache: blocks evicted from the KV pool, by key, LRU-bounded. It keeps
+each block's whole key, compared on every lookup as the pool's index does, so it too serves a block only to
+requests of the salt that computed it.
 
 Copies run on a side stream on CUDA (pinned buffers, so they are truly asynchronous) and the compute stream
 waits for them before its next kernel, so a copy overlaps whatever step is still running on the device.

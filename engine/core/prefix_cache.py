@@ -1,9 +1,11 @@
 """Full KV blocks of one pool indexed by content, so later sequences with the same prefix skip recomputing it.
 
-A block's key hashes its tokens together with its parent's key, so equal keys mean equal prefixes up to and
-including the block. Each entry also keeps its parent key and tokens, compared on every hit, so a hash
-collision can only cost a miss. Cached blocks stay in the pool after their last reference is gone; they are
-parked in an LRU list and only evicted when the pool needs room, and then spilled to the host tier if any.
+A block's key hashes its tokens together with its parent's key, and a first block's parent is its request's
+cache salt (`engine.core.block_key.salt_root`), so equal keys mean equal prefixes up to and including the block
+under one salt. Each entry also keeps its parent key and tokens, compared on every hit, so a hash collision can
+only cost a miss, and a block is never found by a request of another salt. Cached blocks stay in the pool
+after their last reference is gone; they are parked in an LRU list and only evicted when the pool needs room,
+and then spilled to the host tier if any.
 """
 
 from __future__ import annotations

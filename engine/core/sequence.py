@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from engine.core.block_key import BlockKey
+from engine.core.block_key import BlockKey, salt_root
 from engine.core.output_text import stop_ends, stop_window
 from engine.interface import Request, Timings, token_limit
 
@@ -36,6 +36,7 @@ class Sequence:
         self.block_tables: list[list[int]] = [[] for _ in range(num_pools)]  # one per KV pool, of one length
         self.table_row = -1  # its row of the block manager's `TableRows` while it holds blocks
         self.block_keys: list[BlockKey] = []  # content keys of the full blocks of `token_ids`, as needed
+        self.cache_root = salt_root(request.cache_salt)  # the parent key of its first block
         self.num_indexed = 0  # leading blocks of the first table already offered to the prefix cache
         self.status = Status.WAITING
         self.admitted = -1  # admission counter: the most recently admitted sequence is pre-empted first
