@@ -53,6 +53,7 @@ def worker(
     from jobs.affinity import consumed_queues
     from jobs.broker import worker_node_name
     from worker.engine_factory import WorkerSettings
+    from worker.exits import REFUSED
     from worker.tasks import worker_app, worker_name
 
     settings = WorkerSettings()
@@ -73,10 +74,12 @@ def worker(
         logging.basicConfig()
         logging.getLogger("convoq.worker").critical("convoq worker refuses to start: %s", "; ".join(
             f"{c.name}: {c.found} (fix: {c.fix})" for c in refused))
-        raise typer.Exit(2)
+        raise typer.Exit(REFUSED)
     name = worker_name()
     listed = queues.split(",") if queues else None
-    worker_app(settings, name).worker_main([
+    # the engine is built and the database reached before anything is consumed, or the process exits
+    # `worker.exits.NOT_STARTED` (`worker.tasks.Worker.start`)
+    worker_app(settings, name, listed).worker_main([
         "worker",
         "--pool=threads",
         f"--concurrency={concurrency or settings.worker_concurrency}",

@@ -148,22 +148,26 @@ class BrokerView:
     def _home_lists(self) -> list[str]:
         return [name for names in home_lists(self.client, self.settings).values() for name in names]
 
-    def rehome(self, gone: Callable[[str], bool]) -> int:
-        """Move the messages waiting in the own queues of the workers that are `gone` (by their queues' worker
-        part, `jobs.queues.home_tag`) to the shared queue of their class, at the same priority; returns how
-        many moved. Each message is rewritten to say it was routed to the shared queue, so that a consumer that
-        dies with it restores it there. One message at a time, popped then pushed: one lost between the two
-        (this process killed) is a queued job without a message, which the sweep sends again."""
+    def rehome(self, gone: Callable[[str, str], bool]) -> int:
+        """Move the messages waiting in the own queues that are `gone` (by the shared queue of their class and
+        their worker part, `jobs.queues.home_tag`: a worker gone, draining, or not consuming that class) to the
+        shared queue of their class, at the same priority; returns how many moved. They keep their order and
+        their turn: served next, oldest first, as they would have been from the own queue, which its worker
+        served before the shared one. Each message is rewritten to say it was routed to the shared queue, so
+        that a consumer that dies with it restores it there. One message at a time, popped then pushed: one lost
+        between the two (this process killed) is a queued job without a message, which the sweep sends again."""
         if self.client is None:
             return 0
         moved = 0
         for name in self._home_lists():
             queue, _, rest = name.partition(HOME_SEP)
             worker, _, level = rest.partition(PRIORITY_SEP)
-            if not gone(worker):
+            if not gone(queue, worker):
                 continue
             target = f"{queue}{PRIORITY_SEP}{level}" if level else queue
-            while (raw := self.client.rpop(name)) is not None:  # oldest first, to the end served first
+            # producers push at the head and consumers pop at the tail: the newest goes first to the tail, and
+            # each older one after it, nearer the end served first
+            while (raw := self.client.lpop(name)) is not None:
                 self.client.rpush(target, routed_to(raw, queue))
                 moved += 1
         return moved

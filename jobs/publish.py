@@ -12,7 +12,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from jobs.affinity import Router, Waiting, direct_queue
+from jobs.affinity import Router, Waiting, by_name
 from jobs.broker import GROUP_HEADER
 from jobs.clock import db_now
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, broker_priority, home_queue, queue_for
@@ -52,7 +52,7 @@ def publish(
             for job in jobs:
                 queue = queue_for(job.priority, settings)
                 if (home := homes.get(job.id)) is not None and waiting.room(own := home_queue(queue, home)):
-                    queue = direct_queue(own)
+                    queue = by_name(own)
                 elif (batch_id := getattr(job, "batch_id", None)) is not None and queue == settings.bulk_queue:
                     groups.setdefault((batch_id, job.priority, job.kind), []).append(job)
                     continue

@@ -30,7 +30,7 @@ from sqlalchemy import Row, case, or_, select, text, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.affinity import Router, live_workers
+from jobs.affinity import Advert, Router, homes_open, shared_queues
 from jobs.broker import BrokerView
 from jobs.clock import db_now
 from jobs.counts import fold
@@ -77,10 +77,11 @@ def usage_columns(usage: tuple[float, int] | None) -> dict:
 
 
 def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uuid.UUID], lease_s: float,
-         sweep_every_s: float, usage: tuple[float, int] | None = None) -> Beat:
+         sweep_every_s: float, usage: tuple[float, int] | None = None, advert: Advert | None = None) -> Beat:
     """Stamp this worker alive and renew the leases it holds (job id -> lease id), in one transaction; with its
-    `usage` so far (CPU seconds, jobs finished: `Worker.cpu_s`, `Worker.jobs_finished`)."""
-    used = usage_columns(usage)
+    `usage` so far (CPU seconds, jobs finished: `Worker.cpu_s`, `Worker.jobs_finished`) and its `advert` (the
+    classes it consumes and whether it takes conversations, which the router reads)."""
+    used = usage_columns(usage) | (advert.columns() if advert is not None else {})
     workers, jobs, sweeps = Worker.__table__, Job.__table__, Sweep.__table__
     swept_at = select(sweeps.c.swept_at).where(sweeps.c.name == SWEEP).scalar_subquery()
     due = case((swept_at.is_(None), True), (swept_at < db_now(-sweep_every_s), True), else_=False)
@@ -123,6 +124,14 @@ def hand_back(sessions: sessionmaker[Session], name: str, usage: tuple[float, in
         end_runs(session, [(job_id, lease, "returned") for job_id, lease in back])
         session.execute(update(Worker.__table__).where(Worker.name == name).values(stopped_at=db_now(), **used))
     return len(back)
+
+
+def mark_draining(sessions: sessionmaker[Session], name: str) -> None:
+    """This worker's shutdown has begun: from now on the router places no conversation on it (`jobs.affinity`),
+    and the sweep moves whatever is sent to its own queues regardless to the shared ones."""
+    with sessions.begin() as session:
+        session.execute(update(Worker.__table__).where(Worker.name == name, Worker.draining_at.is_(None))
+                        .values(draining_at=db_now()))
 
 
 # --- crash attribution --------------------------------------------------------------------------------------
@@ -265,18 +274,21 @@ def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, b
 
 
 def rehome_gone(sessions: sessionmaker[Session], broker: BrokerView, dead_after_s: float) -> int:
-    """Move what the own queues of workers not alive (`jobs.affinity`) still hold to the shared queues. The broker
-    away moves nothing now, and stops nothing else of the sweep: the next one moves them."""
+    """Move what the own queues no worker reads still hold to the shared queues: those of workers not alive,
+    draining, or not consuming that class (`jobs.affinity.homes_open`). The broker away moves nothing now, and
+    stops nothing else of the sweep: the next one moves them."""
     with sessions() as session:
-        alive = {home_tag(name) for name in live_workers(session, dead_after_s)}
+        homes = homes_open(session, dead_after_s)
+    shared = shared_queues(broker.settings)
+    read = {(shared[c], home_tag(h.name)) for h in homes for c in h.classes}
     try:
-        rehomed = broker.rehome(lambda tag: tag not in alive)
+        rehomed = broker.rehome(lambda queue, tag: (queue, tag) not in read)
     except redis.RedisError:
         log.warning("reconciler: the broker is away; gone workers' own queues are moved at the next sweep",
                     exc_info=True)
         return 0
     if rehomed:
-        log.warning("reconciler: %d messages of gone workers' own queues moved to the shared queues", rehomed)
+        log.warning("reconciler: %d messages of own queues no worker reads moved to the shared queues", rehomed)
     return rehomed
 
 
@@ -409,10 +421,11 @@ class Reconciler:
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
                  leases: Leases, stop_jobs: Callable[[list[str], str], list[str]],
-                 usage: Callable[[], tuple[float, int]] | None = None) -> None:
-        """`usage`: the worker's CPU seconds and jobs finished so far, stamped on its row at every beat."""
+                 usage: Callable[[], tuple[float, int]] | None = None, advert: Advert | None = None) -> None:
+        """`usage`: the worker's CPU seconds and jobs finished so far, stamped on its row at every beat, with its
+        `advert` (what it consumes, for the router)."""
         self.sessions, self.settings, self.name, self.leases = sessions, settings, name, leases
-        self.stop_jobs, self.usage = stop_jobs, usage
+        self.stop_jobs, self.usage, self.advert = stop_jobs, usage, advert
         self.sweeper = Sweeper(sessions, celery, settings)
         self._stop = threading.Event()
         self._sweep_due = threading.Event()
@@ -444,7 +457,7 @@ class Reconciler:
         s = self.settings
         held = self.leases.held()
         result = beat(self.sessions, self.name, held, s.dead_after_s, s.sweep_every_s,
-                      self.usage() if self.usage is not None else None)
+                      self.usage() if self.usage is not None else None, self.advert)
         now = time.monotonic()
         if self._last_beat is None or now - self._last_beat > self._quiet_s:  # started, or back from an outage
             self._answering_since = now

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,8 @@ from typing import TypeVar
 
 from celery import Celery
 from celery.exceptions import Reject
+from celery.platforms import EX_OK
+from celery.platforms import signals as platform_signals
 from celery.signals import (
     after_setup_logger,
     worker_init,
@@ -29,19 +32,21 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.utils.log import in_sighandler
+from celery.worker import state as worker_state
 from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.interface import Completion
 from engine.runtime.engine_thread import EngineDead, EngineStalled
-from jobs.affinity import Router, direct_queue, own_queues
+from jobs.affinity import Advert, Router, by_name, own_queues
 from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
 from jobs.chat import chat_for, chat_problem
 from jobs.db import make_db_engine, make_sessions
 from jobs.heap import freeze_startup_heap
 from jobs.publish import publish
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
-from jobs.schemas import JobIn, JobStatus
+from jobs.schemas import ErrorCode, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
 from jobs.tool_calls import tool_use
@@ -49,12 +54,13 @@ from worker import results
 from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
 from worker.engine_factory import start_engine
+from worker.exits import NOT_STARTED
 from worker.group_commit import GroupCommit
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.outcome import LEASE_LOST, SHUTDOWN, Outcome
 from worker.progress import ProgressPublisher
-from worker.reconciler import Reconciler, hand_back
+from worker.reconciler import Reconciler, hand_back, mark_draining
 from worker.shutdown import Shutdown
 from worker.solo import Solo
 from worker.summarize import merged_timings, summarize
@@ -126,23 +132,29 @@ class WorkerContext:
     lines: ThreadPoolExecutor  # a grouped message's lines that are not single-answer chats run side by side here
 
     @classmethod
-    def start(cls, settings: Settings, celery: Celery, name: str,
+    def start(cls, settings: Settings, celery: Celery, name: str, advert: Advert,
               on_stall: Callable[[EngineStalled], None] | None = None) -> WorkerContext:
-        """`name`: this worker's row in `workers` (`worker_name`); `on_stall`: what to do when an engine thread
-        stalls (an engine process is restarted instead)."""
-        # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
-        db = make_db_engine(settings.database_url.get_secret_value(), pool_size=min(settings.worker_concurrency, 32),
-                            ping_idle_s=None)
-        sessions = make_sessions(db)
-        shutdown = Shutdown(settings.shutdown_grace_s)  # before the engine: its death during a shutdown is no crash
-        bridge = Bridge.for_settings(start_engine(settings, on_death=partial(engine_died, shutdown=shutdown),
-                                                  on_stall=on_stall), settings)
-        shutdown.start(lambda reason: bridge.stop(bridge.running(), reason))
-        leases = Leases()
-        router = Router(settings)
-        metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats)
-        reconciler = Reconciler(sessions, celery, settings, name, leases, bridge.stop,
-                                lambda: (cpu_seconds(bridge.engine_pid), metrics.finished_total())).start()
+        """`name`: this worker's row in `workers` (`worker_name`), with its `advert`; `on_stall`: what to do when an
+        engine thread stalls (an engine process is restarted instead). What was built is closed again if a later
+        part fails: the engine process above all, which would keep this process from exiting."""
+        with ExitStack() as built:
+            # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
+            db = make_db_engine(settings.database_url.get_secret_value(),
+                                pool_size=min(settings.worker_concurrency, 32), ping_idle_s=None)
+            built.callback(db.dispose)
+            sessions = make_sessions(db)
+            shutdown = Shutdown(settings.shutdown_grace_s)  # before the engine: its death in a shutdown is no crash
+            bridge = Bridge.for_settings(start_engine(settings, on_death=partial(engine_died, shutdown=shutdown),
+                                                      on_stall=on_stall), settings)
+            built.callback(bridge.close)
+            leases = Leases()
+            router = Router(settings)
+            metrics = WorkerMetrics.start(settings.worker_metrics_port, bridge.stats, settings.metrics_refresh_s)
+            reconciler = Reconciler(sessions, celery, settings, name, leases, bridge.stop,
+                                    lambda: (cpu_seconds(bridge.engine_pid), metrics.finished_total()),
+                                    advert).start()  # its first beat reaches the database, or raises
+            built.pop_all()
+        shutdown.start(lambda reason: bridge.stop(bridge.running(), reason), partial(drain, settings, sessions, name))
         progress = ProgressPublisher(settings.broker_url.get_secret_value(), bridge.tokenizer)
         claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
                                                            settings.dead_after_s), "claims")
@@ -176,12 +188,21 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
 
 
+def drain(settings: Settings, sessions: sessionmaker[Session], name: str) -> None:
+    """As this worker's shutdown begins: its row says it is draining, so the router sends it nothing more, and what
+    already waits in its own queues goes to the shared ones now, not once the grace is spent."""
+    try:
+        mark_draining(sessions, name)
+    finally:
+        rehome_own(settings, name)
+
+
 def rehome_own(settings: Settings, name: str) -> None:
     """At shutdown: what still waits in this worker's own queues goes to the shared ones, where the next worker
     takes it now rather than after the sweep has seen this worker gone."""
     broker = BrokerView(settings)
     try:
-        if moved := broker.rehome(lambda tag: tag == home_tag(name)):
+        if moved := broker.rehome(lambda _queue, tag: tag == home_tag(name)):
             log.info("moved %d messages from this worker's own queues to the shared queues", moved)
     except Exception:  # the broker is away: the sweep moves them once it sees this worker gone
         log.exception("could not move this worker's own queues' messages to the shared queues")
@@ -192,29 +213,53 @@ def rehome_own(settings: Settings, name: str) -> None:
 class Worker:
     """The context a worker process's task runs with, made once the worker starts."""
 
-    def __init__(self, settings: Settings, celery: Celery, name: str) -> None:
+    def __init__(self, settings: Settings, celery: Celery, name: str, queues: list[str] | None = None) -> None:
         self.settings = settings
         self.celery = celery
         self.name = name
-        self.own = set(own_queues(settings, name))  # what a message came from says whether it was sent here
+        self.advert = Advert.of(settings, queues)  # what its row tells the router it reads
+        self.own = set(own_queues(settings, name, queues))  # what a message came from says whether it was sent here
         self.context: WorkerContext | None = None
+        self._closing = threading.Lock()
+        self._closed = False
 
     def others(self, sender) -> bool:
         """Whether a worker signal came from another app's worker in this process (Celery's signals are global)."""
         return sender is not None and sender.app is not self.celery
 
     def start(self, sender=None, **_) -> None:
+        """The preflight, before the worker consumes anything: the model is loaded here, in the process that runs
+        it, and the database reached (the first heartbeat). If either fails the process exits `NOT_STARTED`: a
+        receiver of `worker_init` that raises is only logged by Celery, which would then consume every message it
+        can reach and fail each task for want of this context, acknowledging it: the queue drained into nothing."""
         if self.others(sender):
             return
-        # The model is loaded here, in the process that runs it, before the worker consumes anything.
-        self.context = WorkerContext.start(self.settings, self.celery, self.name, on_stall=self.engine_stalled)
+        try:
+            self.context = WorkerContext.start(self.settings, self.celery, self.name, self.advert,
+                                               on_stall=self.engine_stalled)
+        except Exception as exc:
+            log.critical("convoq worker could not start, and consumed nothing: %s", exc, exc_info=True)
+            raise SystemExit(NOT_STARTED) from exc
         log.info("engine ready: %s", self.settings.model)
 
     def ready(self, sender=None, **_) -> None:
-        """The worker consumes from now on: what its start built lives as long as it does (`jobs.heap`)."""
+        """The worker consumes from now on: what its start built lives as long as it does (`jobs.heap`). SIGQUIT
+        becomes a shutdown with no grace from here (`cold_shutdown`)."""
         if self.others(sender):
             return
         log.info("startup heap frozen: %d objects the collector no longer walks", freeze_startup_heap())
+        platform_signals["SIGQUIT"] = self.cold_shutdown
+
+    def cold_shutdown(self, *_) -> None:
+        """SIGQUIT: every run stops now and its job goes back (`worker.shutdown`), then the worker stops as at a
+        warm shutdown, which hands back the rest and closes the engine (`stop`). Celery's own cold shutdown does
+        neither: it waits out a soft shutdown in the signal handler, cannot cancel a thread's task, and ends without
+        `worker_shutdown`, so the jobs waited for their leases and the exit for an engine process that ignores the
+        signals meant for its worker."""
+        with in_sighandler():
+            if self.context is not None:
+                self.context.shutdown.begin(cold=True)
+            worker_state.should_stop = EX_OK
 
     def engine_stalled(self, error: EngineStalled) -> None:
         """An engine thread stalled (CONVOQ_ENGINE_PROCESS=false; a process is killed and restarted instead). A
@@ -236,8 +281,12 @@ class Worker:
             self.context.shutdown.begin(cold=how == "Cold")
 
     def stop(self, sender=None, **_) -> None:
-        ctx = self.context
-        if ctx is None or self.others(sender):
+        if self.others(sender):
+            return
+        with self._closing:  # once, whoever calls it first
+            ctx = None if self._closed else self.context
+            self._closed = True
+        if ctx is None:
             return
         returned = ctx.close()
         if returned:
@@ -269,14 +318,15 @@ class Worker:
                 ctx.leases.drop(claimed)
 
 
-def worker_app(settings: Settings, name: str) -> Celery:
+def worker_app(settings: Settings, name: str, queues: list[str] | None = None) -> Celery:
     """convoq's Celery app with the job task registered and this worker's own queues declared, for `convoq
-    worker` as the worker `name` (`worker_name`)."""
+    worker` as the worker `name` (`worker_name`) consuming `queues` (`--queues`; None: both classes)."""
     celery = create_celery(settings)
-    own = own_queues(settings, name)
-    celery.conf.task_queues = [*celery.conf.task_queues, *map(direct_queue, own)]
-    celery.steps["consumer"].add(bulk_gate([settings.bulk_queue, *own[1:]], settings.bulk_share))
-    worker = Worker(settings, celery, name)
+    own = own_queues(settings, name, queues)
+    celery.conf.task_queues = [*celery.conf.task_queues, *map(by_name, own)]
+    own_bulk = [q for q in own if q.startswith(f"{settings.bulk_queue}@")]
+    celery.steps["consumer"].add(bulk_gate([settings.bulk_queue, *own_bulk], settings.bulk_share))
+    worker = Worker(settings, celery, name, queues)
     worker_init.connect(worker.start, weak=False)
     worker_ready.connect(worker.ready, weak=False)
     worker_shutting_down.connect(worker.shutting_down, weak=False)
@@ -459,6 +509,8 @@ def guarded(ctx: WorkerContext, claimed: results.Claimed, step: Callable[[], T])
 
 
 def run_failed(ctx: WorkerContext, claimed: results.Claimed, exc: Exception) -> None:
+    """What raised goes to this log and to the job's `error_detail`, which only admin keys read: its text may hold
+    SQL, a path or a host name. The job's tenant is told the stable message of its code."""
     log.exception("job %s failed (attempt %d of %d)", claimed.job_id, claimed.attempt, ctx.settings.max_attempts)
     retry_or_fail(ctx, claimed, f"{type(exc).__name__}: {exc}")
 
@@ -490,7 +542,7 @@ def hand_back_stalled(ctx: WorkerContext, claimed: results.Claimed) -> None:
     """A job whose engine stalled with it inside goes back to the queue and is sent again at once
     (`results.stalled` decides whether it is charged a crash)."""
     ctx.leases.drop(claimed)  # first: the heartbeat must not take a job on its way back for a lost one
-    status = results.stalled(ctx.sessions, [claimed], ctx.settings.max_crashes).get(claimed.job_id)
+    status = results.stalled(ctx.sessions, [claimed], ctx.settings.max_crashes, sends=True).get(claimed.job_id)
     if status is None:
         ctx.metrics.refused()
         return
@@ -498,14 +550,16 @@ def hand_back_stalled(ctx: WorkerContext, claimed: results.Claimed) -> None:
     if status == JobStatus.queued:
         with ctx.sessions() as session:
             # to the shared queue: this worker's engine is reloading, with an empty prefix cache
-            publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings)
+            publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings, stamped=True)
 
 
 def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> None:
-    """Try again later with exponential backoff while attempts remain; then the job fails with its error."""
+    """Try again later with exponential backoff while attempts remain; then the job fails as the engine's error,
+    `error` its detail."""
     s = ctx.settings
     if claimed.attempt >= s.max_attempts:
-        if not results.fail(ctx.sessions, claimed, f"failed after {claimed.attempt} attempts: {error}"):
+        if not results.fail(ctx.sessions, claimed, ErrorCode.engine_error,
+                            f"failed after {claimed.attempt} attempts: {error}"):
             ctx.metrics.refused()
             return
         ctx.progress.status(str(claimed.job_id), JobStatus.failed)
@@ -519,4 +573,4 @@ def retry_or_fail(ctx: WorkerContext, claimed: results.Claimed, error: str) -> N
     with ctx.sessions() as session:
         job = session.get(Job, claimed.job_id)
         publish(ctx.celery, session, [job], s, countdown=s.retry_backoff_s * 2 ** (claimed.attempt - 1),
-                router=ctx.router)
+                stamped=True, router=ctx.router)
