@@ -6,7 +6,7 @@
   again; anything else is a second run of a job that did not need one);
 - `crashes_uncaused`: jobs charged more crashes (`jobs.crashes`) than their runs explain: one per run that ended
   with its worker's death (`crashed`, `condemned`; with `dead_workers` given, only on those workers), one per
-  stalled run after the first;
+  stalled run after the first, or one for a stalled run that ran alone (it condemns the job);
 - `duplicate_results`: jobs whose result was written by more than one run (a fenced write makes this 0);
 - `stale_writes_refused`: writes refused because their run had lost the lease;
 - `stuck`: jobs not in a terminal status; `lost`: accepted jobs with no row, or stuck queued with no message
@@ -58,7 +58,8 @@ def audit(db: sa.Engine, ids: list[uuid.UUID], broker: redis.Redis | None = None
                       sa.func.count().filter(runs.c.outcome.in_(RERUN_REASONS)),
                       sa.func.count().filter(runs.c.outcome == JobStatus.succeeded.value),
                       sa.func.coalesce(sa.func.sum(runs.c.stale_writes), 0),
-                      sa.func.count().filter(died), sa.func.count().filter(runs.c.outcome == "stalled"))
+                      sa.func.count().filter(died), sa.func.count().filter(runs.c.outcome == "stalled"),
+                      sa.func.count().filter((runs.c.outcome == "stalled") & runs.c.alone))
             .where(runs.c.job_id.in_(ids)).group_by(runs.c.job_id)
         ).all()
     status = {job_id: s for job_id, s, _ in rows}
@@ -67,8 +68,8 @@ def audit(db: sa.Engine, ids: list[uuid.UUID], broker: redis.Redis | None = None
     out["executions"] = sum(n for _, n, *_ in per_job)
     out["duplicate_executions"] = sum(max(0, n - 1 - explained) for _, n, explained, *_ in per_job)
     out["duplicate_results"] = sum(1 for _, _, _, stored, *_ in per_job if stored > 1)
-    out["stale_writes_refused"] = int(sum(stale for *_, stale, _, _ in per_job))
-    charges = {job_id: deaths + max(0, stalls - 1) for job_id, *_, deaths, stalls in per_job}
+    out["stale_writes_refused"] = int(sum(stale for *_, stale, _, _, _ in per_job))
+    charges = {job_id: deaths + max(stalls - 1, alone) for job_id, *_, deaths, stalls, alone in per_job}
     out["crashes_uncaused"] = sum(1 for job_id, _, crashes in rows if crashes > charges.get(job_id, 0))
     terminal = {s.value for s in TERMINAL}
     stuck = [i for i, s in status.items() if s not in terminal]

@@ -1,6 +1,8 @@
 """Jobs of a stalled engine: a cancel or a deadline still ends them while it is stuck; once the watchdog kills it
-they go back to the queue charged nothing, unless the same job stalls an engine again; and the worker carries on
-with a new engine (on a real PostgreSQL and Redis, and the service as processes)."""
+they go back to the queue charged nothing, unless the same job stalls an engine again, and one that stalls it
+while running alone fails at once; a completion that comes after the hand-back writes nothing; the job goes out
+again once, with no second message from a sweep; and the worker carries on with a new engine (on a real
+PostgreSQL and Redis, and the service as processes)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,16 @@ from bench.audit import audit
 from bench.chaos import engine_of
 from cli.stack import Stack
 from engine.runtime.engine_process import EngineProcess
-from jobs.schemas import JobIn, JobStatus
+from jobs.broker import create_celery
+from jobs.schemas import ErrorCode, JobIn, JobStatus
 from jobs.settings import Settings
 from tests.conftest import API_KEY
 from tests.test_faults import FAST_RECOVERY, wait_for
-from tests.test_leases import db, new_job, row, runs  # noqa: F401 (db: a fixture)
+from tests.test_leases import db, done, new_job, row, runs, settings  # noqa: F401 (db, settings: fixtures)
 from worker import results
 from worker.bridge import Bridge
 from worker.engine_factory import WorkerSettings, load_backend
+from worker.reconciler import Sweeper
 
 QUEUED, FAILED = JobStatus.queued, JobStatus.failed
 
@@ -69,6 +73,74 @@ def test_a_stall_hands_its_jobs_back_uncharged_unless_the_same_job_stalls_again(
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET crashes = 1 WHERE id = :i"), {"i": uuid.UUID(beside)})
     assert audit(engine, ids)["crashes_uncaused"] == 1
+
+
+def test_a_job_that_stalls_its_engine_while_it_runs_alone_is_condemned(db):  # noqa: F811
+    """Alone, the stall is its doing, as a worker's death while it runs alone is: it fails at its first such
+    stall, charged the crash, instead of stalling engines (a reload each) until its crashes run out."""
+    engine, sessions = db
+    suspect = new_job(sessions, crashes=1)
+    claimed = results.claim(sessions, suspect, "w1", 3)
+    assert results.mark_alone(sessions, claimed)
+    assert results.stalled(sessions, [claimed], max_crashes=5) == {claimed.job_id: FAILED}
+    status, attempts, crashes, detail, *_ = row(engine, suspect)
+    assert (status, attempts, crashes) == ("failed", 1, 2) and "while it ran alone" in detail
+    assert runs(engine, suspect) == [("w1", "stalled", 0)]
+    assert results.stalled(sessions, [claimed], max_crashes=5) == {claimed.job_id: FAILED}  # a retried write
+    assert row(engine, suspect)[2] == 2
+    # the same suspect beside others (not alone) goes back as any stall's first
+    other = new_job(sessions, crashes=1)
+    shared = results.claim(sessions, other, "w1", 3)
+    assert results.stalled(sessions, [shared], max_crashes=5) == {shared.job_id: QUEUED}
+    assert row(engine, other)[:3] == ("queued", 0, 1)
+    assert audit(engine, [uuid.UUID(suspect)], dead_workers=set())["crashes_uncaused"] == 1  # its earlier crash
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET crashes = 1 WHERE id = :i"), {"i": uuid.UUID(suspect)})
+    assert audit(engine, [uuid.UUID(suspect)], dead_workers=set())["crashes_uncaused"] == 0  # the stall's own
+
+
+def test_a_completion_after_its_stall_hand_back_writes_nothing_and_says_so(db):  # noqa: F811
+    """The hand-back keeps the run's lease (so that it recognises its own retried write): a late result, retry or
+    failure of the same run finds its job queued under that lease, which is not its own earlier write."""
+    engine, sessions = db
+    job = new_job(sessions)
+    claimed = results.claim(sessions, job, "w1", 3)
+    assert results.stalled(sessions, [claimed], max_crashes=3) == {claimed.job_id: QUEUED}
+    stored = results.store(sessions, claimed, done(job), "w1")
+    assert not stored.applied and stored.timing is None
+    assert not results.requeue(sessions, claimed, "late")
+    assert not results.fail(sessions, claimed, ErrorCode.engine_error, "late")
+    assert not results.give_back(sessions, claimed)
+    assert row(engine, job)[0] == "queued"
+    assert runs(engine, job) == [("w1", "stalled", 4)]  # each refused write counted on the run
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM results WHERE job_id = :i"),
+                            {"i": uuid.UUID(job)}).scalar_one() == 0
+
+
+def test_a_sweep_sends_no_second_message_for_a_job_its_worker_just_put_back(db, settings):  # noqa: F811
+    """A retry (sent again with its backoff) and a stall's hand-back (sent again at once) are published by the
+    worker that put them back; an hour-old job must not look to a sweep as one never sent. A job whose lease
+    expired is the sweep's to send, at once."""
+    engine, sessions = db
+    retried, stalled_job, expired = (new_job(sessions) for _ in range(3))
+    ids = [uuid.UUID(i) for i in (retried, stalled_job, expired)]
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET created_at = now() - interval '1 hour' WHERE id = ANY(:ids)"),
+                     {"ids": ids})
+    retry, stall, _ = results.claim_many(sessions, [retried, stalled_job, expired], "w1", 3)
+    assert results.requeue(sessions, retry, "the engine failed")
+    assert results.stalled(sessions, [stall], max_crashes=3, sends=True) == {stall.job_id: QUEUED}
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = :i"),
+                     {"i": uuid.UUID(expired)})
+    graced = settings.model_copy(update={"unpublished_grace_s": 30})
+    swept = Sweeper(sessions, create_celery(graced), graced).sweep(force=True)
+    assert (swept["handed_back"], swept["published"], swept["awaiting_confirmation"]) == (1, 1, 0)
+    with engine.connect() as conn:
+        unpublished = conn.execute(sa.text("SELECT id FROM jobs WHERE published_at IS NULL AND id = ANY(:ids)"),
+                                   {"ids": ids}).scalars().all()
+    assert unpublished == []  # the expired one sent, the two others stamped when they went back
 
 
 def paced_engine(model: str):

@@ -214,6 +214,9 @@ def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
     jobs = Job.__table__
     live = broker.live(settings.dead_after_s)  # read before the rows: a message consumed since is a running job
     grace = db_now(-settings.unpublished_grace_s)
+    # Never sent, for longer than the grace: a job put back to `queued` by a writer that sends its message itself
+    # (a retry's, a stall's, a shutdown's) is stamped as published then (`results.sent_on`), so it is judged from
+    # that moment, and its backoff holds; one the sweep must send (its lease expired) goes at once.
     never = jobs.c.published_at.is_(None) & (jobs.c.created_at < grace)
     if live is None:  # no view into the broker: only the age of the last publish says a message was lost
         sent_long_ago = jobs.c.published_at < db_now(-settings.republish_after_s)

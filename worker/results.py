@@ -52,7 +52,14 @@ from engine.interface import Completion
 from jobs.batch_settle import batch_pending, settle_batch
 from jobs.clock import db_now
 from jobs.db import insert_ignore
-from jobs.schemas import INVALID_REQUEST, JobIn, JobStatus
+from jobs.schemas import (
+    ERROR_MESSAGES,
+    STOPPED_MESSAGES,
+    ErrorCode,
+    JobIn,
+    JobStatus,
+    error_columns,
+)
 from jobs.tables import Job, Result, Run, Timing, as_utc, utcnow
 from jobs.tool_calls import finish_reason
 from worker.outcome import STOPPED, Outcome
@@ -114,12 +121,16 @@ _RUNS = Run.__table__
 _END_RUNS = (update(_RUNS).where(_RUNS.c.job_id == bindparam("j"), _RUNS.c.lease_id == bindparam("l"))
              .values(outcome=bindparam("o"), ended_at=db_now()))
 _JOBS = Job.__table__
-_HELD = (select(_JOBS.c.id, _JOBS.c.status)
-         .where(tuple_(_JOBS.c.id, _JOBS.c.lease_id).in_(bindparam("held", expanding=True))).with_for_update())
+# each job's row under a run's lease, and how the run's row says it ended: a write that finds its job no longer
+# running recognises its own earlier try by both (a stall's hand-back keeps the lease too, and ends its run so)
+_HELD = (select(_JOBS.c.id, _JOBS.c.status, _RUNS.c.outcome)
+         .outerjoin(_RUNS, (_RUNS.c.job_id == _JOBS.c.id) & (_RUNS.c.lease_id == _JOBS.c.lease_id))
+         .where(tuple_(_JOBS.c.id, _JOBS.c.lease_id).in_(bindparam("held", expanding=True)))
+         .with_for_update(of=_JOBS))
 _FINISH = (update(_JOBS)
            .where(_JOBS.c.id == bindparam("job"), _JOBS.c.lease_id == bindparam("lease"), _JOBS.c.status == RUNNING)
-           .values(status=bindparam("new_status"), error=bindparam("new_error"), finished_at=bindparam("now"),
-                   lease_expires_at=None))
+           .values(status=bindparam("new_status"), error=bindparam("new_error"), error_code=bindparam("new_code"),
+                   error_detail=bindparam("new_detail"), finished_at=bindparam("now"), lease_expires_at=None))
 
 
 def end_runs(session: Session, done: list[tuple[uuid.UUID, uuid.UUID, str]]) -> None:
@@ -146,16 +157,17 @@ def _refuse(session: Session, refused: list[Claimed], what: str) -> None:
 def _fenced(sessions: sessionmaker[Session], claimed: Claimed, values: dict, done: str | None, what: str,
             run: dict) -> bool:
     """Apply `values` to the job while this run holds it, and `run` to the run's row; True if applied, now or by
-    an earlier try of this write whose reply was lost (the job is in status `done` under this lease). A refused
-    write is recorded."""
+    an earlier try of this write whose reply was lost (the job is in status `done` under this lease and its run
+    ended as `run` says: a stall's hand-back, which keeps the lease, is not this write). A refused write is
+    recorded."""
     jobs, runs = Job.__table__, Run.__table__
 
     def action() -> bool:
         with sessions.begin() as session:
             applied = session.execute(update(jobs).where(holds(claimed)).values(**values)).rowcount == 1
             if not applied and done is not None:
-                row = session.execute(select(jobs.c.status, jobs.c.lease_id).where(jobs.c.id == claimed.job_id)).first()
-                applied = row is not None and row.lease_id == claimed.lease and row.status == done
+                found = session.execute(_HELD, {"held": [(claimed.job_id, claimed.lease)]}).first()
+                applied = found is not None and (found.status, found.outcome) == (done, run.get("outcome"))
             if applied:
                 session.execute(update(runs).where(runs.c.job_id == claimed.job_id, runs.c.lease_id == claimed.lease)
                                 .values(**run))
@@ -179,20 +191,35 @@ def returned(crashes: ColumnElement[int] | int = 0) -> dict:
                 attempts=jobs.c.attempts - 1, crashes=jobs.c.crashes + crashes)
 
 
-def fail(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
-    """A job whose run raised: it ends `failed` with the error instead of staying `running` forever. False if
-    the run no longer holds the job (the write was refused)."""
-    values = dict(status=FAILED, error=storable(error)[:4000], finished_at=utcnow(), lease_expires_at=None)
+def error_of(code: ErrorCode, detail: str) -> dict[str, str | None]:
+    """The error columns of a job that `detail` (what raised, for operators) made fail with `code`."""
+    return error_columns(code, detail=storable(detail)[:4000])
+
+
+def sent_on() -> dict:
+    """The columns of a job going back to `queued` whose writer sends its message itself, at once (a retry's,
+    a stall's) or by returning it to the queue (a shutdown's): published from this moment, so a sweep judges
+    it from when it went back, not from its creation, and sends a second message only once that one is missing.
+    The writer's `publish(..., stamped=True)` takes the stamp back if its message does not go out."""
+    return dict(published_at=db_now(), message_missing_at=None)
+
+
+def fail(sessions: sessionmaker[Session], claimed: Claimed, code: ErrorCode, detail: str) -> bool:
+    """A job whose run raised: it ends `failed` with `code` instead of staying `running` forever, what raised
+    kept as its `error_detail`. False if the run no longer holds the job (the write was refused)."""
+    values = dict(status=FAILED, finished_at=utcnow(), lease_expires_at=None, **error_of(code, detail))
     applied = _fenced(sessions, claimed, values, FAILED, "failure", ended("failed"))
     if applied and claimed.batch_id is not None:
         retrying(lambda: settle(sessions, claimed.batch_id), f"settle batch {claimed.batch_id}")
     return applied
 
 
-def requeue(sessions: sessionmaker[Session], claimed: Claimed, error: str) -> bool:
-    """Put a job that failed this attempt back to `queued` (for a delayed retry); False if this run no longer
-    holds it. The lease stays on the row only so that a retry of this write recognises it; a claim replaces it."""
-    values = dict(status=QUEUED, worker=None, published_at=None, error=storable(error)[:4000], lease_expires_at=None)
+def requeue(sessions: sessionmaker[Session], claimed: Claimed, detail: str) -> bool:
+    """Put a job whose attempt raised (`detail`: what raised) back to `queued` (for a delayed retry); False if this
+    run no longer holds it. The lease stays on the row only so that a retry of this write recognises it; a claim
+    replaces it."""
+    values = dict(status=QUEUED, worker=None, lease_expires_at=None, **sent_on(),
+                  **error_of(ErrorCode.engine_error, detail))
     return _fenced(sessions, claimed, values, QUEUED, "retry", ended("retry"))
 
 
@@ -201,41 +228,48 @@ def give_back(sessions: sessionmaker[Session], claimed: Claimed, requeued: bool 
     goes back to `queued` uncharged, neither an attempt nor a crash (its worker did not die), unless it moved on
     meanwhile, in which case the write is refused. `requeued`: the caller returns the job's message to the queue,
     so the row says it is published and a sweep sends no second one."""
-    values = returned() | (dict(published_at=db_now(), message_missing_at=None) if requeued else {})
+    values = returned() | (sent_on() if requeued else {})
     return _fenced(sessions, claimed, values, QUEUED, "hand-back", ended("returned"))
 
 
-def lost_run_updates(keep_lease: bool = False) -> tuple[Update, Update]:
+def lost_run_updates(keep_lease: bool = False, code: ErrorCode = ErrorCode.crashed) -> tuple[Update, Update]:
     """The fenced statements (`j`: job id, `l`: the run's lease) that end a run its worker can no longer finish
     (its lease expired, its engine stalled): the job goes back to `queued`, charged `charge` crashes, or fails
-    with `e`, a crash past the last one. `keep_lease`: the lease stays on the row, so that the writer, retrying
-    after a lost reply, recognises its own hand-back (a stall's, from the worker that holds the run)."""
+    with `code` (`e`: why, its detail), a crash past the last one. `keep_lease`: the lease stays on the row, so
+    that the writer, retrying after a lost reply, recognises its own hand-back (a stall's, from the worker that
+    holds the run)."""
     jobs = Job.__table__
     fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
     lease = {} if keep_lease else {"lease_id": None}
     back = update(jobs).where(fenced).values(**returned(crashes=bindparam("charge")), **lease)
     failed = update(jobs).where(fenced).values(
-        status=FAILED, error=bindparam("e"), finished_at=db_now(), lease_expires_at=None,
-        crashes=jobs.c.crashes + 1, **lease)
+        status=FAILED, error=ERROR_MESSAGES[code], error_code=code.value, error_detail=bindparam("e"),
+        finished_at=db_now(), lease_expires_at=None, crashes=jobs.c.crashes + 1, **lease)
     return back, failed
 
 
 STALLED = "stalled"  # how a run ends when its engine stalled with it inside and was killed
 
 
-def stalled(sessions: sessionmaker[Session], claims: list[Claimed], max_crashes: int) -> dict[uuid.UUID, JobStatus]:
+def stalled(sessions: sessionmaker[Session], claims: list[Claimed], max_crashes: int,
+            sends: bool = False) -> dict[uuid.UUID, JobStatus]:
     """Jobs whose engine stalled with them in it go back to `queued`, neither an attempt (the claim's is
     refunded) nor a crash: one stall says nothing about which request caused it. A job whose earlier run stalled
-    too is charged a crash (the suspect rules follow from there), and fails if that makes `max_crashes`. Each
-    run ends `stalled`. Returns the status each job was left in; the runs that no longer hold their job are
-    refused and left out."""
+    too is charged a crash (the suspect rules follow from there), and fails if that makes `max_crashes`. A job
+    that ran alone (`mark_alone`: a suspect) is condemned, as a worker's death while it runs alone condemns it:
+    nothing else was in the engine, so it fails, charged the crash, instead of stalling engines until its crashes
+    run out. Each run ends `stalled`. Returns the status each job was left in; the runs that no longer hold their
+    job are refused and left out. `sends`: the caller sends the jobs left queued again itself (`sent_on`), else
+    a sweep does."""
     jobs, runs = Job.__table__, Run.__table__
     pairs = [(c.job_id, c.lease) for c in claims]
-    back, failed = lost_run_updates(keep_lease=True)
+    back, failed = lost_run_updates(keep_lease=True, code=ErrorCode.timeout)
+    back = back.values(**sent_on()) if sends else back
 
     def action() -> tuple[dict[uuid.UUID, JobStatus], set[uuid.UUID]]:
         with sessions.begin() as session:
-            rows = session.execute(select(jobs.c.id, jobs.c.lease_id, jobs.c.status, jobs.c.crashes, jobs.c.batch_id)
+            rows = session.execute(select(jobs.c.id, jobs.c.lease_id, jobs.c.status, jobs.c.crashes, jobs.c.batch_id,
+                                          jobs.c.alone_at)
                                    .where(tuple_(jobs.c.id, jobs.c.lease_id).in_(pairs)).with_for_update()).all()
             ours = dict(session.execute(select(runs.c.job_id, runs.c.outcome)
                                         .where(tuple_(runs.c.job_id, runs.c.lease_id).in_(pairs))).all())
@@ -251,9 +285,11 @@ def stalled(sessions: sessionmaker[Session], claims: list[Claimed], max_crashes:
                         batches.add(row.batch_id if row.status == FAILED else None)
                     continue
                 charge = int(row.id in earlier)
-                if charge and row.crashes + 1 >= max_crashes:
-                    fail_rows.append(dict(j=row.id, l=row.lease_id, e=f"its engine stalled with it running in two "
-                                          f"runs or more; {row.crashes + 1} crashes (CONVOQ_MAX_CRASHES)"))
+                if row.alone_at is not None or (charge and row.crashes + 1 >= max_crashes):
+                    why = ("while it ran alone: it is taken to be the cause" if row.alone_at is not None
+                           else "with it running in two runs or more (CONVOQ_MAX_CRASHES)")
+                    fail_rows.append(dict(j=row.id, l=row.lease_id,
+                                          e=f"its engine stalled {why}; {row.crashes + 1} crashes"))
                     left[row.id] = JobStatus.failed
                     batches.add(row.batch_id)
                 else:
@@ -278,23 +314,18 @@ def mark_alone(sessions: sessionmaker[Session], claimed: Claimed) -> bool:
     return _fenced(sessions, claimed, dict(alone_at=db_now()), None, "running alone", dict(alone=True))
 
 
-NOT_RUN_ERRORS = {JobStatus.cancelled.value: "cancelled before it ran",
-                  JobStatus.expired.value: "its deadline passed before it ran"}
-STOPPED_ERRORS = {"cancelled": "cancelled while it ran; the text it had is kept in its result",
-                  "expired": "its deadline passed while it ran; the text it had is kept in its result"}
-
-
 def end_unrun(session: Session, *where: ColumnElement[bool]) -> list[tuple[uuid.UUID, uuid.UUID | None]]:
     """End the queued jobs (among `where`) that must not run: a cancel was asked for (`cancelled`), or their
     deadline has passed on the database's clock (`expired`). Returns (job id, batch id) of each."""
     jobs = Job.__table__
     cancelled = jobs.c.cancel_requested_at.is_not(None)
     status = case((cancelled, JobStatus.cancelled.value), else_=JobStatus.expired.value)
-    error = case((cancelled, NOT_RUN_ERRORS[JobStatus.cancelled.value]), else_=NOT_RUN_ERRORS[JobStatus.expired.value])
+    error = case((cancelled, ERROR_MESSAGES[ErrorCode.cancelled]), else_=ERROR_MESSAGES[ErrorCode.expired])
     return [tuple(row) for row in session.execute(
         update(jobs)
         .where(*where, jobs.c.status == QUEUED, or_(cancelled, jobs.c.deadline_at <= db_now()))
-        .values(status=status, error=error, finished_at=utcnow(), lease_id=None)
+        .values(status=status, error=error, error_code=status, error_detail=None, finished_at=utcnow(),
+                lease_id=None)
         .returning(jobs.c.id, jobs.c.batch_id)
     )]
 
@@ -327,7 +358,7 @@ def _claim_statement(lease_s: float, postgres: bool) -> Executable:
                      alone_at=None,
                      attempts=case((jobs.c.status == QUEUED, jobs.c.attempts + 1), else_=jobs.c.attempts))
              .returning(jobs.c.id, jobs.c.payload, jobs.c.created_at, jobs.c.batch_id, jobs.c.attempts,
-                        jobs.c.error, jobs.c.deadline_at, jobs.c.crashes, jobs.c.tenant))
+                        jobs.c.error_detail, jobs.c.deadline_at, jobs.c.crashes, jobs.c.tenant))
     if not postgres:
         return claim
     claimed = claim.cte("claimed")
@@ -394,13 +425,14 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
         claimed = Claimed(row.id, None, row.created_at, row.batch_id, row.attempts, row.deadline_at, lease,
                           row.crashes, row.tenant)
         if row.attempts > max_attempts:
-            fail(sessions, claimed, f"gave up after {max_attempts} attempts; last error: {row.error}")
+            fail(sessions, claimed, ErrorCode.engine_error,
+                 f"gave up after {max_attempts} attempts; last error: {row.error_detail}")
             out.append(None)
             continue
         try:
             claimed.job = JobIn.model_validate(row.payload)
         except ValidationError as exc:
-            fail(sessions, claimed, f"the job's payload is not a valid job: {exc}")
+            fail(sessions, claimed, ErrorCode.invalid_prompt, f"the job's payload is not a valid job: {exc}")
             out.append(None)
             continue
         out.append(claimed)
@@ -476,17 +508,28 @@ class _Write:
     finished: dict  # the fenced update of its row (`_FINISH`'s parameters)
 
 
+def stored_error(outcome: Outcome) -> dict[str, str | None]:
+    """The error columns of a finished run's job: none for a success. A failure that comes this far is its
+    request's (the engine's own were retried), told in the words that checked it; a run stopped part way says
+    that its text is kept."""
+    c = outcome.verdict
+    if c.ok:
+        return dict(error=None, error_code=None, error_detail=None)
+    if c.finish_reason in STOPPED:
+        code = ErrorCode(c.finish_reason)
+        return error_columns(code, STOPPED_MESSAGES[code])
+    return error_columns(outcome.code or ErrorCode.invalid_prompt, c.error and storable(c.error))
+
+
 def _write_of(claimed: Claimed, outcome: Outcome, worker: str, now: datetime) -> _Write:
     c = outcome.verdict
     status = finished_status(c)
-    error = c.error or STOPPED_ERRORS.get(c.finish_reason)
-    if status == JobStatus.failed and error:  # the request's fault: the engine's own were retried
-        error = INVALID_REQUEST + error
+    error = stored_error(outcome)
     return _Write(claimed, status,
                   timing_row(claimed, outcome, worker, now) if c.ok else None,
                   _result_row(claimed, outcome, now) if c.ok or c.finish_reason in STOPPED else None,
-                  dict(job=claimed.job_id, lease=claimed.lease, new_status=status.value,
-                       new_error=error and storable(error), now=now))
+                  dict(job=claimed.job_id, lease=claimed.lease, new_status=status.value, new_error=error["error"],
+                       new_code=error["error_code"], new_detail=error["error_detail"], now=now))
 
 
 def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcome]], worker: str) -> list[Stored]:
@@ -526,9 +569,17 @@ def _store(sessions: sessionmaker[Session], writes: list[_Write], now: datetime)
     with sessions.begin() as session:  # the jobs it did not update: finished by this write's earlier try, or lost
         missing = [w.claimed for w in writes if w.claimed.job_id not in written]
         held = session.execute(_HELD, {"held": [(c.job_id, c.lease) for c in missing]}).all()
-        written |= {job_id for job_id, status in held if status != RUNNING}
+        written |= _written_before(writes, held)
         _refuse(session, [c for c in missing if c.job_id not in written], "result")
     return written
+
+
+def _written_before(writes: list[_Write], found: list[Row]) -> set[uuid.UUID]:
+    """Of the jobs `_HELD` found under their runs' leases, those an earlier try of these writes finished: in the
+    status the write sets, their runs ended with it. Any other state (a stall's hand-back left the job queued
+    under the same lease) is not this write's, and is refused."""
+    meant = {w.claimed.job_id: w.status.value for w in writes}
+    return {job_id for job_id, status, outcome in found if status == outcome == meant.get(job_id)}
 
 
 def _json(rows: list[dict], nested: frozenset[str] = frozenset()) -> str:
@@ -556,12 +607,12 @@ def _store_statement() -> Executable:
     jobs, runs = _JOBS, _RUNS
     rows = (func.json_to_recordset(_json_param("finished"))
             .table_valued(column("job", Uuid), column("lease", Uuid), column("new_status", Text),
-                          column("new_error", Text))
+                          column("new_error", Text), column("new_code", Text), column("new_detail", Text))
             .render_derived("v", with_types=True))
     fin = (update(jobs)
            .where(jobs.c.id == rows.c.job, jobs.c.lease_id == rows.c.lease, jobs.c.status == RUNNING)
-           .values(status=rows.c.new_status, error=rows.c.new_error, finished_at=bindparam("now"),
-                   lease_expires_at=None)
+           .values(status=rows.c.new_status, error=rows.c.new_error, error_code=rows.c.new_code,
+                   error_detail=rows.c.new_detail, finished_at=bindparam("now"), lease_expires_at=None)
            .returning(jobs.c.id, jobs.c.lease_id, jobs.c.status)
            .cte("fin"))
     ran = (update(runs).where(runs.c.job_id == fin.c.id, runs.c.lease_id == fin.c.lease_id)
@@ -589,9 +640,10 @@ def _store_in_transaction(sessions: sessionmaker[Session], writes: list[_Write])
     """`_store` where a statement cannot write several tables (SQLite): the jobs' rows locked, then one statement
     per table."""
     with sessions.begin() as session:
-        held = dict(session.execute(_HELD, {"held": [(w.claimed.job_id, w.claimed.lease) for w in writes]}).all())
+        found = session.execute(_HELD, {"held": [(w.claimed.job_id, w.claimed.lease) for w in writes]}).all()
+        held = {job_id: status for job_id, status, _ in found}
         live = [w for w in writes if held.get(w.claimed.job_id) == RUNNING]
-        before = {job_id for job_id, status in held.items() if status != RUNNING}  # this write, tried before
+        before = _written_before(writes, found)
         if rows := [w.result for w in live if w.result is not None]:
             insert_ignore(session, Result, rows)
         if rows := [w.timing for w in live if w.timing is not None]:
@@ -599,8 +651,9 @@ def _store_in_transaction(sessions: sessionmaker[Session], writes: list[_Write])
         if live:
             session.connection().execute(_FINISH, [w.finished for w in live])
             end_runs(session, [(w.claimed.job_id, w.claimed.lease, w.status.value) for w in live])
-        _refuse(session, [w.claimed for w in writes if w.claimed.job_id not in held], "result")
-    return {w.claimed.job_id for w in live} | before
+        written = {w.claimed.job_id for w in live} | before
+        _refuse(session, [w.claimed for w in writes if w.claimed.job_id not in written], "result")
+    return written
 
 
 def settle(sessions: sessionmaker[Session], batch_id: uuid.UUID) -> None:
