@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     db_engine = make_db_engine(settings.database_url.get_secret_value(), pool_size=DB_POOL_SIZE,
                                pool_class=metrics.WaitCountingPool)
     sessions = make_sessions(db_engine)
-    # Redis, within `api_redis_connections`: the streams' one pub/sub connection, one for health and metrics,
+    # Redis, within `api_redis_connections`: the streams' one pub/sub connection, one for health, one for metrics,
     # the rest Celery's pool for publishing and cancel broadcasts, where each pooled connection is two of Redis's
     # (kombu's channel keeps a client for commands and one for consuming, which it pings when it opens)
     progress = Redis(connection_pool=BlockingConnectionPool.from_url(settings.broker_url.get_secret_value(),
@@ -52,7 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     hub = Hub(progress, lambda ids: statuses(sessions, ids), settings)
     broker = metrics.broker_client(settings)
     celery = create_celery(settings)
-    celery.conf.broker_pool_limit = (settings.api_redis_connections - 2) // 2
+    celery.conf.broker_pool_limit = (settings.api_redis_connections - 3) // 2
+    api_metrics = metrics.ApiMetrics(settings, lambda: {"streams": hub.streams,
+                                                        "db_pool_waits": getattr(db_engine.pool, "waits", 0)})
     router = Router(settings)
     ingests = Ingests(sessions, celery, settings, check, router)
 
@@ -60,7 +62,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(check.load)  # the tokenizer now, not in the first request (or batch) that needs it
         ingests.start()  # it also takes over the ingests that stopped API processes left
+        api_metrics.start()
         yield
+        await run_in_threadpool(api_metrics.close)
         await run_in_threadpool(ingests.stop)
         await hub.close()
         if broker is not None:
@@ -78,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.celery = celery
     app.state.hub = hub
     app.state.broker = broker
+    app.state.metrics = api_metrics
     app.state.probe = Probe(sessions, celery, broker)
     app.state.prompt_check = check
     app.state.intake = Intake(settings, sessions, celery, check=check, admission=Admission(settings),
@@ -93,7 +98,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(files.router)
     app.include_router(models.router)
-    app.include_router(metrics.router)
+    if not settings.metrics_port:  # else served on a port of its own (`api.metrics.ApiMetrics`)
+        app.include_router(metrics.router)
     return app
 
 

@@ -24,14 +24,22 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
-def error_body(path: str, status: int, detail: object, param: str | None = None) -> dict:
+class CodedError(HTTPException):
+    """An error whose OpenAI `error.code` says what it is: a job that did not succeed, by its `ErrorCode`."""
+
+    def __init__(self, status_code: int, detail: str, code: str) -> None:
+        super().__init__(status_code, detail)
+        self.code = code
+
+
+def error_body(path: str, status: int, detail: object, param: str | None = None, code: str | None = None) -> dict:
     """`{"detail": ...}`, plus OpenAI's `error` object on the routes the `openai` SDK calls."""
     body: dict = {"detail": detail}
     if path.startswith(OPENAI_PATHS):
         message = detail if isinstance(detail, str) else "; ".join(
             f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d.get('msg')}" if isinstance(d, dict) else str(d)
             for d in (detail if isinstance(detail, list) else [detail]))
-        body["error"] = openai_error(status, message, param)
+        body["error"] = openai_error(status, message, param, code)
     return body
 
 
@@ -49,8 +57,8 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
     headers = dict(getattr(exc, "headers", None) or {})
     if exc.status_code == 405:
         headers["Allow"] = allowed_methods(request)
-    return JSONResponse(error_body(request.url.path, exc.status_code, exc.detail), status_code=exc.status_code,
-                        headers=headers or None)
+    return JSONResponse(error_body(request.url.path, exc.status_code, exc.detail, code=getattr(exc, "code", None)),
+                        status_code=exc.status_code, headers=headers or None)
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

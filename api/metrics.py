@@ -1,20 +1,26 @@
 """`GET /metrics`: queue depth per priority, unacknowledged messages, jobs and batches by status, and this API
 process's streams and waits for a database connection.
 
-Everything is read at scrape time (no background thread) and nothing is written (a scrape needs no key): the
-Redis lists the way Flower's broker page reads them, over the API's pooled Redis client, and the per-status
-counts that triggers keep (`jobs.counts`: a few rows, however many jobs are kept). A source that does not
-answer is left out of that scrape, so the other still reports.
+The figures are collected by one thread of the API process at most every `CONVOQ_METRICS_REFRESH_S`
+(`jobs.scrape.Snapshot`), on a Redis connection and a database connection of its own, not the health probe's:
+a scrape answers the last ones without a command to either, so a flood of scrapes costs neither Redis, nor the
+database, nor `/healthz`. Nothing is written: the Redis lists are read the way Flower's broker page reads them,
+and the per-status counts that triggers keep (`jobs.counts`: a few rows, however many jobs are kept). A source
+that does not answer is left out of that round, so the other still reports.
+
+With `CONVOQ_METRICS_KEY` a scrape must send it (`Authorization: Bearer KEY`); with `CONVOQ_METRICS_PORT` the
+figures are served on that port (for a scraper inside the cluster), not on the API's own.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from collections.abc import Callable, Iterator
 
 import redis
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -23,11 +29,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from api.deps import SessionsDep, SettingsDep
 from jobs.broker import UNACKED_KEY, home_lists, queue_lists
 from jobs.counts import counts
+from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import BatchStatus, JobStatus
-from jobs.settings import Settings
+from jobs.scrape import Snapshot, serve
+from jobs.settings import Settings, hash_key
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["metrics"])
@@ -51,8 +58,8 @@ class WaitCountingPool(QueuePool):
 
 
 def broker_client(settings: Settings) -> redis.Redis | None:
-    """A Redis client over one connection, kept open and taken in turn (health checks and scrapes are brief),
-    for a Redis broker; None for another kombu transport."""
+    """A Redis client over one connection, kept open and taken in turn (its calls are brief), for a Redis broker;
+    None for another kombu transport. The health probe has one, the metrics' thread another."""
     url = settings.broker_url.get_secret_value()
     if not url.startswith(("redis://", "rediss://")):
         return None
@@ -133,11 +140,54 @@ def by_status(name: str, documentation: str, counts: dict[str, int], statuses: t
     return family
 
 
+class ApiMetrics:
+    """What this API process's scrapes read (`registry`): its CPU and memory (process_cpu_seconds_total: its
+    share of a job) and `ServiceCollector`'s figures, `process` giving this process's own, all collected by one
+    thread (`start`) on a database connection and a Redis connection of their own."""
+
+    def __init__(self, settings: Settings, process: Callable[[], dict[str, int]]) -> None:
+        self.settings = settings
+        # one thread uses it: one connection; a dropped one fails that round, and the next connects again
+        self.db_engine = make_db_engine(settings.database_url.get_secret_value(), pool_size=1, ping_idle_s=None)
+        self.broker = broker_client(settings)
+        service = ServiceCollector(settings, make_sessions(self.db_engine), self.broker, process)
+        self.snapshot = Snapshot([ProcessCollector(registry=None), service], settings.metrics_refresh_s)
+        self.registry = CollectorRegistry()
+        self.registry.register(self.snapshot)
+        key = settings.metrics_key.get_secret_value()
+        self._key_digest = hash_key(key) if key else None
+        self._server = None
+
+    def start(self) -> None:
+        self.snapshot.start()
+        if self.settings.metrics_port:
+            served = serve(self.registry, self.settings.metrics_port, "API")
+            self._server = None if served is None else served[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        self.snapshot.close()
+        self.db_engine.dispose()
+        if self.broker is not None:
+            self.broker.close()
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether a scrape with this `Authorization` header may read: any, without a metrics key; else the key,
+        compared in constant time."""
+        if self._key_digest is None:
+            return True
+        scheme, _, offered = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(hash_key(offered.strip()), self._key_digest)
+
+
 @router.get("/metrics", include_in_schema=False)
-def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> Response:
-    state = request.app.state
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry)  # process_cpu_seconds_total and memory: this API process's share of a job
-    registry.register(ServiceCollector(settings, sessions, state.broker, lambda: {
-        "streams": state.hub.streams, "db_pool_waits": getattr(state.db_engine.pool, "waits", 0)}))
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request) -> Response:
+    """Answered on the event loop from the last figures: a flood of scrapes takes none of the threads that
+    `/healthz` and the routes run on."""
+    feed: ApiMetrics = request.app.state.metrics
+    if not feed.allows(request.headers.get("authorization")):
+        raise HTTPException(401, "missing or wrong metrics key (Authorization: Bearer "
+                            "<CONVOQ_METRICS_KEY>)", headers={"WWW-Authenticate": "Bearer"})
+    return Response(generate_latest(feed.registry), media_type=CONTENT_TYPE_LATEST)

@@ -26,9 +26,12 @@ def make_db_engine(url: str, pool_size: int = 16, ping_idle_s: float | None = 2.
                    pool_class: type[QueuePool] = QueuePool) -> Engine:
     """`ping_idle_s`: a pooled connection idle longer than this is pinged as it is checked out, and replaced if
     the server dropped it (`_ping_when_idle`); None: never (callers that retry on a dropped connection).
-    `pool_class`: a QueuePool of the caller's (the API counts its waits for a connection); not for SQLite."""
+    `pool_class`: a QueuePool of the caller's (the API counts its waits for a connection); not for SQLite.
+
+    A statement's parameters are left out of its errors (`hide_parameters`): they hold tenants' prompts and
+    results, and an error's text goes to logs and to a failed job's `error_detail`."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, hide_parameters=True)
 
         @event.listens_for(engine, "connect")
         def _pragmas(conn, _record) -> None:
@@ -38,7 +41,8 @@ def make_db_engine(url: str, pool_size: int = 16, ping_idle_s: float | None = 2.
             conn.execute("PRAGMA synchronous=NORMAL")
 
         return engine
-    engine = create_engine(url, pool_size=pool_size, max_overflow=pool_size, poolclass=pool_class)
+    engine = create_engine(url, pool_size=pool_size, max_overflow=pool_size, poolclass=pool_class,
+                           hide_parameters=True)
     if ping_idle_s is not None:
         _ping_when_idle(engine, ping_idle_s)
     return engine

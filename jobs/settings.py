@@ -124,8 +124,8 @@ class Settings(BaseSettings):
     max_streams_per_key: int = Field(1000, ge=1)
     max_streams: int = Field(10_000, ge=1)
     # The most Redis connections one API process holds: one pub/sub connection for every stream, one for health
-    # checks and metrics, the rest Celery's pool for publishing and cancel broadcasts (two per pooled connection).
-    api_redis_connections: int = Field(12, ge=4)
+    # checks, one for metrics, the rest Celery's pool for publishing and cancel broadcasts (two per pooled one).
+    api_redis_connections: int = Field(12, ge=5)
 
     # Jobs of at least this priority are interactive: a person waits on them (`jobs.queues.is_interactive`). They
     # go to the interactive queue and get the engine's latency targets; everything else is bulk.
@@ -199,6 +199,15 @@ class Settings(BaseSettings):
     # each worker process serves Prometheus metrics on this port, or on the first free one of the 63 above it
     # when other workers on the host hold it (each logs the one it took); 0: off
     worker_metrics_port: int = Field(9464, ge=0, le=65535)
+    # The API's `/metrics`: with a key (at least 16 characters), a scrape must send it as `Authorization: Bearer
+    # KEY`; empty, it is open. With a port, it is served there (or on the first free one of the 63 above it: one
+    # per API process, each logs the one it took) for a scraper inside the cluster, and not on the API's own port,
+    # where it answers 404; the key is not asked there. 0: on the API's own port.
+    metrics_key: SecretStr = SecretStr("")
+    metrics_port: int = Field(0, ge=0, le=65535)
+    # What a scrape of an API or a worker process reads is collected at most this often, by one thread of the
+    # process on connections of its own: a flood of scrapes sends no command to Redis, the database or the engine.
+    metrics_refresh_s: float = Field(5.0, gt=0)
 
     @field_validator("api_keys")
     @classmethod
@@ -206,6 +215,13 @@ class Settings(BaseSettings):
         for entry in value.get_secret_value().split(","):
             if entry.strip():
                 parse_key(entry.strip())
+        return value
+
+    @field_validator("metrics_key")
+    @classmethod
+    def _check_metrics_key(cls, value: SecretStr) -> SecretStr:
+        if 0 < len(value.get_secret_value()) < MIN_KEY_CHARS:
+            raise ValueError(f"the metrics key must be at least {MIN_KEY_CHARS} characters")
         return value
 
     @cached_property

@@ -13,7 +13,7 @@ from api.service.jobs import cancel
 from engine.interface import Completion, Timings
 from jobs.counts import counts, fold
 from jobs.db import make_db_engine, make_sessions
-from jobs.schemas import JobIn
+from jobs.schemas import ErrorCode, JobIn
 from jobs.settings import ApiKey
 from jobs.tables import Batch, Job, job_row, status_counts, utcnow
 from migrations.apply import upgrade
@@ -74,7 +74,7 @@ def test_counts_follow_every_transition(url):
 
     results.store_many(sessions, [(claimed[0], done(ids[0])), (claimed[1], done(ids[1], "cancelled")),
                                   (claimed[5], done(ids[6])), (claimed[6], done(ids[7]))], "w1")
-    results.fail(sessions, claimed[2], "RuntimeError: boom")
+    results.fail(sessions, claimed[2], ErrorCode.engine_error, "RuntimeError: boom")
     assert results.requeue(sessions, claimed[3], "RuntimeError: try again")
     assert_counts_right(engine, sessions)
     assert kept(sessions)["batches"] == {"completed": 1}  # its two items finished: the store settled it

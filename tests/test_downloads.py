@@ -79,7 +79,7 @@ def test_slow_downloads_hold_no_connection_and_every_route_still_answers(databas
             assert lines[0]["response"]["body"]["choices"][0]["message"]["content"].startswith("answer answer")
             body = client.get(errors).text
             wrong = [json.loads(x) for x in body.splitlines()]
-            assert [x["error"]["code"] for x in wrong] == ["invalid_line"] * BAD_LINES + ["job_failed"] * (
+            assert [x["error"]["code"] for x in wrong] == ["invalid_line"] * BAD_LINES + ["engine_error"] * (
                 ITEMS // FAILED_EVERY)
             assert [x["id"] for x in wrong[:BAD_LINES]] == [f"batch_req_line{i}" for i in range(1, BAD_LINES + 1)]
             assert client.get(f"/v1/files/file-{uuid.UUID(batch).hex}-errors").json()["bytes"] == len(body.encode())

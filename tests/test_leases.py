@@ -23,7 +23,7 @@ from engine.interface import Completion, Timings
 from jobs.broker import create_celery
 from jobs.db import make_db_engine, make_sessions
 from jobs.publish import publish
-from jobs.schemas import JobIn
+from jobs.schemas import ErrorCode, JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from worker import reconciler, results
@@ -59,7 +59,8 @@ def expire_leases(engine, *job_ids: str) -> None:
 
 def row(engine, job_id: str) -> sa.Row:
     with engine.connect() as conn:
-        return conn.execute(sa.text("SELECT status, attempts, crashes, error, worker, lease_id FROM jobs WHERE id = :i"),
+        return conn.execute(sa.text("SELECT status, attempts, crashes, error_detail, worker, lease_id FROM jobs "
+                                    "WHERE id = :i"),
                             {"i": uuid.UUID(job_id)}).one()
 
 
@@ -84,7 +85,7 @@ def test_a_run_that_lost_its_lease_writes_nothing(db):
     # w1 wakes up: every write it tries is refused and counted, none applied
     assert results.store(sessions, old, done(job_id, "stale"), "w1").applied is False
     assert results.requeue(sessions, old, "late error") is False
-    assert results.fail(sessions, old, "late failure") is False
+    assert results.fail(sessions, old, ErrorCode.engine_error, "late failure") is False
     assert results.mark_alone(sessions, old) is False
     assert row(engine, job_id)[0] == "running"
     assert results.store(sessions, new, done(job_id, "fresh"), "w2").applied

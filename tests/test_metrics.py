@@ -42,8 +42,10 @@ def settings(database, broker, tiny_model) -> Settings:
     return Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model))
 
 
-def scrape(client: TestClient) -> dict[tuple[str, frozenset], float]:
-    r = client.get("/metrics")  # no API key: scraped like Flower's metrics
+def scrape(client: TestClient, headers: dict[str, str] | None = None) -> dict[tuple[str, frozenset], float]:
+    """The figures of a scrape, collected anew first (the metrics' thread collects them every few seconds)."""
+    client.app.state.metrics.snapshot.refresh()
+    r = client.get("/metrics", headers=headers)  # no API key: scraped like Flower's metrics
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return {(s.name, frozenset(s.labels.items())): s.value
@@ -171,6 +173,7 @@ def test_worker_metrics_observe_a_stored_job():
     metrics = WorkerMetrics(registry)
     claimed, done = outcome()
     metrics.observe(7, stored(claimed, done), 4)
+    metrics.snapshot.refresh()
     value = registry.get_sample_value
     p7 = {"priority": "7"}
     assert value("convoq_job_queue_wait_seconds_sum", p7) == pytest.approx(2.1)
@@ -238,8 +241,12 @@ def test_a_workers_cpu_is_counted_by_the_threads_that_spend_it():
     assert [thread_label(n) for n in names] == \
         ["line", "ThreadPoolExecutor", "Thread (serve)", "claims", "engine-reader", "MainThread"]
     registry = CollectorRegistry()
-    WorkerMetrics(registry)
-    value = registry.get_sample_value
+    snapshot = WorkerMetrics(registry).snapshot
+
+    def value(name: str, labels: dict | None = None) -> float | None:
+        snapshot.refresh()
+        return registry.get_sample_value(name, labels)
+
     release = threading.Event()
 
     def work(cpu_s: float) -> None:
@@ -306,13 +313,22 @@ def two_free_ports() -> int:
                 continue
 
 
+def served(port: int, name: str, timeout: float = 30.0, headers: dict[str, str] | None = None) -> str:
+    """What the metrics served on `port` say once they hold `name` (their thread's first collection is done)."""
+    deadline = time.monotonic() + timeout
+    while name not in (text := httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers).text):
+        assert time.monotonic() < deadline, f"{name} never showed on port {port}: {text[:500]}"
+        time.sleep(0.05)
+    return text
+
+
 def test_workers_on_one_host_serve_their_registries_on_ports_of_their_own(monkeypatch):
     port = two_free_ports()
     first = WorkerMetrics.start(port, lambda: {"waiting": 4})
     second = WorkerMetrics.start(port, lambda: {"waiting": 5})  # a second worker with the same setting
     assert (first.served_on, second.served_on) == (port, port + 1)
-    assert "convoq_engine_waiting_requests 4.0" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    text = httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text
+    assert "convoq_engine_waiting_requests 4.0" in served(port, "convoq_engine_waiting_requests")
+    text = served(port + 1, "convoq_engine_waiting_requests")
     assert "convoq_engine_waiting_requests 5.0" in text and "convoq_job_end_to_end_seconds" in text
     monkeypatch.setattr("worker.metrics.PORT_TRIES", 1)
     assert WorkerMetrics.start(port, lambda: {}).served_on is None  # every port taken: logged, not raised
@@ -333,3 +349,96 @@ def test_every_engine_metric_is_a_stat_our_engine_reports(tiny_model):
     registry.register(EngineCollector(lambda: stats))
     assert registry.get_sample_value("convoq_engine_limited_steps_total") == 0
     assert registry.get_sample_value("convoq_engine_step_fixed_seconds") > 0
+
+
+# --- a flood of scrapes -------------------------------------------------------------------------------------
+
+def redis_calls(url: str, *commands: str) -> int:
+    """How many times Redis ran these commands so far (its own count, whoever sent them)."""
+    client = redis.Redis.from_url(url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in commands)
+
+
+def test_a_flood_of_scrapes_sends_no_command_to_redis_or_the_database_and_healthz_stays_up(settings, broker):
+    """The figures are collected by the metrics' thread (here once, at start), on connections of its own: the
+    scrapes read them and nothing else, and the health probe's connection is never waited for."""
+    quiet = settings.model_copy(update={"metrics_refresh_s": 3600.0})
+    counted: list[str] = []
+
+    def record(_conn, _cursor, statement: str, *_) -> None:
+        if "status_counts" in statement:  # what a collection of the job counts reads
+            counted.append(statement)
+
+    with TestClient(create_app(quiet)) as client:
+        deadline = time.monotonic() + 30
+        while "convoq_jobs{" not in client.get("/metrics").text:  # the thread's first collection
+            assert time.monotonic() < deadline, "the metrics' thread never collected"
+            time.sleep(0.05)
+        lists_read = redis_calls(broker, "llen", "scan", "hlen")
+        sa.event.listen(sa.Engine, "before_cursor_execute", record)
+        scrapes, stop = [], threading.Event()
+
+        def flood() -> None:
+            while not stop.is_set():
+                scrapes.append(client.get("/metrics").status_code)
+
+        threads = [threading.Thread(target=flood) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        try:
+            health = []
+            for _ in range(6):  # past the probe's two-second cache: it asks Redis and the database again
+                time.sleep(0.5)
+                health.append(client.get("/healthz").json())
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+            sa.event.remove(sa.Engine, "before_cursor_execute", record)
+        after = redis_calls(broker, "llen", "scan", "hlen")
+    assert len(scrapes) >= 100 and set(scrapes) == {200}
+    assert after == lists_read and counted == []  # not one command for hundreds of scrapes
+    assert health == [{"database": "ok", "broker": "ok"}] * 6
+
+
+def test_the_metrics_key_is_asked_for_when_set(settings):
+    keyed = settings.model_copy(update={"metrics_key": SecretStr("metrics-key-0123456789")})
+    with TestClient(create_app(keyed)) as client:
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": "Bearer wrong-key-0123456789"}).status_code == 401
+        assert client.get("/metrics", headers=AUTH).status_code == 401  # an API key is not the metrics key
+        samples = scrape(client, {"Authorization": "Bearer metrics-key-0123456789"})
+    assert ("convoq_jobs", frozenset({"status": "queued"}.items())) in samples
+    with pytest.raises(ValueError, match="at least 16"):
+        Settings(metrics_key="short")
+
+
+def test_the_api_serves_its_metrics_on_a_port_of_their_own_when_told(settings):
+    port = two_free_ports()
+    apart = settings.model_copy(update={"metrics_port": port})
+    with TestClient(create_app(apart)) as client:
+        assert client.get("/metrics").status_code == 404  # not on the API's own port
+        text = served(port, "convoq_jobs{")
+    assert 'convoq_jobs{status="queued"} 0.0' in text and "process_cpu_seconds_total" in text
+    with pytest.raises(httpx.ConnectError):  # closed with the app
+        httpx.get(f"http://127.0.0.1:{port}/metrics")
+
+
+def test_a_flood_of_a_workers_scrapes_asks_its_engine_nothing():
+    asked = []
+
+    def stats() -> dict[str, float]:
+        asked.append(1)  # a round trip to the engine's process
+        return {"waiting": 2}
+
+    port = two_free_ports()
+    WorkerMetrics.start(port, stats, refresh_s=3600.0)
+    served(port, "convoq_engine_waiting_requests 2.0")
+    before = len(asked)
+    for _ in range(50):
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+    assert before == 1 and len(asked) == before

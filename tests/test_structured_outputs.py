@@ -27,7 +27,7 @@ from api.client import Client
 from cli.stack import Stack
 from engine.interface import Completion
 from jobs.db import make_db_engine, make_sessions
-from jobs.schemas import INVALID_REQUEST, JobIn, ResultOut
+from jobs.schemas import JobIn, ResultOut
 from jobs.settings import Settings
 from jobs.structured import grammar_spec
 from jobs.tables import Job, Result, job_row, utcnow
@@ -215,12 +215,13 @@ def test_the_worker_stores_logprobs_and_a_requests_failure_as_such(database):
     answered, refused = (results.claim(sessions, str(row["id"]), "w", 3) for row in rows)
     nul = [{"token": "\x00", "logprob": -0.5, "bytes": [0], "top_logprobs": []}]  # a byte-level token: JSON holds it
     results.store(sessions, answered, Outcome(Completion("a", [0], "\x00", 3, "stop"), 1.0, logprobs=nul), "w")
-    results.store(sessions, refused, Outcome.failed("r", "grammar: Lookbehind is not supported yet."), "w")
+    grammar = Completion.empty("r", 3, "error", "grammar: Lookbehind is not supported yet.")  # the engine refused it
+    results.store(sessions, refused, Outcome(grammar, 1.0), "w")
     with sessions() as session:
         stored = ResultOut.model_validate(session.get(Result, answered.job_id), from_attributes=True)
-        error = session.get(Job, refused.job_id).error
+        job = session.get(Job, refused.job_id)
     assert [t.model_dump() for t in stored.logprobs] == nul
-    assert error == INVALID_REQUEST + "grammar: Lookbehind is not supported yet."
+    assert (job.error, job.error_code) == ("grammar: Lookbehind is not supported yet.", "invalid_prompt")
 
 
 # --- the API refuses a bad request before anything is stored -------------------------------------------------

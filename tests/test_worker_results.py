@@ -13,7 +13,7 @@ from sqlalchemy import insert
 from bench.statements import Statements
 from engine.interface import Completion, Timings
 from jobs.db import make_db_engine, make_sessions
-from jobs.schemas import JobIn
+from jobs.schemas import ErrorCode, JobIn
 from jobs.tables import Job, Result, job_row, utcnow
 from worker import results
 from worker.outcome import Outcome
@@ -73,10 +73,11 @@ def test_a_crashed_run_marks_the_job_failed(database):
     engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
-    results.fail(sessions, results.claim(sessions, job_id, "w", 3), "RuntimeError: boom")
+    results.fail(sessions, results.claim(sessions, job_id, "w", 3), ErrorCode.engine_error, "RuntimeError: boom")
     assert counts(engine, job_id) == ("failed", 0, 0)
     with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT error FROM jobs")).scalar_one() == "RuntimeError: boom"
+        row = conn.execute(sa.text("SELECT error, error_code, error_detail FROM jobs")).one()
+    assert tuple(row) == ("the engine failed to run this job", "engine_error", "RuntimeError: boom")
 
 
 def test_attempts_are_bounded(database):
@@ -89,8 +90,9 @@ def test_attempts_are_bounded(database):
         assert results.requeue(sessions, claimed, f"boom {attempt}")
     assert results.claim(sessions, job_id, "w", 2) is None  # the third try is not run
     with engine.connect() as conn:
-        status, error = conn.execute(sa.text("SELECT status, error FROM jobs")).one()
-    assert status == "failed" and "gave up after 2 attempts" in error and "boom 2" in error
+        status, code, detail = conn.execute(sa.text("SELECT status, error_code, error_detail FROM jobs")).one()
+    assert status == "failed" and code == "engine_error"
+    assert "gave up after 2 attempts" in detail and "boom 2" in detail
 
 
 def test_many_jobs_are_claimed_and_stored_in_one_transaction_each(database):
@@ -229,8 +231,9 @@ def test_a_job_whose_payload_is_not_a_job_fails_at_claim(database):
         session.add(job)
     assert results.claim(sessions, str(job.id), "w", 3) is None  # never handed to the engine
     with engine.connect() as conn:
-        status, error = conn.execute(sa.text("SELECT status, error FROM jobs")).one()
-    assert status == "failed" and "payload is not a valid job" in error and "messages" in error
+        status, code, detail = conn.execute(sa.text("SELECT status, error_code, error_detail FROM jobs")).one()
+    assert status == "failed" and code == "invalid_prompt"
+    assert "payload is not a valid job" in detail and "messages" in detail
 
 
 def job_columns(engine, job_id: str) -> tuple[str, str | None]:

@@ -1,7 +1,9 @@
 """A worker process's Prometheus metrics: where each job's time went, tokens, retries, and the engine's state.
 
 Job metrics carry the same numbers as the job's timings row, observed once that row is committed. Engine
-gauges are read from `EngineThread.stats()` at scrape time. Each process serves its own registry on
+gauges (`EngineThread.stats()`, a round trip to the engine's process), the process's CPU and memory and each
+thread's CPU are collected at most every `CONVOQ_METRICS_REFRESH_S` by one thread (`jobs.scrape.Snapshot`), not
+at each scrape: a flood of scrapes asks the engine nothing. Each process serves its own registry on
 `CONVOQ_WORKER_METRICS_PORT` or, when another process on the host holds that, the next free port above it.
 """
 
@@ -10,11 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from jobs import scrape
 from jobs.schemas import JobStatus
+from jobs.settings import Settings
 from worker.results import Stored
 from worker.thread_cpu import ThreadCpuCollector
 
@@ -23,9 +27,7 @@ log = logging.getLogger(__name__)
 # from an interactive reply (tens of ms) to bulk work that waited behind others for hours
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 14400)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# worker processes on one host (one per GPU) share CONVOQ_WORKER_METRICS_PORT: each takes the first free port
-# from there, so Prometheus scrapes a known range (base .. base + PORT_TRIES - 1) on every host
-PORT_TRIES = 64
+PORT_TRIES = scrape.PORT_TRIES  # worker processes on one host (one per GPU) share CONVOQ_WORKER_METRICS_PORT
 
 # stats() key -> (metric name, kind, help); keys an engine does not report are left out
 ENGINE_STATS = {
@@ -72,12 +74,15 @@ class EngineCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    """`snapshot`: the figures that cost a read of the kernel or the engine, as last collected (`refresh_s`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 refresh_s: float = Settings.model_fields["metrics_refresh_s"].default) -> None:
         self.registry = registry or CollectorRegistry()
-        # process_cpu_seconds_total over convoq_jobs_finished_total: this worker's CPU per job
-        ProcessCollector(registry=self.registry)
-        # and which of its threads spends it (`worker.thread_cpu`)
-        self.registry.register(ThreadCpuCollector())
+        # process_cpu_seconds_total over convoq_jobs_finished_total: this worker's CPU per job; and which of its
+        # threads spends it (`worker.thread_cpu`)
+        self.snapshot = scrape.Snapshot([ProcessCollector(registry=None), ThreadCpuCollector()], refresh_s)
+        self.registry.register(self.snapshot)
         self.served_on: int | None = None  # the port `start` serves the registry on
 
         def seconds(name: str, documentation: str) -> Histogram:
@@ -110,24 +115,19 @@ class WorkerMetrics:
                                     registry=self.registry)
 
     @classmethod
-    def start(cls, port: int, engine_stats: Callable[[], dict[str, float]]) -> WorkerMetrics:
+    def start(cls, port: int, engine_stats: Callable[[], dict[str, float]],
+              refresh_s: float = Settings.model_fields["metrics_refresh_s"].default) -> WorkerMetrics:
         """Metrics for this process, served on `port` or, when another process on the host has it (one worker
         per GPU share a host and its settings), the first free one of the next `PORT_TRIES - 1`; `port` 0:
         recorded, not served. The port taken is logged and kept in `served_on`."""
-        metrics = cls()
-        metrics.registry.register(EngineCollector(engine_stats))
+        metrics = cls(refresh_s=refresh_s)
+        metrics.snapshot.collectors.append(EngineCollector(engine_stats))
         if not port:
             return metrics
-        for candidate in range(port, min(port + PORT_TRIES, 65536)):
-            try:
-                start_http_server(candidate, registry=metrics.registry)
-            except OSError:
-                continue
-            metrics.served_on = candidate
-            log.info("worker metrics served on port %d", candidate)
-            return metrics
-        # every port taken must not keep the worker from running jobs
-        log.error("worker metrics not served: ports %d-%d are all taken", port, port + PORT_TRIES - 1)
+        served = scrape.serve(metrics.registry, port, "worker", PORT_TRIES)
+        if served is not None:
+            metrics.served_on = served[0]
+            metrics.snapshot.start()
         return metrics
 
     def observe(self, priority: int, stored: Stored, generated_tokens: int) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.interface import Completion
 from jobs.chat import split_reasoning
+from jobs.schemas import ErrorCode
 from jobs.tool_calls import ToolUse, parse
 from worker.logprobs import openai_logprobs
 
@@ -28,6 +29,8 @@ class Outcome:
     tool_calls: list[dict] | None = None  # OpenAI's `tool_calls` the answer made; the completion's text is the rest
     # a job with `n` > 1: choices 1..n-1 (this outcome is choice 0; its timings are the job's, `merged_timings`)
     choices: list[Outcome] = field(default_factory=list)
+    # a failure found before the engine was asked (`failed`); the engine's own refusals are `invalid_prompt`
+    code: ErrorCode | None = None
 
     @property
     def verdict(self) -> Completion:
@@ -61,5 +64,6 @@ class Outcome:
 
     @classmethod
     def failed(cls, request_id: str, error: str, engine_ms: float = 0.0) -> Outcome:
-        """A job that cannot run at all (it does not fit the model): it fails at once, without a retry."""
-        return cls(Completion.empty(request_id, 0, "error", error), engine_ms)
+        """A job that cannot run at all (it does not fit the model's context): it fails at once, without a retry,
+        `error` telling its tenant why."""
+        return cls(Completion.empty(request_id, 0, "error", error), engine_ms, code=ErrorCode.too_long)

@@ -26,14 +26,14 @@ from pydantic import ValidationError
 
 from api.batch_input import OpenAIBody, openai_job
 from api.deps import V1_ERRORS, Caller, HubDep, IntakeDep, errors
-from api.errors import openai_error
+from api.errors import CodedError, openai_error
 from api.events import EventStream, follow, stored_text
 from api.json_body import BoundedJsonRoute
 from api.openai_objects import chat_completion, chunk, logprobs, tool_call_deltas, usage
 from api.priority import chosen_priority
 from api.service.jobs import Unrunnable, cancel, enqueue, load
 from jobs.chat import split_reasoning, thinking_of
-from jobs.schemas import JobOut, JobStatus, PriorityMetadata, metadata_priority, request_problem
+from jobs.schemas import REQUEST_ERRORS, JobOut, JobStatus, PriorityMetadata, metadata_priority
 from jobs.tool_calls import stream_stops
 
 router = APIRouter(prefix="/v1/chat", tags=["openai"], responses=V1_ERRORS, route_class=BoundedJsonRoute)
@@ -149,19 +149,19 @@ async def chat_completions(
         await run_in_threadpool(give_up)
         raise HTTPException(499, "the client went away; its job was cancelled")
     if job.status != JobStatus.succeeded:
-        raise HTTPException(*_unsuccessful(job))
+        raise CodedError(*_unsuccessful(job))
     return chat_completion(completion_id, int(job.created_at.timestamp()), body.model, job.result)
 
 
-def _unsuccessful(job: JobOut) -> tuple[int, str]:
-    """The status and message that answer a job that did not succeed: one its request made fail (a prompt over
-    the context, a schema the grammar compiler cannot take) is OpenAI's 400, a failure of the service a 500, a
-    cancel or an expiry a 409."""
+def _unsuccessful(job: JobOut) -> tuple[int, str, str]:
+    """The status, message and code that answer a job that did not succeed (its error as `load` shows it: a
+    stable message and its code): one its request made fail (a prompt over the context, a schema the grammar
+    compiler cannot take) is OpenAI's 400, a failure of the service a 500, a cancel or an expiry a 409."""
+    if job.error_code in REQUEST_ERRORS:
+        return status.HTTP_400_BAD_REQUEST, job.error, job.error_code
     if job.status != JobStatus.failed:
-        return status.HTTP_409_CONFLICT, f"the job ended {job.status.value}: {job.error}"
-    if (problem := request_problem(job.error)) is not None:
-        return status.HTTP_400_BAD_REQUEST, problem
-    return status.HTTP_500_INTERNAL_SERVER_ERROR, f"the job failed: {job.error}"
+        return status.HTTP_409_CONFLICT, f"the job ended {job.status.value}: {job.error}", job.error_code
+    return status.HTTP_500_INTERNAL_SERVER_ERROR, f"the job failed: {job.error}", job.error_code
 
 
 def _data(obj: dict | str) -> bytes:
@@ -185,7 +185,8 @@ async def _stream(events: AsyncIterator, deltas: Deltas, completion_id: str, mod
             elif event.event == "result":
                 finished, job = True, event.job
                 if job.status != JobStatus.succeeded:
-                    yield _data({"error": openai_error(*_unsuccessful(job))})
+                    http_status, message, error_code = _unsuccessful(job)
+                    yield _data({"error": openai_error(http_status, message, code=error_code)})
                     break
                 result = job.result
                 # the stored text is final (stop strings cut, the reasoning split off): send what is still missing

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.openai_objects import chat_completion, unix
-from jobs.schemas import JobStatus, ResultOut
+from jobs.schemas import JobStatus, ResultOut, shown_error
 from jobs.tables import BatchLineError, Job, Result
 
 BATCH_FILE = re.compile(r"file-([0-9a-f]{32})-(output|errors)")
@@ -87,9 +87,9 @@ def _pages(sessions: sessionmaker[Session], read: Callable[[Session, Key], list[
 
 
 def _item_line(job: Job, result: Result | None, errors: bool, model: str) -> bytes:
-    if errors:
-        code = job.status if job.status in (JobStatus.cancelled, JobStatus.expired) else "job_failed"
-        return _line(f"batch_req_{job.id.hex}", job.custom_id, None, {"code": code, "message": job.error})
+    if errors:  # the error its tenant is shown: a stable message and its code (`jobs.schemas.ErrorCode`)
+        code, message = shown_error(job.status, job.error, job.error_code)
+        return _line(f"batch_req_{job.id.hex}", job.custom_id, None, {"code": code, "message": message})
     response = {"status_code": 200, "request_id": str(job.id), "body": completion(job, result, model)}
     return _line(f"batch_req_{job.id.hex}", job.custom_id, response, None)
 

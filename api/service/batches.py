@@ -31,9 +31,11 @@ from jobs.schemas import (
     BatchLineError,
     BatchOut,
     BatchStatus,
+    ErrorCode,
     JobStatus,
     ListOf,
     RequestCounts,
+    error_columns,
     safe_metadata,
     window_seconds,
 )
@@ -174,7 +176,8 @@ def _cancel_jobs(session: Session, batch_id: uuid.UUID) -> list[str]:
     session.execute(select(Job.id).where(Job.batch_id == batch_id, Job.status.in_(PENDING))
                     .order_by(Job.id).with_for_update())
     session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.queued.value)
-                    .values(status=JobStatus.cancelled.value, finished_at=now, error="batch cancelled"))
+                    .values(status=JobStatus.cancelled.value, finished_at=now,
+                            **error_columns(ErrorCode.cancelled, "its batch was cancelled before it ran")))
     running = [str(i) for i in session.scalars(
         update(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.running.value,
                           Job.cancel_requested_at.is_(None))
@@ -193,6 +196,7 @@ def retry_failed(session: Session, celery: Celery, settings: Settings, batch_id:
     if jobs:
         for job in jobs:
             job.status, job.error, job.started_at, job.finished_at, job.published_at = "queued", None, None, None, None
+            job.error_code, job.error_detail = None, None
             # a fresh run: a claim fails a job past its attempts, and crashes make it a suspect run alone, or fail
             job.attempts, job.crashes, job.alone_at, job.worker, job.lease_id = 0, 0, None, None, None
             job.lease_expires_at, job.message_missing_at, job.cancel_requested_at = None, None, None

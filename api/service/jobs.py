@@ -18,7 +18,17 @@ from jobs.batch_settle import settle_batch
 from jobs.broker import broadcast_cancel
 from jobs.clock import db_now
 from jobs.publish import publish
-from jobs.schemas import JobAccepted, JobIn, JobOut, JobStatus, ResultOut, TimingsOut
+from jobs.schemas import (
+    ErrorCode,
+    JobAccepted,
+    JobIn,
+    JobOut,
+    JobStatus,
+    ResultOut,
+    TimingsOut,
+    error_columns,
+    shown_error,
+)
 from jobs.settings import ApiKey
 from jobs.tables import Job, Result, Timing, job_row, utcnow
 from jobs.tool_calls import stream_stops
@@ -78,13 +88,23 @@ def load(sessions: sessionmaker[Session], job_id: UUID, caller: ApiKey) -> JobOu
         result = session.get(Result, job_id)
         timing = session.get(Timing, job_id)
         out = JobOut.model_validate(job, from_attributes=True)
-        if "admin" not in caller.scopes:
-            out.worker = None  # a host name inside the fleet: the operators' business, not the tenants'
+        out.error_code, out.error = shown_error(job.status, job.error, job.error_code)
+        if job.error_code is None and job.error != out.error:  # settled before error codes: its error is the detail
+            out.error_detail = job.error
         if result is not None:
             out.result = ResultOut.model_validate(result, from_attributes=True)
         if timing is not None:
             out.timings = TimingsOut.model_validate(timing)
-        return out
+        return out if "admin" in caller.scopes else for_tenant(out)
+
+
+def for_tenant(out: JobOut) -> JobOut:
+    """`out` without what is the operators' business: what names a host or a process inside the fleet (`worker`,
+    `timings.engine_step`) and what raised (`error_detail`, an exception's text)."""
+    out.worker = out.error_detail = None
+    if out.timings is not None:
+        out.timings.engine_step = None
+    return out
 
 
 def cancel(sessions: sessionmaker[Session], celery: Celery, job_id: UUID, caller: ApiKey) -> JobOut | None:
@@ -97,7 +117,7 @@ def cancel(sessions: sessionmaker[Session], celery: Celery, job_id: UUID, caller
         now = utcnow()
         queued = session.execute(
             update(Job).where(Job.id == job_id, Job.status == JobStatus.queued.value)
-            .values(status=JobStatus.cancelled.value, finished_at=now, error="cancelled before it ran")
+            .values(status=JobStatus.cancelled.value, finished_at=now, **error_columns(ErrorCode.cancelled))
             .returning(Job.batch_id)
         ).first()
         session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.running.value,
