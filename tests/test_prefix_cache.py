@@ -9,6 +9,10 @@ import random
 import pytest
 import torch
 
+from engine.core.block_key import ROOT, BlockKey, salt_root
+from engine.core.host_cache import HostCache
+from engine.core.kv_cache import KVCache
+from engine.core.prefix_cache import PrefixCache
 from engine.interface import Request, RequestError
 from engine.llm_engine import LLMEngine
 from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
@@ -154,3 +158,23 @@ def test_a_cache_salt_that_is_neither_bytes_nor_str_is_refused(tiny_model):
     with pytest.raises(RequestError, match="cache_salt must be bytes or str, not int"):
         engine.add_request(Request("r", prompts(1, 40, 40)[0], greedy(4), cache_salt=7))
     assert not engine.has_unfinished()
+
+
+def test_entries_whose_keys_collide_stay_apart_in_both_tiers():
+    """A key another salt's request crafted to equal a block's (a 64-bit hash of tokens can be made to collide)
+    neither finds that block nor keeps it out of either tier."""
+    cache = KVCache(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    prefix = PrefixCache(HostCache(cache, max_blocks=4))
+    ours, theirs = (BlockKey(7, ROOT, (5, 6), salt_root(salt)) for salt in ("tenant:a", "tenant:b"))
+    assert prefix.insert(0, ours) and prefix.insert(1, theirs)
+    assert (prefix.lookup(ours), prefix.lookup(theirs)) == (0, 1)
+    for block in (0, 1):
+        cache.write_block(block, torch.full(cache.block_shape(), float(block + 1)))
+        prefix.park(block)
+    assert (prefix.evict(), prefix.evict()) == (0, 1)  # both spilled to the host tier
+    assert prefix.lookup(ours) is None and prefix.host.contains(ours) and prefix.host.contains(theirs)
+    prefix.host.load(theirs, 3)
+    back = torch.empty(cache.block_shape())
+    cache.read_block(3, back)
+    assert torch.equal(back, torch.full(cache.block_shape(), 2.0))

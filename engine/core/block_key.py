@@ -15,13 +15,21 @@ class BlockKey(NamedTuple):  # a named tuple: a long prompt makes hundreds of th
     key: int                 # constructor costs several times a tuple's
     parent: int
     tokens: tuple[int, ...]
+    root: int  # its chain's first parent (`salt_root`)
+
+    def __hash__(self) -> int:
+        # Indexes are keyed by the whole entry, hashed by its key alone: entries of equal keys but different
+        # contents are different entries, never one taking the other's place. So a key crafted to collide with
+        # another salt's block is a miss that tells nothing (not a block that failed to be cached), and two chains
+        # whose keys collide at some block do not meet after it, their roots differing.
+        return self.key
 
 
 def salt_root(salt: bytes | str | None) -> int:
     """The parent key of the first block of a sequence with this cache salt (str as its UTF-8 bytes), never
-    ROOT. The prefix cache compares a hit's parent exactly, so a first block is only found under the salt that
-    computed it, and every later block chains from that one; the root is a 128-bit digest, where `hash()` would
-    give 64 bits, for two salts' roots never to be equal."""
+    ROOT. Every block's entry holds it and the prefix cache compares a hit's whole entry, so a block is only
+    found under the salt that computed it; a 128-bit digest, where `hash()` would give 64 bits, for two salts'
+    roots never to be equal."""
     if salt is None:
         return ROOT
     if isinstance(salt, str):
@@ -37,4 +45,4 @@ def extend_keys(keys: list[BlockKey], token_ids: list[int], block_size: int, roo
     for i in range(len(keys), len(token_ids) // block_size):
         parent = keys[-1].key if keys else root
         tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        keys.append(BlockKey(hash((parent, tokens)), parent, tokens))
+        keys.append(BlockKey(hash((parent, tokens)), parent, tokens, root))

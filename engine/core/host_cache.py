@@ -1,5 +1,5 @@
-"""The host-memory tier under the prefix cache: blocks evicted from the KV pool, by key, LRU-bounded. It keeps
-each block's whole key, compared on every lookup as the pool's index does, so it too serves a block only to
+"""The host-memory tier under the prefix cache: blocks evicted from the KV pool, by entry, LRU-bounded. Like the
+pool's index it is keyed by the whole entry (`engine.core.block_key.BlockKey`), so it serves a block only to
 requests of the salt that computed it.
 
 Copies run on a side stream on CUDA (pinned buffers, so they are truly asynchronous) and the compute stream
@@ -22,7 +22,7 @@ class HostCache:
     def __init__(self, cache: KVCache, max_blocks: int) -> None:
         self.cache = cache
         self.max_blocks = max_blocks
-        self.entries: OrderedDict[int, tuple[BlockKey, torch.Tensor]] = OrderedDict()  # least recent first
+        self.entries: OrderedDict[BlockKey, torch.Tensor] = OrderedDict()  # least recent first
         self.stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
         self.num_evictions = 0
         # on rank 0 of a tensor-parallel engine: every put and load, in order, for the other ranks to repeat on
@@ -33,30 +33,29 @@ class HostCache:
         """Keep a copy of pool block `block`, which holds `entry`'s tokens."""
         if self.journal is not None:
             self.journal.append(("put", entry, block))
-        if entry.key in self.entries:
-            self.entries.move_to_end(entry.key)
+        if entry in self.entries:
+            self.entries.move_to_end(entry)
             return
         if len(self.entries) < self.max_blocks:
             # allocated as needed, not up front: most runs never fill the tier
             buffer = torch.empty(self.cache.block_shape(), dtype=self.cache.dtype, pin_memory=self.stream is not None)
         else:
-            _, (_, buffer) = self.entries.popitem(last=False)
+            _, buffer = self.entries.popitem(last=False)
             self.num_evictions += 1
         with self._copying():
             self.cache.read_block(block, buffer)
-        self.entries[entry.key] = (entry, buffer)
+        self.entries[entry] = buffer
 
     def contains(self, entry: BlockKey) -> bool:
-        held = self.entries.get(entry.key)
-        return held is not None and held[0] == entry
+        return entry in self.entries
 
     def load(self, entry: BlockKey, block: int) -> None:
         """Copy `entry` (which `contains`) into pool block `block`."""
         if self.journal is not None:
             self.journal.append(("load", entry, block))
-        self.entries.move_to_end(entry.key)
+        self.entries.move_to_end(entry)
         with self._copying():
-            self.cache.write_block(block, self.entries[entry.key][1])
+            self.cache.write_block(block, self.entries[entry])
 
     @contextmanager
     def _copying(self) -> Iterator[None]:

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.core.block_key import BlockKey
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, Status
 from engine.core.step_cost import StepCost, Work
@@ -31,7 +32,9 @@ class Planning:
 
     tokens_left: int
     scheduled: dict[Sequence, int] = field(default_factory=dict)
-    computing: set[int] = field(default_factory=set)  # keys of the blocks this step's prefill chunks fill
+    # the entries of the blocks this step's prefill chunks fill (whole entries: a request waits only for its own
+    # salt's blocks, never for a key of another salt's that collides with one of its own)
+    computing: set[BlockKey] = field(default_factory=set)
     prefill_tokens: int = 0
     decode_rows: int = 0
     decode_longest: int = 0
@@ -303,21 +306,21 @@ class Scheduler:
             return best
         return max(candidates, key=order, default=None)
 
-    def _mark_computing(self, seq: Sequence, n: int, computing: set[int]) -> None:
+    def _mark_computing(self, seq: Sequence, n: int, computing: set[BlockKey]) -> None:
         size = self.blocks.block_size
         first = seq.num_computed // size
         if first >= len(seq.block_keys):  # a decode into a block not full yet: nothing another could reuse
             return
         last = min(-(-(seq.num_computed + n) // size), len(seq.block_keys))
-        computing.update(entry.key for entry in seq.block_keys[first:last])
+        computing.update(seq.block_keys[first:last])
 
-    def _next_block_in_flight(self, seq: Sequence, computing: set[int]) -> bool:
+    def _next_block_in_flight(self, seq: Sequence, computing: set[BlockKey]) -> bool:
         """Whether another sequence fills `seq`'s next uncached block in this step: `seq` then waits a step to
         reuse it instead of computing it twice."""
         if not computing:
             return False
         blocks = len(self.blocks.cached_prefix(seq))
-        return blocks < len(seq.block_keys) and seq.block_keys[blocks].key in computing
+        return blocks < len(seq.block_keys) and seq.block_keys[blocks] in computing
 
     def _preempt(self, seq: Sequence, planning: Planning) -> None:
         """Send `seq` back to waiting with no blocks, and out of this step."""
