@@ -4,10 +4,12 @@ thread, and a failing step is bisected while the loop goes on taking new work, c
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +95,37 @@ def test_a_frozen_engine_process_is_killed_and_a_new_one_takes_over_while_an_idl
         assert runner.stats()["restarts"] == 1  # for `convoq_engine_restarts_total`
         time.sleep(0.5)
         assert not _alive(first)
+    finally:
+        runner.close()
+
+
+def counting_slow_to_reload(marker: str) -> Counting:
+    """`Counting`, whose every load after the first takes seconds, as a model's reload does."""
+    if Path(marker).exists():
+        time.sleep(6)
+    Path(marker).touch()
+    return Counting()
+
+
+def test_what_is_submitted_while_a_stalled_engine_reloads_waits_for_it_but_a_cancel_or_deadline_does_not(tmp_path):
+    runner = EngineProcess(functools.partial(counting_slow_to_reload, str(tmp_path / "loaded")), None, stall_s=1)
+    try:
+        long = runner.submit(request("long", 100_000))
+        time.sleep(0.3)
+        os.kill(runner.pid, signal.SIGSTOP)
+        with pytest.raises(EngineStalled):
+            long.result(15)
+        # the new engine takes seconds to load: a submit meanwhile returns at once, and its cancel ends it at once
+        started = time.monotonic()
+        cancelled = runner.submit(request("cancelled", 3))
+        expiring = runner.submit(request("expiring", 3, deadline=time.monotonic() + 0.5))
+        waiting = runner.submit(request("waiting", 3))
+        assert time.monotonic() - started < 1
+        runner.cancel("cancelled")
+        assert cancelled.result(1).finish_reason == "cancelled" and not waiting.done()
+        # the others go in once it is up: one whose deadline passed meanwhile ends so, the other runs
+        assert waiting.result(30).finish_reason == "length" and expiring.result(1).finish_reason == "expired"
+        assert runner.restarts == 1 and time.monotonic() - started > 3
     finally:
         runner.close()
 

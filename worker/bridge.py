@@ -131,7 +131,9 @@ class JobRun:
                 return future
             self._pending[request_id] = (future, len(prompt_ids), [])
         try:
-            # not under the lock: a restarting engine makes a submit wait, and a stop must not wait with it
+            # not under the lock: a runner's submit may take its time (an engine thread prepares the request on
+            # the calling thread), and a stop must not wait with it; an engine process that is restarting holds
+            # the request without waiting, and a stop's cancel ends it there
             engine_future = self.bridge.runner.submit(request, on_tokens)
         except BaseException:
             with self._lock:

@@ -13,8 +13,10 @@ type to handler:
 `arrival` and `deadline` are `time.monotonic()` readings, a clock both processes share. When the child dies the
 pipe closes and pending futures fail with `EngineDead`. A child that stalls (no beat, or beats with the same
 count of loop turns, for `stall_s` while requests wait on it) is killed: its pending futures fail with
-`EngineStalled` and a new child takes its place. The child ignores SIGINT and SIGTERM, which reach a whole
-process group: it stops when its parent says so or is gone.
+`EngineStalled` and a new child takes its place. What is submitted while the new one loads (minutes, for a
+large model) waits here and goes in once it is up; a cancel ends such a request at once, so a job's cancel or
+deadline never waits for a reload. The child ignores SIGINT and SIGTERM, which reach a whole process group: it
+stops when its parent says so or is gone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
@@ -118,6 +120,12 @@ class Spawned:
         self.reader: threading.Thread | None = None
         self.death = "the engine process exited"  # why the pipe closed, as far as the child said
         self.stalled: str | None = None  # why the watchdog killed it
+        self.failed = False  # what waited on it has failed (`EngineProcess._fail_pending`, once)
+
+
+# how long a restart waits for the killed child's reader to end (its pipe closed): one stuck in a progress
+# callback is not waited for, and what waited on the child fails without it
+READER_JOIN_S = 10.0
 
 
 class EngineProcess:
@@ -145,6 +153,8 @@ class EngineProcess:
         self._stats_numbers = itertools.count()
         self._closing = False
         self._restarting = False
+        # submits that came during a restart, sent to the new child once it is up: request id -> (message, future)
+        self._held: dict[str, tuple[Submit, Future[Completion]]] = {}
         self._read_from(self._child)
         self._watchdog = None if stall_s is None else Watchdog(stall_s, lambda: bool(self._futures), self._stalled,
                                                                 name=f"{name}-watchdog")
@@ -158,22 +168,36 @@ class EngineProcess:
         return self._child.process.pid
 
     def submit(self, request: Request, on_tokens: TokensCallback | None = None) -> Future[Completion]:
+        """Never waits: during a restart the request is held here until the new engine is up."""
         future: Future[Completion] = Future()
+        message = Submit(request, on_tokens is not None)
         with self._lock:
-            self._lock.wait_for(lambda: not self._restarting)
             if not self.alive:
                 raise EngineDead(f"engine process is dead: {self.error!r}")
-            self._futures[request.request_id] = future
             if on_tokens is not None:
                 self._watched[request.request_id] = (on_tokens, [])
+            if self._restarting:
+                self._held[request.request_id] = (message, future)
+                return future
+            self._futures[request.request_id] = future
             child = self._child
-        child.outbox.put(Submit(request, on_tokens is not None))
+        child.outbox.put(message)
         return future
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Stop a request before its next step; its completion's finish reason is `reason`. Never waits on the
-        engine: a cancel meant for an engine that is gone has nothing left to stop."""
-        self._child.outbox.put(Cancel(request_id, reason))
+        engine: a request held for an engine that is restarting ends at once, and a cancel meant for an engine
+        that is gone has nothing left to stop."""
+        with self._lock:
+            held = self._held.pop(request_id, None)
+            if held is not None:
+                self._watched.pop(request_id, None)
+            child = self._child
+        if held is None:
+            child.outbox.put(Cancel(request_id, reason))
+            return
+        message, future = held
+        future.set_result(Completion.empty(request_id, len(message.request.prompt_ids), reason))
 
     def stats(self, timeout: float = 10.0) -> dict[str, float]:
         """The engine's counters and the loop's gaps, as the child has them now, and the restarts of the child."""
@@ -205,6 +229,7 @@ class EngineProcess:
             child.process.kill()
             child.process.join(timeout)
         child.reader.join(timeout)
+        self._release_held(EngineDead("engine closed"))
 
     def _spawn(self) -> tuple[Spawned, int]:
         """A new engine process, once it has loaded its engine; and its context length."""
@@ -242,7 +267,13 @@ class EngineProcess:
         child.stalled = why
         log.error("the engine process %s stalled (%s): killing it and starting a new one", child.process.pid, why)
         child.process.kill()
-        child.reader.join()  # every request of the stalled engine has failed before a new one is taken
+        # every request of the stalled engine fails before a new one is taken, by its reader once the pipe closes
+        # or, should that reader be stuck, here
+        child.reader.join(READER_JOIN_S)
+        if child.reader.is_alive():
+            log.error("the stalled engine's reader did not end within %.0fs; failing its requests without it",
+                      READER_JOIN_S)
+            self._fail_pending(child)
         child.outbox.close()
         child.conn.close()
         try:
@@ -253,17 +284,36 @@ class EngineProcess:
                 self.error = error
                 self._restarting = False
                 self._lock.notify_all()
+            self._release_held(error)
             log.critical("%s", error)
             if self.on_death is not None:
                 self.on_death(error)
             return
         self._read_from(new)
+        self._take_over(new)
+        log.warning("a new engine process (%s) took over from the stalled one", new.process.pid)
+
+    def _take_over(self, new: Spawned) -> None:
+        """`new` serves from now on, starting with what was submitted while it loaded."""
         with self._lock:
             self._child = new
             self._restarting = False
             self.restarts += 1
+            held, self._held = self._held, {}
+            self._futures.update((request_id, future) for request_id, (_, future) in held.items())
             self._lock.notify_all()
-        log.warning("a new engine process (%s) took over from the stalled one", new.process.pid)
+        for message, _ in held.values():
+            new.outbox.put(message)
+
+    def _release_held(self, error: EngineDead) -> None:
+        """What waited for a new engine that will not come fails with `error`."""
+        with self._lock:
+            held, self._held = self._held, {}
+            for request_id in held:
+                self._watched.pop(request_id, None)
+        for _, future in held.values():
+            if not future.done():
+                future.set_exception(error)
 
     def _read(self, child: Spawned) -> None:
         handlers: dict[type[Message], Callable] = {Done: self._on_done, Tokens: self._on_tokens,
@@ -313,6 +363,10 @@ class EngineProcess:
     def _fail_pending(self, child: Spawned) -> None:
         """The child is gone: what waits on it fails, with `EngineStalled` if the watchdog killed it (a new one
         is on its way), else with `EngineDead`, and the engine is dead."""
+        with self._lock:
+            if child.failed:
+                return
+            child.failed = True
         child.process.join(1)
         code = child.process.exitcode
         if child.stalled is not None:
@@ -323,8 +377,9 @@ class EngineProcess:
             if child.stalled is None:
                 self.error = error
             pending = list(self._futures.values()) + list(self._stats.values())
+            for request_id in self._futures:  # not those held for the next engine
+                self._watched.pop(request_id, None)
             self._futures.clear()
-            self._watched.clear()
             self._stats.clear()
         for future in pending:
             if not future.done():
@@ -364,12 +419,21 @@ def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int, b
     except EngineDead as exc:  # a submit after the engine thread died
         child.die(exc)
     finally:
+        child.grammar_submits.shutdown(wait=False, cancel_futures=True)
         child.thread.close()
         child.outbox.close()
 
 
+GRAMMAR_SUBMITTERS = 8  # requests with a grammar being submitted at once; each mostly waits on its compile
+
+
 class Child:
-    """The child's side of the pipe: the parent's messages handled, the engine thread's results sent back."""
+    """The child's side of the pipe: the parent's messages handled, the engine thread's results sent back.
+
+    A request with a grammar is submitted from a thread of `grammar_submits`, not the thread that reads the pipe:
+    submitting compiles its grammar (`engine.grammar`, seconds for a large schema), and the submits and cancels
+    behind it must not wait for that. One cancelled while it is being submitted ends at once, `cancelled`
+    (whatever its compile still does), and is never run."""
 
     def __init__(self, thread: EngineThread, outbox: Outbox) -> None:
         self.thread = thread
@@ -377,14 +441,47 @@ class Child:
         self.closing = False
         self.handlers: dict[type[Message], Callable] = {Submit: self.submit, Cancel: self.cancel,
                                                         StatsQuery: self.stats, Close: self.close}
+        self.grammar_submits = ThreadPoolExecutor(GRAMMAR_SUBMITTERS, thread_name_prefix="engine-grammar")
+        self._submitting: dict[str, Request] = {}  # requests with a grammar on their way into the engine thread
+        self._lock = threading.Lock()
 
     def submit(self, message: Submit) -> None:
+        if message.request.sampling.grammar is None:
+            self._submit(message)
+            return
+        with self._lock:
+            self._submitting[message.request.request_id] = message.request
+        self.grammar_submits.submit(self._submit_with_grammar, message)
+
+    def _submit(self, message: Submit) -> None:
         request = message.request
         on_tokens = _delta_sender(self.outbox, request.request_id) if message.streams else None
         self.thread.submit(request, on_tokens).add_done_callback(self._finished)
 
+    def _submit_with_grammar(self, message: Submit) -> None:
+        request_id = message.request.request_id
+        with self._lock:
+            if request_id not in self._submitting:  # cancelled while it waited for this thread
+                return
+        on_tokens = _delta_sender(self.outbox, request_id) if message.streams else None
+        try:
+            future = self.thread.submit(message.request, on_tokens)  # compiles its grammar
+        except EngineDead as exc:
+            self.die(exc)
+        with self._lock:
+            live = self._submitting.pop(request_id, None) is not None
+        if live:
+            future.add_done_callback(self._finished)
+        else:  # cancelled while its grammar compiled: its completion was sent
+            self.thread.cancel(request_id)
+
     def cancel(self, message: Cancel) -> None:
-        self.thread.cancel(message.request_id, message.reason)
+        with self._lock:
+            submitting = self._submitting.pop(message.request_id, None)
+        if submitting is None:
+            self.thread.cancel(message.request_id, message.reason)
+        else:
+            self.outbox.put(Done(Completion.empty(message.request_id, len(submitting.prompt_ids), message.reason)))
 
     def stats(self, message: StatsQuery) -> None:
         self.outbox.put(StatsReply(message.number, self.thread.stats()))
