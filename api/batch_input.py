@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jobs.schemas import JobIn, Key, Sampling, bounded_json, error_message
+from jobs.structured import SchemaBounds, within_bounds
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +195,11 @@ def count_lines(pieces: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES, s
     return count
 
 
-def parse_lines(pieces: Iterable[bytes], priority: int,
-                max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[ParsedLine | LineError]:
-    """Each non-blank line of the bytes in `pieces` as a job or the reason it is not one, one line at a time.
-    Memory holds one line and the custom_ids seen so far."""
+def parse_lines(pieces: Iterable[bytes], priority: int, max_line_bytes: int = MAX_LINE_BYTES,
+                bounds: SchemaBounds | None = None) -> Iterator[ParsedLine | LineError]:
+    """Each non-blank line of the bytes in `pieces` as a job or the reason it is not one, one line at a time; a
+    line whose JSON schemas are past `bounds` is an error naming the bound. Memory holds one line and the
+    custom_ids seen so far."""
     seen: set[str] = set()
     for number, raw in enumerate(split_lines(pieces, max_line_bytes), start=1):
         if raw is None:
@@ -217,6 +219,8 @@ def parse_lines(pieces: Iterable[bytes], priority: int,
                                  "without NUL")
             if custom_id in seen:
                 raise ValueError(f"duplicate custom_id {custom_id!r}")
+            if bounds is not None:
+                within_bounds(obj.get("body") if "body" in obj else obj, bounds)
             job = (_job_from_openai if "body" in obj else _job_from_ours)(obj, priority)
         except UnicodeDecodeError:
             yield LineError(number, None, "line is not valid UTF-8")

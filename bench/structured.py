@@ -2,7 +2,7 @@
 
     python -m bench.structured --json [--requests 600]
 
-Four figures, each measured side by side in this run:
+Five figures, each measured side by side in this run:
 - `valid_rate`: of `--requests` requests under 12 JSON schemas (nested objects, bounded arrays, enums, bounded
   integers and numbers, strings with patterns and lengths, anyOf), half of them sampled at temperature 1, mixed
   in the same batches with half as many free requests, the share whose output parses and validates
@@ -12,29 +12,39 @@ Four figures, each measured side by side in this run:
 - `loop_gap_p95_ms` with and without 50 never-seen schemas arriving while a bulk run decodes, on a checkpoint
   with the real Qwen3 vocabulary (151,936 tokens: what a grammar costs to compile for a real model): the step
   loop's idle time between steps (`engine.runtime.loop_gaps`), compiling being the submitting thread's work;
-- `cached_compile_ms`: a schema seen before, median of 200 lookups (real vocabulary).
+- `cached_compile_ms`: a schema seen before, median of 200 lookups (real vocabulary);
+- `hostile_chat_p95_ratio`: chats' p95 latency on an engine in its own process (as a worker runs it, real
+  vocabulary) while a never-seen schema at the API's bounds (`jobs.settings`' max_schema_*: the most optional
+  properties they allow, the costliest shape to compile) compiles, over the same chats on the idle engine
+  (rounds alternate); `hostile_compile_s` is how long that schema took to compile and run, and
+  `hostile_chats_during_compile` the share of rounds whose chats all finished before it did.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
-from bench.common import MODELS_DIR, report, tiny_model
-from cli.tiny_model import build_tiny_model
+from bench.common import qwen3_vocabulary_model, report, tiny_model
 from engine.config import EngineConfig
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.runtime.engine_process import EngineProcess
 from engine.runtime.engine_thread import EngineThread
+from jobs.settings import Settings
+from jobs.structured import SchemaBounds, bounds_problem
+from worker.engine_factory import WorkerSettings, load_backend
 
-QWEN3_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "data" / "qwen3-tokenizer"
 BUDGET = 256  # output tokens: every schema here completes well within it
 
 
@@ -192,12 +202,68 @@ def cached_compile(path: Path) -> dict:
     return {"first_compile_ms": round(first * 1e3, 2), "cached_compile_ms": round(statistics.median(times) * 1e3, 4)}
 
 
-def qwen3_vocabulary_model() -> Path:
-    path = MODELS_DIR / "qwen3-small"
-    if not (path / "config.json").exists():
-        print(f"building the qwen3-small checkpoint in {path}", file=sys.stderr)
-        build_tiny_model(path, preset="qwen3-small", tokenizer=QWEN3_TOKENIZER)
-    return path
+def schema_at_bounds(salt: int) -> dict:
+    """The flat object of optional string properties with as many of them as the API's default bounds allow."""
+    bounds = SchemaBounds.of(Settings())
+
+    def flat(n: int) -> dict:
+        return {"type": "object", "properties": {f"r{salt}_{i}": {"type": "string"} for i in range(n)}}
+
+    low, high = 1, 2
+    while bounds_problem(flat(high), bounds) is None:
+        low, high = high, 2 * high
+    while high - low > 1:  # flat(low) passes, flat(high) does not
+        mid = (low + high) // 2
+        low, high = (mid, high) if bounds_problem(flat(mid), bounds) is None else (low, mid)
+    return flat(low)
+
+
+def chat_latencies(engine: EngineProcess, count: int, every_s: float, tag: str) -> list[float]:
+    """`count` short free chats, one every `every_s`: each one's seconds from submit to completion."""
+    latencies: list[float] = []
+    futures: list[Future] = []
+    for i in range(count):
+        started = time.perf_counter()
+        future = engine.submit(Request(f"{tag}.{i}", prompt(i), SamplingParams(16, ignore_eos=True)))
+        future.add_done_callback(lambda _, started=started: latencies.append(time.perf_counter() - started))
+        futures.append(future)
+        time.sleep(every_s)
+    for future in futures:
+        future.result()
+    return latencies
+
+
+def hostile(path: Path, chats: int, rounds: int) -> dict:
+    """Chats on an engine process, idle and while a schema at the API's bounds compiles, rounds alternating."""
+    # no compile limit: what is measured is the chats beside the whole compile, however long a loaded machine
+    # makes it
+    settings = WorkerSettings(model=str(path), device="cpu", grammar_compile_s=3600)
+    engine = EngineProcess(functools.partial(load_backend, settings), AutoTokenizer.from_pretrained(path))
+    idle, loaded, compile_s, during = [], [], [], []
+    try:
+        chat_latencies(engine, 8, 0.05, "warm")
+        for r in range(rounds):
+            idle += chat_latencies(engine, chats, 0.05, f"idle{r}")
+            start = time.perf_counter()
+            big = engine.submit(Request(f"hostile{r}", prompt(r), SamplingParams(8, grammar=grammar(
+                schema_at_bounds(r)))))
+            big.add_done_callback(lambda _, start=start: compile_s.append(time.perf_counter() - start))
+            time.sleep(0.2)  # its compile has begun
+            loaded += chat_latencies(engine, chats, 0.05, f"loaded{r}")
+            during.append(0.0 if big.done() else 1.0)
+            if big.result().error:
+                raise RuntimeError(f"the schema at the bounds failed: {big.result().error}")
+    finally:
+        engine.close()
+
+    def p95(values: list[float]) -> float:
+        return statistics.quantiles(values, n=20)[-1]
+
+    return {"hostile_chat_p95_ms_idle": round(1e3 * p95(idle), 1), "hostile_chat_p95_ms": round(1e3 * p95(loaded), 1),
+            "hostile_chat_p95_ratio": round(p95(loaded) / p95(idle), 3),
+            "hostile_compile_s": round(statistics.mean(compile_s), 2),
+            "hostile_chats_during_compile": round(statistics.mean(during), 2),
+            "hostile_schema_properties": len(schema_at_bounds(0)["properties"])}
 
 
 def main() -> None:
@@ -206,14 +272,19 @@ def main() -> None:
     parser.add_argument("--throughput-requests", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--bulk", type=int, default=64, help="bulk requests decoding while new schemas arrive")
+    parser.add_argument("--hostile-chats", type=int, default=40, help="chats per round beside a hostile schema")
+    parser.add_argument("--only-hostile", action="store_true", help="measure the hostile part alone")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=str(tiny_model())))
-    result = validity(engine, args.requests)
-    result |= throughput(engine, args.throughput_requests, args.rounds)
     real = qwen3_vocabulary_model()
-    result |= loop_gaps(real, args.bulk, 50)
-    result |= cached_compile(real)
+    result: dict = {}
+    if not args.only_hostile:
+        engine = LLMEngine(EngineConfig(model=str(tiny_model())))
+        result |= validity(engine, args.requests)
+        result |= throughput(engine, args.throughput_requests, args.rounds)
+        result |= loop_gaps(real, args.bulk, 50)
+        result |= cached_compile(real)
+    result |= hostile(real, args.hostile_chats, args.rounds)
     report(result, args.json)
 
 

@@ -83,6 +83,12 @@ class EngineConfig:
     # ranks the model is split over (engine.tensor_parallel): its heads, MLP and vocabulary, one device each;
     # it must divide the attention heads, the MLP width and the vocabulary, and the KV heads (or be a multiple)
     tensor_parallel: int = 1
+    # A request's grammar (engine.grammar) that takes longer than this to compile fails that request alone; the
+    # compile goes on to its end on the compiler's thread and is kept for the next request with that schema.
+    # The API bounds schemas so that compiling one takes seconds at worst (jobs.settings' max_schema_*).
+    grammar_compile_s: float = 30.0
+    # compiled grammars kept for reuse, in bytes (a grammar is a few KB to tens of MB for a 150k vocabulary)
+    grammar_cache_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -93,8 +99,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every running sequence can decode")
         if self.prefill_chunk_size < 1 or self.block_size < 1 or self.initial_blocks < 1:
             raise ValueError("prefill_chunk_size, block_size and initial_blocks must be positive")
-        if self.length_window <= 0:
-            raise ValueError("length_window must be positive")
+        if self.length_window <= 0 or self.grammar_compile_s <= 0 or self.grammar_cache_bytes < 0:
+            raise ValueError("length_window and grammar_compile_s must be positive, grammar_cache_bytes not negative")
         if self.interactive_slowdown < 1 or not 0 < self.bulk_step_overhead < 1 or self.max_preemptions < 0:
             raise ValueError("interactive_slowdown must be >= 1, bulk_step_overhead in (0, 1), max_preemptions >= 0")
         if self.interactive_tpot_ms < 0 or self.interactive_ttft_ms < 0 or self.interactive_window < 0:

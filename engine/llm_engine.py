@@ -61,7 +61,8 @@ class LLMEngine:
         self._tokens_computed = 0
         self._peak_blocks = 0  # most KV blocks in use after any step's scheduling
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for stop strings
-        # grammars are compiled on the submitting thread: the compiler is made by the first request that has one
+        # grammars are compiled for the submitting thread (engine.grammar): the compiler is made by the first
+        # request that has one
         self._grammars = None
         self._grammars_lock = threading.Lock()
         self._constrained: dict[str, Sequence] = {}  # sequences whose sampling a grammar constrains now
@@ -145,7 +146,9 @@ class LLMEngine:
             if self._grammars is None:
                 from engine.grammar import Grammars  # xgrammar loads only for a model that gets a grammar
 
-                self._grammars = Grammars(self.tokenizer, self.model.shape.vocab_size, self.eos_ids)
+                self._grammars = Grammars(self.tokenizer, self.model.shape.vocab_size, self.eos_ids,
+                                          compile_s=self.config.grammar_compile_s,
+                                          cache_bytes=self.config.grammar_cache_bytes)
             return self._grammars
 
     def _masks(self, plan: StepPlan) -> TokenMasks | None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
+import sys
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 from uuid import UUID
@@ -15,6 +17,7 @@ from uuid import UUID
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -24,13 +27,14 @@ from pydantic import (
     model_validator,
 )
 
-from jobs.structured import schema_problem
+from jobs.structured import vetted_problem
 
 MAX_MESSAGES = 256
 MAX_CONTENT_CHARS = 200_000
 # JSON nested deeper than this is refused wherever it comes in (request bodies, batch lines, form fields): no
 # request needs more, and Python's parser and pydantic's serializer fail (a 500) long before a client runs out
 MAX_JSON_DEPTH = 64
+FLOAT_DIGITS = 308  # an integer of more digits may be past a float's range (about 1.8e308)
 # PostgreSQL text and jsonb cannot hold NUL: a string that is stored documents (and checks) that it has none
 NO_NUL = r"^[^\x00]*$"
 
@@ -126,11 +130,35 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class UnheldNumber(ValueError):
+    """JSON that holds a number no float holds: what Python reads as NaN or infinity, stored as null (the job
+    it was part of would fail when it is read back), or an integer past a float's range."""
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise UnheldNumber(f"the number {text[:40]} is out of a float's range")
+    return value
+
+
+def _int(text: str) -> int:
+    value = int(text)
+    if len(text) > FLOAT_DIGITS and abs(value) > sys.float_info.max:
+        raise UnheldNumber(f"the number {text[:40]}... ({len(text)} digits) is out of a float's range")
+    return value
+
+
+def _constant(name: str) -> float:
+    raise UnheldNumber(f"{name} is no JSON number")
+
+
 def bounded_json(text: str | bytes) -> object:
-    """`json.loads`, refusing (`ValueError`) what nests deeper than `MAX_JSON_DEPTH`."""
+    """`json.loads`, refusing (`ValueError`) what nests deeper than `MAX_JSON_DEPTH`, and (`UnheldNumber`) NaN,
+    Infinity and numbers past a float's range."""
     too_deep = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=_float, parse_int=_int, parse_constant=_constant)
     except RecursionError:
         raise ValueError(too_deep) from None
     brackets = (text.count("[") + text.count("{")) if isinstance(text, str) else (text.count(b"[") + text.count(b"{"))
@@ -170,7 +198,24 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
+def _role_rules(schema: dict[str, Any]) -> None:
+    """`Message._fields_of_role` in the OpenAPI document, so that a client (or a fuzzer) knows it: a system or
+    user message has content, an assistant one content or tool calls, a tool one content and tool_call_id."""
+    text = {"type": "string"}
+    schema["oneOf"] = [
+        {"properties": {"role": {"enum": ["system", "user"]}, "content": text, "tool_calls": {"type": "null"},
+                        "tool_call_id": {"type": "null"}}, "required": ["role", "content"]},
+        {"properties": {"role": {"const": "assistant"}, "tool_call_id": {"type": "null"}},
+         "anyOf": [{"properties": {"content": text}, "required": ["content"]},
+                   {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]}]},
+        {"properties": {"role": {"const": "tool"}, "content": text, "tool_call_id": text,
+                        "tool_calls": {"type": "null"}}, "required": ["role", "content", "tool_call_id"]},
+    ]
+
+
 class Message(Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_role_rules)
+
     role: Literal["system", "user", "assistant", "tool"]
     content: Content | None = Field(None, description="required, but for an assistant message with tool_calls")
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="assistant: the tools it called")
@@ -251,8 +296,9 @@ Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
-def _valid_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    if problem := schema_problem(schema):
+def _valid_schema(schema: object) -> object:
+    # before pydantic's own validation, which copies the dict: the object the API vetted (`jobs.structured.vet`)
+    if isinstance(schema, dict) and (problem := vetted_problem(schema)):
         raise ValueError(problem)
     return schema
 
@@ -265,7 +311,7 @@ class JsonSchemaFormat(Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = Field(None, max_length=4096)
-    schema_: Annotated[dict[str, Any], AfterValidator(_valid_schema)] = Field(
+    schema_: Annotated[dict[str, Any], BeforeValidator(_valid_schema)] = Field(
         alias="schema", description="a JSON schema (checked against its meta-schema; draft 2020-12 unless its "
                                     "`$schema` says otherwise)")
     strict: bool | None = Field(None, description="accepted for OpenAI's clients: the answer always follows the "
@@ -292,7 +338,7 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFor
 class FunctionDefinition(Strict):
     name: ToolName
     description: str | None = Field(None, max_length=MAX_CONTENT_CHARS, pattern=NO_NUL)
-    parameters: Annotated[dict[str, Any], AfterValidator(_valid_schema)] | None = Field(
+    parameters: Annotated[dict[str, Any], BeforeValidator(_valid_schema)] | None = Field(
         None, description="the arguments' JSON schema; unset: any JSON object")
     strict: bool | None = Field(None, description="where a tool_choice forces a call, its arguments follow "
                                                   "`parameters`, or with false are any JSON object (OpenAI's)")

@@ -113,6 +113,13 @@ class Settings(BaseSettings):
     auth_failures_per_s: float = Field(0.2, gt=0)
     auth_failures_burst: int = Field(10, ge=1)
     max_request_bytes: int = Field(8 * 2**20, ge=1024)  # one JSON request body
+    # A JSON schema in a request (`response_format`'s, a tool's `parameters`, in a body or a batch line): its
+    # compact JSON's bytes, its JSON values and its nesting. The grammar it becomes is compiled by the worker,
+    # where a schema at these bounds takes a few seconds at worst (a thousand optional properties); past them a
+    # schema is a 400 naming the bound (a line error in a batch). OpenAI's own limits are of the same order.
+    max_schema_bytes: int = Field(64 * 1024, ge=1024)
+    max_schema_nodes: int = Field(2000, ge=16)
+    max_schema_depth: int = Field(32, ge=2, le=64)
     # Proxies (IPs or networks, comma-separated, `*` any) whose X-Forwarded-For / X-Forwarded-Proto `convoq api`
     # believes: behind a TLS-terminating proxy, name it here so that failed authentications are counted per
     # real client, not per proxy (uvicorn's default, loopback only). Empty: the client is always the TCP peer.

@@ -4,11 +4,19 @@ the answer with (`engine.grammar`: JSON text, `{"type": "json_schema", "schema":
 The API checks a schema against JSON Schema's meta-schema (its own `$schema`'s, else draft 2020-12) before
 anything is stored: the API process must not import xgrammar (it loads torch). A schema that is valid but uses
 what the grammar compiler cannot take fails its job alone, with the compiler's message (`grammar: ...`).
+
+What a grammar costs to compile grows with its schema (a thousand optional properties take seconds), so the API
+also bounds a schema's size, its count of values and its nesting (`SchemaBounds`, from the settings) before it
+checks anything else. Checking a large schema takes its time too: the API does it on a thread (`vet`), and the
+verdicts it leaves in `VERDICTS` are what the job's validation then reads, so that the event loop never walks a
+schema itself.
 """
 
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jsonschema import Draft202012Validator
@@ -17,6 +25,7 @@ from jsonschema.validators import validator_for
 
 if TYPE_CHECKING:
     from jobs.schemas import ResponseFormat
+    from jobs.settings import Settings
 
 
 # keywords the grammar compiler (xgrammar 0.2.9) passes over without enforcing them: an answer could break them,
@@ -28,6 +37,89 @@ ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "not", "proper
               "else", "unevaluatedItems", "unevaluatedProperties")
 SCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# the verdicts of the schemas of the request being validated, by the identity of each schema's object: each entry
+# holds the object itself, so that its id stays its own while the request lives
+VERDICTS: ContextVar[dict[int, tuple[object, str | None]] | None] = ContextVar("schema_verdicts", default=None)
+
+
+@dataclass(frozen=True)
+class SchemaBounds:
+    """What a request's JSON schema may be: its compact JSON's UTF-8 bytes, its JSON values (objects, arrays,
+    strings, numbers, ... each one) and how deep its objects and arrays nest (the schema itself is level 1)."""
+
+    max_bytes: int
+    max_nodes: int
+    max_depth: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> SchemaBounds:
+        return cls(settings.max_schema_bytes, settings.max_schema_nodes, settings.max_schema_depth)
+
+
+def bounds_problem(schema: object, bounds: SchemaBounds) -> str | None:
+    """Which of `bounds` `schema` passes (naming the bound and its setting), or None."""
+    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > bounds.max_bytes:
+        return f"the schema is {size} bytes of JSON; at most {bounds.max_bytes} (CONVOQ_MAX_SCHEMA_BYTES)"
+    nodes, pending = 0, [(schema, 1)]
+    while pending:  # iteratively: the walk itself must not recurse
+        node, depth = pending.pop()
+        nodes += 1
+        if nodes > bounds.max_nodes:
+            return f"the schema has more than {bounds.max_nodes} JSON values (CONVOQ_MAX_SCHEMA_NODES)"
+        if isinstance(node, dict | list):
+            if depth > bounds.max_depth:
+                return f"the schema nests deeper than {bounds.max_depth} levels (CONVOQ_MAX_SCHEMA_DEPTH)"
+            pending.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return None
+
+
+def embedded_schemas(body: object) -> list[tuple[str, dict]]:
+    """The JSON schemas a request body (a job's, a chat completion's, a batch line's) holds, each with where:
+    `response_format.json_schema.schema` and each tool's `function.parameters`. Whatever is not shaped so is
+    left to the request's validation to refuse."""
+    if not isinstance(body, dict):
+        return []
+    found = []
+    json_schema = _at(body, "response_format", "json_schema")
+    if isinstance(json_schema, dict) and isinstance(json_schema.get("schema"), dict):
+        found.append(("response_format.json_schema.schema", json_schema["schema"]))
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        if isinstance(parameters := _at(tool, "function", "parameters"), dict):
+            found.append((f"tools.{i}.function.parameters", parameters))
+    return found
+
+
+def _at(value: object, *keys: str) -> object:
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def within_bounds(body: object, bounds: SchemaBounds) -> list[dict]:
+    """The JSON schemas `body` holds (`embedded_schemas`); raises `SchemaTooLarge` naming the first one past
+    `bounds`, and the bound."""
+    for where, schema in (found := embedded_schemas(body)):
+        if problem := bounds_problem(schema, bounds):
+            raise SchemaTooLarge(f"{where}: {problem}")
+    return [schema for _, schema in found]
+
+
+def vet(body: object, bounds: SchemaBounds) -> dict[int, tuple[object, str | None]]:
+    """The verdicts (`schema_problem`) of the schemas `body` holds, for `VERDICTS`, once they are all within
+    `bounds` (`within_bounds`)."""
+    return {id(schema): (schema, schema_problem(schema)) for schema in within_bounds(body, bounds)}
+
+
+class SchemaTooLarge(ValueError):
+    """A request's JSON schema is past the API's bounds."""
+
+
+def vetted_problem(schema: dict[str, Any]) -> str | None:
+    """`schema_problem(schema)`, from `VERDICTS` when the API vetted this very object."""
+    known = (VERDICTS.get() or {}).get(id(schema))
+    return known[1] if known is not None and known[0] is schema else schema_problem(schema)
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
@@ -54,11 +146,24 @@ def _unenforced(schema: object, path: str) -> str | None:
     for key in UNENFORCED:
         if key in schema and not (key == "uniqueItems" and schema[key] is False):
             return f"{path}/{key}"
-    subschemas = [(f"{path}/{key}", schema[key]) for key in ONE_SCHEMA if key in schema]
-    subschemas += [(f"{path}/{key}/{i}", sub) for key in SCHEMA_LIST for i, sub in enumerate(schema.get(key) or [])]
-    subschemas += [(f"{path}/{key}/{name}", sub) for key in SCHEMA_MAP
-                   for name, sub in (schema.get(key) or {}).items()]
-    return next((found for where, sub in subschemas if (found := _unenforced(sub, where))), None)
+    return next((found for where, sub in _subschemas(schema, path) if (found := _unenforced(sub, where))), None)
+
+
+def _subschemas(schema: dict, path: str) -> list[tuple[str, object]]:
+    """The schemas `schema` holds, with their paths, whatever shape its keywords have: a draft's meta-schema
+    checks only its own keywords (draft-07's lets `$defs` be a list), and `items` is a list of schemas in
+    drafts before 2020-12."""
+    subschemas = []
+    for key in ONE_SCHEMA + SCHEMA_LIST:
+        value = schema.get(key)
+        if isinstance(value, list):
+            subschemas += [(f"{path}/{key}/{i}", sub) for i, sub in enumerate(value)]
+        elif isinstance(value, dict):
+            subschemas.append((f"{path}/{key}", value))
+    for key in SCHEMA_MAP:
+        if isinstance(value := schema.get(key), dict):
+            subschemas += [(f"{path}/{key}/{name}", sub) for name, sub in value.items()]
+    return subschemas
 
 
 def grammar_spec(response_format: ResponseFormat | None) -> str | None:

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jobs.schemas import JobIn, ToolChoice
+from jobs.schemas import JobIn, ToolChoice, bounded_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
@@ -65,7 +65,7 @@ def stream_stops(stops: Sequence[str], tools: Sequence[object] | None,
 def _call(block: str, names: frozenset[str]) -> dict | None:
     """OpenAI's tool call for the inside of one `<tool_call>` block, None when it is no call of `names`."""
     try:
-        call = json.loads(block)
+        call = bounded_json(block)  # a model may nest deeper than Python's parser can follow
     except ValueError:
         return None
     if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):

@@ -11,15 +11,40 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
+from pydantic import ValidationError
 
 from cli.stack import Stack
 from cli.tiny_model import build_tiny_model
+from jobs.schemas import JobIn, Message
 
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 TENANT_KEYS = {"shop": "shop-key-0123456789", "bank": "bank-key-0123456789"}
 EXAMPLES_PER_OPERATION = 40  # per tenant; with ~22 operations and every phase, about 1,500 cases per tenant
 ROOT = Path(__file__).resolve().parent.parent
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "tool"}, {"role": "tool", "content": "4"}, {"role": "tool", "content": "4", "tool_call_id": "c1"},
+    {"role": "user"}, {"role": "user", "content": "hi"}, {"role": "user", "content": "hi", "tool_call_id": "c1"},
+    {"role": "system", "content": "be brief", "tool_calls": [CALL]}, {"role": "assistant"},
+    {"role": "assistant", "content": "ok"}, {"role": "assistant", "tool_calls": [CALL]},
+    {"role": "assistant", "tool_calls": []}, {"role": "assistant", "content": "ok", "tool_call_id": "c1"}])
+def test_the_document_says_which_fields_each_role_needs(message):
+    """What the job refuses for its role, the OpenAPI document refuses too: a request valid by the document is
+    not refused for it."""
+    by_document = not list(jsonschema.Draft202012Validator(JobIn.model_json_schema()).iter_errors(
+        {"messages": [message]}))
+    try:
+        Message.model_validate(message)
+        by_model = True
+    except ValidationError:
+        by_model = False
+    assert by_document == by_model
 
 
 @pytest.fixture(scope="module")

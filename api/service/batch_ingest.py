@@ -20,11 +20,13 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
 
 from celery import Celery
 from sqlalchemy import delete, or_, select, update
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.batch_input import LineError, ParsedLine, parse_lines
@@ -37,6 +39,7 @@ from jobs.db import copy_ignore, insert_ignore
 from jobs.publish import publish
 from jobs.schemas import BatchStatus
 from jobs.settings import Settings
+from jobs.structured import SchemaBounds
 from jobs.tables import Batch, BatchLineError, File, Job, job_row, utcnow
 
 log = logging.getLogger(__name__)
@@ -48,16 +51,63 @@ MAX_MESSAGE = 2000  # characters of a line error's reason
 VALIDATING = BatchStatus.validating.value
 
 
-class Ingests:
-    """This process's ingests, a few at a time on threads of their own, and the resumer: every
-    `CONVOQ_HEARTBEAT_S` it renews their leases (`CONVOQ_DEAD_AFTER_S` ahead, on the database's clock) and claims
-    batches whose lease expired, while a thread is free. It runs on a thread, off the event loop."""
+@dataclass(frozen=True)
+class Needs:
+    """What an ingest works with, in the process that runs it."""
 
-    def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, check: PromptCheck,
-                 router: Router, threads: int = 2) -> None:
-        self.sessions, self.celery, self.settings, self.check, self.router = sessions, celery, settings, check, router
-        self.threads = threads
+    sessions: sessionmaker[Session]
+    celery: Celery
+    settings: Settings
+    check: PromptCheck
+    router: Router | None = None
+
+
+def run_ingest(needs: Needs, batch_id: uuid.UUID, lease: uuid.UUID) -> None:
+    """Ingest the batch under `lease`; an ingest that raised is counted (`failed`), never raised further."""
+    try:
+        ingest(needs.sessions, needs.celery, needs.settings, needs.check, batch_id, lease, needs.router)
+    except Exception as exc:
+        # a database error too (a statement timeout, a full disk) is counted, or it would come back at every try;
+        # one that leaves the database unreachable cannot be, and the batch is tried again once it is back
+        log.exception("ingest of batch %s failed", batch_id)
+        try:
+            failed(needs.sessions, batch_id, lease, exc)
+        except Exception:  # not counted: the lease lapses all the same, and the batch is tried again
+            log.exception("could not count the failed ingest of batch %s", batch_id)
+
+
+class Runner(Protocol):
+    """Where ingests run: `submit` starts one (`run_ingest`) and gives its future, `shutdown` waits for those
+    under way and drops those not started."""
+
+    def submit(self, batch_id: uuid.UUID, lease: uuid.UUID) -> Future: ...
+
+    def shutdown(self) -> None: ...
+
+
+class OnThreads:
+    """Ingests on threads of this process: an app that tests build, many to a process. An API process ingests in
+    a child process instead (`api.service.ingest_process`), so that its requests never wait behind the lines'
+    work for the interpreter's lock."""
+
+    def __init__(self, needs: Needs, threads: int) -> None:
+        self.needs = needs
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ingest")
+
+    def submit(self, batch_id: uuid.UUID, lease: uuid.UUID) -> Future:
+        return self._pool.submit(run_ingest, self.needs, batch_id, lease)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Ingests:
+    """This process's ingests, `slots` at a time on its runner, and the resumer: every `CONVOQ_HEARTBEAT_S` it
+    renews their leases (`CONVOQ_DEAD_AFTER_S` ahead, on the database's clock) and claims batches whose lease
+    expired, while a slot is free. It runs on a thread, off the event loop."""
+
+    def __init__(self, sessions: sessionmaker[Session], settings: Settings, runner: Runner, slots: int) -> None:
+        self.sessions, self.settings, self.runner, self.slots = sessions, settings, runner, slots
         self._held: dict[uuid.UUID, uuid.UUID] = {}  # lease -> batch id, for each ingest submitted here
         self._lock = threading.Lock()
         self._closing = threading.Event()  # no more claims
@@ -71,7 +121,7 @@ class Ingests:
     def stop(self) -> None:
         """Finish the ingests under way, their leases renewed meanwhile; those not started are left to lapse."""
         self._closing.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.runner.shutdown()
         self._done.set()
         if self._resumer is not None:
             self._resumer.join()
@@ -81,26 +131,14 @@ class Ingests:
         with self._lock:
             self._held[lease] = batch_id
         try:
-            self._pool.submit(self._ingest, batch_id, lease)
+            self.runner.submit(batch_id, lease).add_done_callback(lambda _: self._let_go(lease))
         except RuntimeError:  # shutting down: the lease lapses and another process takes the batch over
-            with self._lock:
-                self._held.pop(lease, None)
+            self._let_go(lease)
             log.warning("batch %s is left to another API process: this one is stopping", batch_id)
 
-    def _ingest(self, batch_id: uuid.UUID, lease: uuid.UUID) -> None:
-        try:
-            ingest(self.sessions, self.celery, self.settings, self.check, batch_id, lease, self.router)
-        except (OperationalError, InterfaceError):  # the database went away: the lease lapses, it is resumed
-            log.exception("ingest of batch %s stopped; it will be resumed", batch_id)
-        except Exception as exc:
-            log.exception("ingest of batch %s failed", batch_id)
-            try:
-                failed(self.sessions, batch_id, lease, exc)
-            except Exception:  # not counted: the lease lapses all the same, and the batch is tried again
-                log.exception("could not count the failed ingest of batch %s", batch_id)
-        finally:
-            with self._lock:
-                self._held.pop(lease, None)
+    def _let_go(self, lease: uuid.UUID) -> None:
+        with self._lock:
+            self._held.pop(lease, None)
 
     def _resume(self) -> None:
         while True:
@@ -112,7 +150,7 @@ class Ingests:
                 return
 
     def tick(self) -> None:
-        """Renew this process's leases, then claim lapsed ones while a thread is free."""
+        """Renew this process's leases, then claim lapsed ones while a slot is free."""
         with self._lock:
             held = dict(self._held)
         lease_s = self.settings.dead_after_s
@@ -121,7 +159,7 @@ class Ingests:
                 session.execute(update(Batch).where(Batch.id.in_(held.values()), Batch.ingest_lease_id.in_(held))
                                 .values(ingest_lease_expires_at=db_now(lease_s)))
                 session.commit()
-            free = 0 if self._closing.is_set() else self.threads - len(held)
+            free = 0 if self._closing.is_set() else self.slots - len(held)
             claimed = claim_lapsed(session, free, lease_s)
         for batch_id, lease in claimed:
             log.info("resuming the ingest of batch %s", batch_id)
@@ -159,7 +197,8 @@ def ingest(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
             release(session, batch_id, lease, source)
             session.commit()
             return
-        total, invalid = _store_lines(session, batch, check, pieces(session, source), settings.max_request_bytes)
+        total, invalid = _store_lines(session, batch, check, pieces(session, source), settings.max_request_bytes,
+                                      SchemaBounds.of(settings))
         now = utcnow()
         moved = (dict(status=BatchStatus.failed.value, failed_at=now) if total == invalid
                  else dict(status=BatchStatus.in_progress.value, in_progress_at=now))
@@ -220,15 +259,25 @@ def failed(sessions: sessionmaker[Session], batch_id: uuid.UUID, lease: uuid.UUI
             source = session.scalar(select(Batch.source_file_id).where(Batch.id == batch_id))
             session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == VALIDATING)
                             .values(status=BatchStatus.failed.value, failed_at=utcnow(), invalid_lines=1))
-            insert_ignore(session, BatchLineError, {"batch_id": batch_id, "line": 0, "custom_id": None, "message":
-                                                    f"ingest failed {failures} times: {type(exc).__name__}"})
+            insert_ignore(session, BatchLineError, {"batch_id": batch_id, "line": 0, "custom_id": None,
+                                                    "message": f"ingest failed {failures} times: {reason(exc)}"})
             if source is not None:
                 release(session, batch_id, lease, source)
         session.commit()
 
 
+def reason(exc: Exception) -> str:
+    """Why an ingest raised, for its batch's line error: the database's own first line for a database error (a
+    statement timeout, a full disk), never the statement or its parameters, which SQLAlchemy's text quotes."""
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else None
+    if cause is None:
+        return type(exc).__name__
+    first = (str(cause).strip().splitlines() or [""])[0]
+    return f"the database refused it ({type(exc).__name__}: {first})"[:MAX_MESSAGE]
+
+
 def _store_lines(session: Session, batch: Batch, check: PromptCheck, source: Iterable[bytes],
-                 max_line_bytes: int) -> tuple[int, int]:
+                 max_line_bytes: int, bounds: SchemaBounds) -> tuple[int, int]:
     """Insert a job per good line and a `BatchLineError` per bad one (uncommitted); (lines, bad lines)."""
     jobs: list[dict] = []
     bad: list[dict] = []
@@ -244,7 +293,7 @@ def _store_lines(session: Session, batch: Batch, check: PromptCheck, source: Ite
         jobs.clear()
         bad.clear()
 
-    for item in parse_lines(source, batch.priority, max_line_bytes):
+    for item in parse_lines(source, batch.priority, max_line_bytes, bounds):
         total += 1
         if isinstance(item, ParsedLine) and (problem := _problem(check, item)):
             item = LineError(item.line, item.custom_id, f"{problem[0]}: {problem[1]}")
