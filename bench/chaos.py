@@ -20,7 +20,16 @@ can be broken. Two runs of the same jobs: one undisturbed, one with the `--fault
   it and start a new one within `CONVOQ_ENGINE_STALL_S` (4 s here), and its jobs run again, charged nothing;
 - `api-kill-during-ingest`: a batch of `INGEST_LINES` lines uploaded and the API SIGKILLed right after its 202,
   mid-ingest; a new API process is started, as a supervisor would, and must take the ingest over. The batch's
-  jobs are audited with the others, and a line that never became a job counts as lost.
+  jobs are audited with the others, and a line that never became a job counts as lost;
+- `broken-worker`: a worker whose model's weights are cut short joins the fleet while messages wait: it must exit
+  non-zero before it consumes anything (`broken_worker_exits`: its exit status, None if it was still alive after
+  `BROKEN_WAIT_S`), and lose nothing;
+- `split-fleet`: the worker is replaced by a bulk-only one (`--queues convoq.bulk`, the newest: later worker
+  faults hit it) and an interactive-only one, and `SPLIT_CONVERSATIONS` conversations each get a summary (bulk)
+  and, once it ran, `SPLIT_TURNS` chat turns (interactive) in the same conversation_id: every turn must reach a
+  worker that reads chats, never the bulk worker's own queue: `split_turns_late` counts those not finished
+  within `SPLIT_WAIT_S` (no other fault is injected meanwhile). Their jobs are audited with the others.
+A fault whose turn never came (everything had finished before it) is listed in `faults_missed`.
 With `--lost-reply-every N` (20), one database commit in N of the workers loses its reply (`bench.faults`)
 throughout the faulty run (not with `engine-stall`: lost replies need the engine in the worker's process). A worker that dies meanwhile is restarted too.
 With `--batch`, the jobs go in as the lines of one batch (uploaded before the first worker starts): bulk work,
@@ -43,11 +52,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,7 +84,8 @@ from jobs.tables import Batch, Job
 from migrations.apply import upgrade
 
 KEY = "bench-key-not-a-secret"
-FAULTS = ("kill", "redis", "postgres", "freeze", "engine-stall", "api-kill-during-ingest", "deploy", "long-outage")
+FAULTS = ("kill", "redis", "postgres", "freeze", "engine-stall", "api-kill-during-ingest", "deploy", "long-outage",
+          "broken-worker", "split-fleet")
 WORKER_FAULTS = ("kill", "freeze", "deploy", "long-outage")
 LEASE_S = 5
 SHUTDOWN_GRACE_S = 0  # the jobs here take under a second: any grace would let them finish, and test nothing
@@ -81,6 +93,9 @@ STOP_GRACE_S = SHUTDOWN_GRACE_S + 10
 STALL_S = 4
 INGEST_LINES = 1000  # enough that the kill lands while the lines are still being read
 LEAVING_FAULTS = ("kill", "deploy", "freeze")  # the worker is gone afterwards: its own queues' messages must move
+BROKEN_WAIT_S = 180  # a worker whose model cannot load must have exited by then (it loads nothing else)
+SPLIT_CONVERSATIONS, SPLIT_TURNS = 10, 2
+SPLIT_WAIT_S = 60  # a chat turn takes well under a second here: one still waiting then was sent where nobody reads
 
 
 def statuses(db: sa.Engine, ids: list[uuid.UUID]) -> dict[str, int]:
@@ -132,10 +147,24 @@ def engine_of(worker_pid: int) -> int | None:
     return None
 
 
+def broken_model(model: Path, into: Path) -> Path:
+    """A copy of the model's folder with its weights cut short, as a failed download or a bad image leaves it."""
+    broken = Path(shutil.copytree(model, into / "broken-model", dirs_exist_ok=True))
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return broken
+
+
 class Chaos:
     def __init__(self, stack: Stack, pg: PostgresServer, broker: RedisServer, outage_s: float,
-                 settings: Settings) -> None:
+                 settings: Settings, model: Path) -> None:
         self.stack, self.pg, self.broker, self.outage_s, self.settings = stack, pg, broker, outage_s, settings
+        self.model = model
+        self.extra: list[uuid.UUID] = []  # jobs a fault submitted itself (split-fleet's conversations)
+        self.broken: list[tuple[subprocess.Popen, float]] = []  # broken workers not yet gone, and their start
+        self.broken_exits: list[int | None] = []  # each broken worker's exit status; None: it stayed
+        self.conversation: threading.Thread | None = None  # split-fleet's conversations, sent and awaited
+        self.split_late: int | None = None  # of split-fleet's chat turns, those not finished within SPLIT_WAIT_S
         self.redis = redis.Redis.from_url(broker.url)
         self.frozen: list[tuple[int, float]] = []  # (pid, when)
         self.dead: set[int] = set()  # workers killed, frozen past their leases, or exited: the crashes they explain
@@ -197,6 +226,10 @@ class Chaos:
                 self.missed.append(fault)
                 return
             os.kill(engine, signal.SIGSTOP)  # the worker lives on: its watchdog kills the engine, never us
+        elif fault == "broken-worker":
+            self.broken_worker()
+        elif fault == "split-fleet":
+            self.split_fleet()
         elif fault == "api-kill-during-ingest":
             lines = b"".join(json.dumps({"custom_id": f"b{i}", "max_new_tokens": 16,
                                          "messages": [{"role": "user", "content": f"Invoice {i}?"}]}).encode() + b"\n"
@@ -212,6 +245,76 @@ class Chaos:
             if not cut:  # the ingest had committed before the kill: nothing was taken over
                 self.missed.append(fault)
             self.stack.start_api()
+
+    def broken_worker(self) -> None:
+        """A worker on a model that cannot load, started as a supervisor would; it must leave on its own
+        (`watch_broken`), while the others go on."""
+        env = {**self.stack.env, "CONVOQ_MODEL": str(broken_model(self.model, self.stack.logdir))}
+        with open(self.stack.logdir / "broken-worker.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.broken.append((proc, time.monotonic()))
+
+    def watch_broken(self, final: bool = False) -> None:
+        """Record the exit of each broken worker that left; one still there after `BROKEN_WAIT_S` (or at the end,
+        `final`) is killed and recorded as None."""
+        for proc, at in list(self.broken):
+            if (code := proc.poll()) is None and not (final or time.monotonic() - at > BROKEN_WAIT_S):
+                continue
+            if code is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            self.broken_exits.append(code)
+            self.broken.remove((proc, at))
+
+    def busy(self) -> bool:
+        """Whether a fault is still under way: a broken worker not yet gone, or split-fleet's conversations."""
+        return bool(self.broken) or self.conversing()
+
+    def conversing(self) -> bool:
+        return self.conversation is not None and self.conversation.is_alive()
+
+    def split_fleet(self) -> None:
+        """The fleet split by class, then conversations whose summary and chat turns land on different workers
+        (sent from a thread of their own: the turns wait for their summaries)."""
+        leaving = self.stack.workers[-1]
+        os.kill(leaving.pid, signal.SIGTERM)  # a deploy of the old worker, replaced by two
+        try:
+            leaving.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(leaving.pid, signal.SIGKILL)
+            leaving.wait()
+        self.stack.start_worker("--queues", self.settings.interactive_queue)
+        self.stack.start_worker("--queues", self.settings.bulk_queue)
+        self.conversation = threading.Thread(target=self.converse, name="split-fleet", daemon=True)
+        self.conversation.start()
+
+    def converse(self) -> None:
+        """Each conversation's summary, then once it ran its chat turns, awaited for `SPLIT_WAIT_S`: a turn sent to
+        a queue nobody reads would wait there until some later fault moved it (no other fault is injected
+        meanwhile)."""
+        def job(k: int, kind: str, priority: int) -> JobIn:
+            return JobIn(kind=kind, messages=[{"role": "user", "content": f"Customer {k}: my parcel is late."}],
+                         priority=priority, sampling={"max_new_tokens": 16}, conversation_id=f"split-{k}")
+
+        def finished(ids: list[uuid.UUID], within_s: float) -> int:
+            deadline = time.monotonic() + within_s
+            while (n := sum(statuses(db, ids).get(s.value, 0) for s in TERMINAL)) < len(ids) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return n
+
+        db = sa.create_engine(self.pg.url)
+        with Client(self.stack.api_url, KEY) as client:
+            # the most urgent bulk priority: served before the backlog of bulk work
+            summaries = [client.submit(job(k, "summarize", 6)).id for k in range(SPLIT_CONVERSATIONS)]
+            self.extra += summaries
+            finished(summaries, 300)
+            turns = [client.submit(job(k, "chat", 9)).id for k in range(SPLIT_CONVERSATIONS)
+                     for _ in range(SPLIT_TURNS)]
+            self.extra += turns
+            self.split_late = len(turns) - finished(turns, SPLIT_WAIT_S)
+        db.dispose()
 
     def batch_jobs(self, db: sa.Engine) -> list[uuid.UUID]:
         """The jobs the uploaded batches' lines have become so far (none before a batch's ingest committed)."""
@@ -271,7 +374,7 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
             # without affinity, everything waits in the shared queues before the first worker starts
             ids = [] if affinity else submit(waves.pop(0))
             sending: Future | None = None  # the wave being submitted (with affinity), while the run goes
-            chaos = Chaos(stack, pg, broker, outage_s, settings)
+            chaos = Chaos(stack, pg, broker, outage_s, settings, model)
             start = time.monotonic()
             stack.start_worker()
             marks = [round(n_jobs * (k + 1) / (len(faults) + 1)) for k in range(len(faults))]
@@ -281,11 +384,12 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
                 while time.monotonic() - start < timeout:
                     if sending is not None and sending.done():
                         ids, sending = ids + sending.result(), None
-                    audited = ids + chaos.batch_jobs(db)
+                    audited = ids + chaos.batch_jobs(db) + chaos.extra
                     counts = statuses(db, audited)
                     done = sum(counts.get(s.value, 0) for s in TERMINAL)
                     bar.update(done - bar.n)
-                    if done >= n_jobs + INGEST_LINES * len(chaos.batches):
+                    chaos.watch_broken()
+                    if done >= n_jobs + INGEST_LINES * len(chaos.batches) + len(chaos.extra) and not chaos.busy():
                         break
                     chaos.keep_a_worker()
                     injected = len(faults) - len(pending)
@@ -302,18 +406,21 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
                     # cut off one that holds jobs (with affinity: and has messages waiting in its own queues), or
                     # the fault tests nothing; unless nothing more comes before it (its count then says 0)
                     worker, idle = stack.workers[-1].pid, affinity and sending is None and done >= len(audited)
+                    due = due and not chaos.conversing()  # nothing may move split-fleet's turns meanwhile
                     if due and (pending[0] not in WORKER_FAULTS or idle
                                 or (held_by(db, worker) > 0 and (not affinity or chaos.waiting(worker) > 0))):
                         chaos.inject(pending.pop(0))
                     chaos.thaw(frozen_for_s=2 * LEASE_S)  # well past the lease: its jobs have moved on
                     time.sleep(0.2)
             elapsed = time.monotonic() - start
+            chaos.missed += pending  # faults never injected: everything had finished before their turn
+            chaos.watch_broken(final=True)
             chaos.thaw()
             time.sleep(LEASE_S)  # a thawed worker's late writes land (refused) before the count
-            audited = ids + chaos.batch_jobs(db)
+            audited = ids + chaos.batch_jobs(db) + chaos.extra
             figures = audit(db, audited, chaos.redis, settings, chaos.dead)
             chaos.redis.close()
-            never_jobs = INGEST_LINES * len(chaos.batches) - (len(audited) - len(ids))  # lines lost in an ingest
+            never_jobs = INGEST_LINES * len(chaos.batches) - (len(audited) - len(ids) - len(chaos.extra))  # lines lost in an ingest
             figures["submitted"] += never_jobs
             figures["lost"] += never_jobs
         db.dispose()
@@ -321,7 +428,7 @@ def run(n_jobs: int, faults: list[str], model: Path, outage_s: float, timeout: f
         pg.stop()
         broker.stop()
     return {**figures, "elapsed": elapsed, "ingests_cut": chaos.ingests_cut, "stranded": chaos.stranded,
-            "missed": chaos.missed}
+            "missed": chaos.missed, "broken_exits": chaos.broken_exits, "split_late": chaos.split_late}
 
 
 def main() -> None:
@@ -360,6 +467,8 @@ def main() -> None:
         # a fault that found nothing to break passes without testing anything: this must be empty
         "faults_missed": chaos["missed"],
         **({"home_messages_at_faults": chaos["stranded"]} if args.affinity else {}),
+        **({"broken_worker_exits": chaos["broken_exits"]} if "broken-worker" in faults else {}),
+        **({"split_turns_late": chaos["split_late"]} if "split-fleet" in faults else {}),
     }
     report(result, args.json)
 

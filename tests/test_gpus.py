@@ -4,10 +4,12 @@ placement checked with fake GPU ids on the CPU."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,3 +109,30 @@ def test_one_worker_per_gpu_each_pinned_restarted_when_it_dies_and_stopped_toget
             for pid in left:  # a killed supervisor stops none of its workers: they would outlive the test
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_that_cannot_start_is_started_again_ever_later_with_the_reason(monkeypatch, caplog):
+    from cli import gpus
+    from worker.exits import NOT_STARTED
+
+    assert [gpus.restart_delay(n, 5.0, 300.0) for n in (1, 2, 3, 7, 8)] == [5.0, 10.0, 20.0, 300.0, 300.0]
+    monkeypatch.setattr(gpus, "POLL_S", 0.02)
+    starts: list[float] = []
+    supervisor = gpus.Supervisor(placements(["0"], 0), [], [sys.executable, "-c", f"raise SystemExit({NOT_STARTED})"],
+                                 first_delay_s=0.3)
+    spawn = supervisor.spawn
+    monkeypatch.setattr(supervisor, "spawn", lambda i: (starts.append(time.monotonic()), spawn(i)))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stopper = threading.Timer(4.0, supervisor.stop, args=(signal.SIGTERM,))
+    stopper.start()
+    try:
+        with caplog.at_level("WARNING", logger="cli.gpus"):
+            assert supervisor.run() == 1  # its last exit was a failure
+    finally:
+        stopper.cancel()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(gaps) >= 2 and all(later > 1.6 * earlier for earlier, later in itertools.pairwise(gaps)), gaps
+    assert "could not start: its engine could not be built or its database not reached" in caplog.text
+    assert "1 in a row" in caplog.text and "2 in a row" in caplog.text
