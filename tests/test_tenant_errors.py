@@ -29,7 +29,8 @@ from worker.progress import ProgressPublisher
 
 SHOP_KEY, ADMIN_KEY = "shop-key-0123456789", "admin-key-0123456789"
 HOST = "gpu-7.internal:4242:1700000000"  # a worker's name: its host, its process
-RAISED = "RuntimeError: CUDA error on gpu-7.internal, SELECT payload FROM jobs WHERE id = 'x'"
+WHAT = "CUDA error on gpu-7.internal, SELECT payload FROM jobs WHERE id = 'x'"  # what a run raised
+RAISED = f"RuntimeError: {WHAT}"
 STABLE = ERROR_MESSAGES[ErrorCode.engine_error]
 CHAT = {"model": None, "messages": [{"role": "user", "content": "Where is my parcel?"}]}
 
@@ -77,7 +78,7 @@ def test_a_run_that_raises_shows_its_tenant_a_stable_message_and_code_and_an_adm
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=bearer(SHOP_KEY)).json()["id"]
         with caplog.at_level(logging.ERROR, logger="worker.tasks"):
-            run_raising(worker, job_id, RuntimeError(RAISED.removeprefix("RuntimeError: ")))
+            run_raising(worker, job_id, RuntimeError(WHAT))
         tenant = client.get(f"/v1/jobs/{job_id}", headers=bearer(SHOP_KEY))
         admin = client.get(f"/v1/jobs/{job_id}", headers=bearer(ADMIN_KEY)).json()
     seen = tenant.json()
@@ -86,7 +87,7 @@ def test_a_run_that_raises_shows_its_tenant_a_stable_message_and_code_and_an_adm
     assert "gpu-7" not in tenant.text and "SELECT" not in tenant.text
     assert (admin["error"], admin["error_code"]) == (STABLE, "engine_error")
     assert admin["error_detail"] == f"failed after 1 attempts: {RAISED}" and admin["worker"] == HOST
-    assert RAISED.removeprefix("RuntimeError: ") in caplog.text  # and in the worker's log
+    assert WHAT in caplog.text  # and in the worker's log
 
 
 def wait_queued(sessions, seen: set[uuid.UUID], timeout: float = 30.0) -> str:
@@ -116,7 +117,7 @@ def test_a_chat_whose_job_raised_answers_openais_error_with_its_code(settings, s
             asking.start()
             job_id = wait_queued(sessions, seen)
             time.sleep(0.3)  # the chat follows its job before the job ends (it would read the row otherwise)
-            run_raising(worker, job_id, RuntimeError(RAISED))
+            run_raising(worker, job_id, RuntimeError(WHAT))
             asking.join(60)
     plain, stream = answers["plain"], answers["stream"]
     expected = {"message": f"the job failed: {STABLE}", "type": "server_error", "param": None,
@@ -135,7 +136,7 @@ def test_a_batch_error_line_of_a_job_that_raised_has_its_code_and_stable_message
     row = job_row(JobIn(messages=CHAT["messages"], priority=1), utcnow(), tenant="shop")
     with sessions.begin() as session:
         session.execute(insert(Job.__table__), [{**row, "batch_id": batch.id, "custom_id": "line-1"}])
-    run_raising(worker, str(row["id"]), RuntimeError(RAISED))
+    run_raising(worker, str(row["id"]), RuntimeError(WHAT))
     [line] = [json.loads(x) for x in batch_output.lines(sessions, batch.id, True, settings.model)]
     assert line["custom_id"] == "line-1" and line["error"] == {"code": "engine_error", "message": STABLE}
 
