@@ -104,7 +104,8 @@ def errors(**described: str) -> dict[int | str, dict]:
 # What the gate and FastAPI's validation can answer on every /v1 route (routers add these to each route).
 V1_ERRORS = errors(
     e400="The body could not be parsed (not UTF-8, or not the content type it declares)",
-    e401="Missing or unknown API key",
+    e401="Missing or unknown API key (past CONVOQ_AUTH_FAILURES_BURST unknown keys from one address, that "
+         "address's unknown keys get 429 instead)",
     e403="The API key lacks the scope this method needs (GET reads, other methods submit)",
     e413="The request body is larger than CONVOQ_MAX_REQUEST_BYTES (uploads: CONVOQ_MAX_UPLOAD_BYTES)",
     e422="A parameter or the body does not validate (`detail` lists each problem with its `loc`)",
