@@ -130,9 +130,9 @@ class LLMEngine:
             return []
         self._peak_blocks = max(self._peak_blocks, sum(p.num_used for p in self.blocks.pools))
         work = work_of(plan)
-        if self.ranks is not None:
-            self.ranks.send(plan)
-        result = self.runner.run(plan, (lambda: self._masks(plan)) if self._constrained else None)
+        masks = (lambda: self._masks(plan)) if self._constrained else None
+        result = self.runner.run(plan, masks) if self.ranks is None else \
+            self.ranks.step(plan, lambda: self.runner.run(plan, masks))
         end = time.monotonic()
         self._steps += 1
         self._record_computed(plan, start, end)

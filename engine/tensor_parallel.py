@@ -10,8 +10,14 @@ step (the prefix cache's evictions and returns, which each rank repeats on its s
 runs the plan's forward: attention and MLP end in all-reduces, and the logits of the sampling rows are
 gathered, so rank 0 samples from the whole vocabulary.
 
+After each step every rank says whether its part failed (one all-reduce over the gloo group): a step that
+failed on any rank fails on rank 0, whose engine thread bisects the batch as for a one-rank engine, while the
+others wait for the next step. A rank whose step raised part way through its collectives leaves the others
+waiting in one of them: the engine's watchdog sees the stall.
+
 A rank that dies ends the engine: rank 0 watches the others and exits at once when one is gone (the worker
-then sees its engine die, as for any engine crash), and each of the others exits when rank 0 is gone.
+then sees its engine die, as for any engine crash), and each of the others exits when rank 0 is gone. A step
+that meets a dead rank (a collective's error) raises `RankLost`, an engine's death, never a request's error.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -39,7 +46,8 @@ from engine.config import EngineConfig
 from engine.model.loader import read_shape
 from engine.model.parallel import Split
 from engine.model.qwen3 import rank_shape
-from engine.step import StepPlan
+from engine.runtime.engine_thread import EngineDead, is_fatal
+from engine.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,21 @@ log = logging.getLogger(__name__)
 IDLE_FOREVER = timedelta(days=365)
 WATCH_EVERY_S = 0.5
 RANK_DIED = 70  # rank 0's exit code when another rank is gone
+
+
+class RankLost(EngineDead):
+    """A tensor-parallel rank is gone: the engine cannot run another step."""
+
+
+class RankStepFailed(RuntimeError):
+    """A step failed on another rank than this one (its log says why); the step fails here too, and is bisected."""
+
+
+def agree_failed(group: dist.ProcessGroup, failed: bool) -> bool:
+    """Whether a step failed on any rank, each rank saying whether it did on its own."""
+    flag = torch.tensor([int(failed)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 @dataclass
@@ -121,6 +144,41 @@ class Ranks:
         step = Step(replace(plan, sampling=None) if plan is not None else None, sizes, copies)
         dist.broadcast_object_list([step], src=0, group=self.group)
 
+    def step(self, plan: StepPlan, run: Callable[[], StepResult]) -> StepResult:
+        """Rank 0's step: `plan` sent to the others, `run` (its own part) run, then the ranks agree it went well.
+        Raises what `run` raised, `RankStepFailed` when another rank's part failed, `RankLost` when a rank is gone."""
+        with self._collectives():
+            self.send(plan)
+        try:
+            result = run()
+        except Exception as exc:
+            if is_fatal(exc):
+                raise
+            self._check_ranks(exc)
+            with self._collectives():
+                agree_failed(self.group, True)
+            raise
+        with self._collectives():
+            failed = agree_failed(self.group, False)
+        if failed:
+            raise RankStepFailed("the step failed on another tensor-parallel rank")
+        return result
+
+    @contextlib.contextmanager
+    def _collectives(self):
+        """A collective's error means a rank is gone (or their connection): the engine's death."""
+        try:
+            yield
+        except RuntimeError as exc:
+            raise RankLost(f"a tensor-parallel rank is gone: {str(exc).splitlines()[0]}") from exc
+
+    def _check_ranks(self, exc: Exception) -> None:
+        """Raise `RankLost` if `exc`, raised by rank 0's part of a step, came from a rank being gone: a collective's
+        error, or a rank's process that has exited."""
+        gone = [p.pid for p in self.processes if p.poll() is not None]
+        if gone or isinstance(exc, dist.DistError):
+            raise RankLost(f"a tensor-parallel rank is gone ({gone or 'its connection broke'}): {exc}") from exc
+
     def close(self) -> None:
         """Stop the other ranks: they are sent a stop once rank 0 has its parts, else (rank 0 failed to build)
         killed."""
@@ -157,25 +215,37 @@ def follow(config: EngineConfig, rank: int, world: int, address: str) -> None:
     config = rank_device(config, rank)
     group = _join(config, rank, world, address)
     parts = build(config, split=Split(rank, world))
-    caches = [pool.cache for pool in parts.blocks.pools]
-    host = parts.blocks.prefix.host if parts.blocks.prefix is not None else None
     while True:
         received = [None]
         try:
             dist.broadcast_object_list(received, src=0, group=group)
+            step: Step = received[0]
+            if step.plan is None:
+                break
+            agree_failed(group, not _run_step(parts, step, rank))
         except RuntimeError as exc:  # rank 0's process ended without a stop (killed, or it exited): so does this one
             log.info("rank 0 is gone (%s); rank %d ends", str(exc).splitlines()[0], rank)
             return
-        step: Step = received[0]
-        if step.plan is None:
-            break
-        for cache, blocks in zip(caches, step.pool_blocks, strict=True):
-            if cache.num_blocks != blocks:
-                cache.resize(blocks)
+    dist.destroy_process_group()
+
+
+def _run_step(parts: EngineParts, step: Step, rank: int) -> bool:
+    """This rank's part of one of rank 0's steps; False if it failed (not fatally: rank 0 bisects the batch, and
+    this rank waits for the next step as after any other)."""
+    try:
+        for pool, blocks in zip(parts.blocks.pools, step.pool_blocks, strict=True):
+            if pool.cache.num_blocks != blocks:
+                pool.cache.resize(blocks)
+        host = parts.blocks.prefix.host if parts.blocks.prefix is not None else None
         for name, entry, block in step.host_copies:
             getattr(host, name)(entry, block)
         parts.runner.logits(step.plan)
-    dist.destroy_process_group()
+    except Exception as exc:
+        if is_fatal(exc) or isinstance(exc, dist.DistError):
+            raise
+        log.exception("rank %d: a step failed; rank 0 bisects its batch", rank)
+        return False
+    return True
 
 
 def _exit_with(parent: int) -> None:

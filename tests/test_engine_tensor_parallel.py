@@ -1,6 +1,8 @@
 """Tensor parallelism on the CPU (gloo): the ranks' greedy output is token-identical to one rank's and to
 transformers', through chunked prefill, pre-emption, prefix reuse with the host tier, and sliding windows; a
-model the ranks cannot split is refused with its numbers; a rank that dies ends the worker and its jobs run again."""
+model the ranks cannot split is refused with its numbers; a step that fails on another rank is bisected by rank 0
+as a one-rank engine's is; a rank that dies ends the worker and its jobs run again, and a step that meets the
+dead rank is the engine's death, not a request's error."""
 
 from __future__ import annotations
 
@@ -185,3 +187,80 @@ LLMEngine(EngineConfig(model={str(tiny_model)!r}, tensor_parallel=2))
     # `run` returns once every holder of the stderr pipe closed it: rank 1, which inherited it, has ended too
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rank 1 ends" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def run_script(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                          cwd=Path(__file__).resolve().parent.parent, env=env)
+
+
+# Rank 1 alone fails every step that holds the request `poison`, after its collectives (rank 0 is not kept
+# waiting in one): loaded into rank 1's process, which is `python -m engine.tensor_parallel --rank 1 ...`.
+POISONED_RANK = """
+import sys
+if "engine.tensor_parallel" in sys.orig_argv:
+    from engine.model.model_runner import ModelRunner
+    logits = ModelRunner.logits
+    def poisoned(self, plan):
+        out = logits(self, plan)
+        if "poison" in plan.request_ids:
+            raise ValueError("rank 1 cannot run this request")
+        return out
+    ModelRunner.logits = poisoned
+"""
+
+
+def test_a_step_that_fails_on_another_rank_is_bisected_by_rank_0(tiny_model, tmp_path):
+    """The failing rank says so instead of exiting (and taking the worker with it): rank 0's engine thread finds the
+    request by bisection, and the others finish with one rank's tokens."""
+    (tmp_path / "sitecustomize.py").write_text(POISONED_RANK)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    script = f"""
+import json
+from engine.interface import Request
+from engine.runtime.engine_thread import EngineThread
+from tests.engine_helpers import greedy, make_engine, prompts
+batch = [Request(r, ids, greedy(6)) for r, ids in zip(["a", "b", "poison", "c", "d"], prompts(5, 5, 40, seed=2))]
+outputs = []
+for ranks in (2, 1):
+    thread = EngineThread(make_engine({str(tiny_model)!r}, tensor_parallel=ranks))
+    futures = [thread.submit(r) for r in batch]
+    outputs.append({{r.request_id: [f.result(120).finish_reason, f.result().token_ids, f.result().retryable]
+                    for r, f in zip(batch, futures)}})
+    thread.close()
+print(json.dumps(outputs))
+"""
+    out = run_script(script, env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    split, alone = json.loads(out.stdout.splitlines()[-1])
+    assert split["poison"][0] == "error" and split["poison"][2]  # alone it failed: retryable, as any engine error
+    assert {k: v for k, v in split.items() if k != "poison"} == {k: v for k, v in alone.items() if k != "poison"}
+    assert "rank 1: a step failed; rank 0 bisects its batch" in out.stderr
+
+
+def test_a_step_that_meets_a_dead_rank_is_the_engines_death_not_a_requests_error(tiny_model):
+    """Rank 0's watcher is slowed here, so that the step meets the dead rank first: its collective's error ends
+    the engine thread (`RankLost`, fatal) and fails the request with `EngineDead`, never an error charged to it."""
+    script = f"""
+import os, signal, time
+import engine.tensor_parallel as tp
+tp.WATCH_EVERY_S = 3600
+from engine.interface import Request
+from engine.runtime.engine_thread import EngineDead, EngineThread
+from tests.engine_helpers import greedy, make_engine
+engine = make_engine({str(tiny_model)!r}, tensor_parallel=2)
+[rank] = engine.ranks.processes
+os.kill(rank.pid, signal.SIGKILL)
+rank.wait()
+thread = EngineThread(engine)
+try:
+    done = thread.submit(Request("r", [5, 6, 7], greedy(4))).result(60)
+    print("completed", done.finish_reason, done.error)
+except EngineDead as exc:
+    print("dead", type(thread.error).__name__)
+os._exit(0)
+"""
+    out = run_script(script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["dead", "RankLost"], out.stdout + out.stderr[-3000:]
