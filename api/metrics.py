@@ -2,7 +2,8 @@
 process's streams and waits for a database connection.
 
 The figures are collected by one thread of the API process at most every `CONVOQ_METRICS_REFRESH_S`
-(`jobs.scrape.Snapshot`), on a Redis connection and a database connection of its own, not the health probe's:
+(`jobs.scrape.Snapshot`; only the process's own counts, in its memory, are read at each scrape), on a Redis
+connection and a database connection of its own, not the health probe's:
 a scrape answers the last ones without a command to either, so a flood of scrapes costs neither Redis, nor the
 database, nor `/healthz`. Nothing is written: the Redis lists are read the way Flower's broker page reads them,
 and the per-status counts that triggers keep (`jobs.counts`: a few rows, however many jobs are kept). A source
@@ -68,26 +69,32 @@ def broker_client(settings: Settings) -> redis.Redis | None:
     return redis.Redis(connection_pool=pool)
 
 
-class ServiceCollector(Collector):
-    """`broker`: as `broker_client` makes it (None: no Redis lists to count); `process`: this API process's
-    own figures (streams open, waits for a pooled database connection), left out when None."""
+class ProcessFigures(Collector):
+    """This API process's own figures, counts in its memory, read at each scrape: streams open, and waits for a
+    pooled database connection (`process` gives both)."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], broker: redis.Redis | None,
-                 process: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(self, process: Callable[[], dict[str, int]]) -> None:
+        self.process = process
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.process()
+        yield GaugeMetricFamily("convoq_api_streams", "Event streams and waiting chats open in this API process",
+                                value=figures["streams"])
+        yield CounterMetricFamily("convoq_api_db_pool_waits", "Database connections this API process had to "
+                                  "wait for, every pooled one being in use", value=figures["db_pool_waits"])
+
+
+class ServiceCollector(Collector):
+    """`broker`: as `broker_client` makes it (None: no Redis lists to count)."""
+
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], broker: redis.Redis | None) -> None:
         self.settings = settings
         self.sessions = sessions
         self.broker = broker
-        self.process = process
 
     def collect(self) -> Iterator[Metric]:
         yield from self._broker()
         yield from self._database()
-        if self.process is not None:
-            figures = self.process()
-            yield GaugeMetricFamily("convoq_api_streams", "Event streams and waiting chats open in this API process",
-                                    value=figures["streams"])
-            yield CounterMetricFamily("convoq_api_db_pool_waits", "Database connections this API process had to "
-                                      "wait for, every pooled one being in use", value=figures["db_pool_waits"])
 
     def _broker(self) -> list[Metric]:
         if self.broker is None:
@@ -142,18 +149,19 @@ def by_status(name: str, documentation: str, counts: dict[str, int], statuses: t
 
 class ApiMetrics:
     """What this API process's scrapes read (`registry`): its CPU and memory (process_cpu_seconds_total: its
-    share of a job) and `ServiceCollector`'s figures, `process` giving this process's own, all collected by one
-    thread (`start`) on a database connection and a Redis connection of their own."""
+    share of a job) and `ServiceCollector`'s figures, collected by one thread (`start`) on a database connection
+    and a Redis connection of their own; and the counts `process` gives, read at each scrape."""
 
     def __init__(self, settings: Settings, process: Callable[[], dict[str, int]]) -> None:
         self.settings = settings
         # one thread uses it: one connection; a dropped one fails that round, and the next connects again
         self.db_engine = make_db_engine(settings.database_url.get_secret_value(), pool_size=1, ping_idle_s=None)
         self.broker = broker_client(settings)
-        service = ServiceCollector(settings, make_sessions(self.db_engine), self.broker, process)
+        service = ServiceCollector(settings, make_sessions(self.db_engine), self.broker)
         self.snapshot = Snapshot([ProcessCollector(registry=None), service], settings.metrics_refresh_s)
         self.registry = CollectorRegistry()
         self.registry.register(self.snapshot)
+        self.registry.register(ProcessFigures(process))
         key = settings.metrics_key.get_secret_value()
         self._key_digest = hash_key(key) if key else None
         self._server = None

@@ -31,18 +31,22 @@ class Snapshot(Collector):
     def __init__(self, collectors: Iterable[Collector], every_s: float, name: str = "metrics") -> None:
         self.collectors = list(collectors)
         self.every_s = every_s
+        self.name = name
         self._families: list[Metric] = []
         self._lock = threading.Lock()  # one collection at a time: a refresh asked for while the thread collects
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> Snapshot:
+        """The collecting thread; again after `close` (an app's lifespan may run more than once)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name=self.name, daemon=True)
         self._thread.start()
         return self
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join(timeout)
 
     def refresh(self) -> None:
@@ -59,10 +63,10 @@ class Snapshot(Collector):
     def collect(self) -> Iterator[Metric]:
         return iter(self._families)
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         while True:
             self.refresh()
-            if self._stop.wait(self.every_s):
+            if stop.wait(self.every_s):
                 return
 
 
