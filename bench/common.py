@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # The data folder's models (`jobs.settings.DATA_DIR / "models"`, where the service's default model is), not
 # imported: the GPU check runs these benchmarks where only the engine's dependencies are installed.
 MODELS_DIR = Path(".convoq") / "models"
+QWEN3_TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "data" / "qwen3-tokenizer"
 
 
 def tiny_model(preset: str = "tiny") -> Path:
@@ -24,6 +25,15 @@ def tiny_model(preset: str = "tiny") -> Path:
     if not (path / "config.json").exists():
         print(f"building the {preset} checkpoint in {path}", file=sys.stderr)
         build_tiny_model(path, preset=preset)
+    return path
+
+
+def qwen3_vocabulary_model() -> Path:
+    """The `qwen3-small` checkpoint around the real Qwen3 tokenizer and chat template, built on first use."""
+    path = MODELS_DIR / "qwen3-small"
+    if not (path / "config.json").exists():
+        print(f"building the qwen3-small checkpoint in {path}", file=sys.stderr)
+        build_tiny_model(path, preset="qwen3-small", tokenizer=QWEN3_TOKENIZER)
     return path
 
 

@@ -2,14 +2,18 @@
 
 The API uses it to refuse at the door what could never run, the worker to build the prompts it runs (and to
 fail, with the same reason, what slipped past an API that could not read the model). It needs a tokenizer
-object with the model's chat template, never the model.
+object with the model's chat template, never the model. Both count and encode a prompt one way: only the
+template's own scaffolding yields control tokens, a customer's strings stay text (`jobs.customer_text`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from jobs.customer_text import Names, hide, holds_names, names, spelled
+from jobs.customer_text import encode as encode_hidden
 from jobs.schemas import JobIn, Message
 from jobs.tool_calls import template_tools
 
@@ -26,18 +30,55 @@ COMBINE_INSTRUCTION = (
 )
 
 
-def encode_chat(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool,
-                tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a chat, ending with the assistant's turn opener (the model's chat template). `thinking` goes
+@dataclass(frozen=True)
+class Prompt:
+    """A chat rendered by the model's template. Where a customer's string held the name of a control token,
+    `names` is set and `rendered` holds stand-ins for those names (`jobs.customer_text`)."""
+
+    rendered: str
+    names: Names | None = None
+
+    @property
+    def text(self) -> str:
+        """What the model reads, the customer's strings as written."""
+        return self.rendered if self.names is None else spelled(self.names, self.rendered)
+
+
+def render(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool, tools: list[dict] | None = None) -> Prompt:
+    """A chat rendered by the model's chat template, ending with the assistant's turn opener. `thinking` goes
     to the template as `enable_thinking`: off, Qwen3's template opens the answer with an empty think block; a
     template without the switch ignores it. `tools` (OpenAI's function tools) are the template's to show: Qwen3's
-    lists them in the system prompt."""
-    return encode_rendered(tokenizer, _template(tokenizer, chat, thinking, tools, tokenize=False))
+    lists them in the system prompt. A name of a control token in a customer's string is hidden from the
+    template, to stay text."""
+    found = names(tokenizer)
+    if not holds_names(found, chat, tools):
+        return Prompt(_template(tokenizer, chat, thinking, tools))
+    messages, shown = hide(found, chat, tools)
+    return Prompt(_template(tokenizer, messages, thinking, shown), found)
+
+
+def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a rendered chat: only the template's own scaffolding yields control tokens, a customer's
+    strings are text. The rule for the API's length check and the worker's prompts alike."""
+    if prompt.names is None:  # nothing to keep apart: the whole string, as the template's own tokenization
+        return encode_rendered(tokenizer, prompt.rendered)
+    return encode_hidden(tokenizer, prompt.names, prompt.rendered, rendered_encoder(tokenizer))
+
+
+def encode_chat(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool,
+                tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat (`render`, then `prompt_ids`)."""
+    return prompt_ids(tokenizer, render(tokenizer, chat, thinking, tools))
 
 
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of a rendered chat, its control tokens (`<|im_start|>`...) read as such, as the template's own
-    tokenization does (`apply_chat_template(tokenize=True)`).
+    tokenization does (`apply_chat_template(tokenize=True)`)."""
+    return rendered_encoder(tokenizer)(text)
+
+
+def rendered_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """What `encode_rendered` calls, chosen once for the pieces of one prompt.
 
     A fast tokenizer's Rust tokenizer is called directly, without transformers' call around it: that call
     encodes through `encode_batch`, which lets go of the interpreter lock for a few microseconds of work, and
@@ -49,15 +90,13 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is None or backend.truncation is not None or backend.padding is not None
             or backend.encode_special_tokens or getattr(tokenizer, "split_special_tokens", False)):
-        enc = tokenizer(text, add_special_tokens=False)
-        return list(enc["input_ids"])
-    return backend.encode(text, add_special_tokens=False).ids
+        return lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return lambda text: backend.encode(text, add_special_tokens=False).ids
 
 
-def _template(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool, tools: list[dict] | None,
-              tokenize: bool) -> Any:
+def _template(tokenizer, chat: Sequence[Mapping[str, Any]], thinking: bool, tools: list[dict] | None) -> str:
     return tokenizer.apply_chat_template([dict(m) for m in chat], tools=tools, add_generation_prompt=True,
-                                         tokenize=tokenize, enable_thinking=thinking)
+                                         tokenize=False, enable_thinking=thinking)
 
 
 def token_per_byte_at_most(tokenizer) -> bool:
@@ -142,12 +181,11 @@ def problem(job: JobIn, tokenizer, context: int, default_thinking: bool) -> tupl
         message = summary_problem(max_new, context)
         return None if message is None else ("max_new_tokens", message)
     try:
-        text = _template(tokenizer, chat_for(job), thinking_of(job, default_thinking), template_tools(job),
-                         tokenize=False)
+        prompt = render(tokenizer, chat_for(job), thinking_of(job, default_thinking), template_tools(job))
         # most prompts fit by their bytes alone: tokenizing them (most of an ingested line's cost) settles nothing
-        if len(text.encode()) <= prompt_budget(context, max_new) and token_per_byte_at_most(tokenizer):
+        if len(prompt.text.encode()) <= prompt_budget(context, max_new) and token_per_byte_at_most(tokenizer):
             return None
-        prompt_tokens = len(encode_rendered(tokenizer, text))  # as the template tokenizes it
+        prompt_tokens = len(prompt_ids(tokenizer, prompt))  # as the worker tokenizes it
     except Exception as exc:  # a template may refuse a chat (Qwen's raise when a system message is not first)
         return "messages", f"the model's chat template cannot render these messages: {exc}"
     message = chat_problem(prompt_tokens, max_new, context)
