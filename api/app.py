@@ -21,8 +21,9 @@ from api.hub import Hub
 from api.prompt_check import PromptCheck
 from api.ratelimit import RateLimiter
 from api.routes import batches, chat, files, health, jobs, models
-from api.service.batch_ingest import Ingests
+from api.service.batch_ingest import Ingests, Needs, OnThreads
 from api.service.health import Probe
+from api.service.ingest_process import InChildren
 from api.service.jobs import statuses
 from jobs.affinity import Router
 from jobs.broker import create_celery
@@ -34,9 +35,12 @@ log = logging.getLogger(__name__)
 # pooled database connections, and as many again past them: the threadpool's 40 threads (anyio's default, where
 # every route and stream touching the database runs) and the background writers never queue for one
 DB_POOL_SIZE = 24
+INGESTS = 2  # batches one API process ingests at once
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, ingest_in_children: bool = False) -> FastAPI:
+    """The app; `ingest_in_children`: batches are ingested in child processes (`api.service.ingest_process`), as
+    an API process does, rather than on threads of this one (an app a test builds, many to a process)."""
     settings = settings or get_settings()
     if not settings.known_keys:
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
@@ -56,7 +60,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api_metrics = metrics.ApiMetrics(settings, lambda: {"streams": hub.streams,
                                                         "db_pool_waits": getattr(db_engine.pool, "waits", 0)})
     router = Router(settings)
-    ingests = Ingests(sessions, celery, settings, check, router)
+    runner = (InChildren(settings, INGESTS) if ingest_in_children
+              else OnThreads(Needs(sessions, celery, settings, check, router), INGESTS))
+    ingests = Ingests(sessions, settings, runner, INGESTS)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -107,6 +113,6 @@ def serving_app() -> FastAPI:
     """The app an API process serves (`convoq api`, in each of its processes): `create_app`, then the heap the
     process's start built frozen (`jobs.heap`). Tests build theirs with `create_app`, many to a process, and the
     collection before the freeze would take a second there, with torch loaded."""
-    app = create_app()
+    app = create_app(ingest_in_children=True)
     freeze_startup_heap()
     return app

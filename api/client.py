@@ -109,10 +109,11 @@ class Client:
 
     def line_errors(self, batch_id: UUID | str, limit: int | None = None) -> Iterator[BatchLineError]:
         """The batch's lines that could not become jobs, in line order (at most `limit`), fetched a page at a time."""
-        after, left = 0, limit
+        after, left = None, limit  # from line 0: the batch's own error, when its ingest failed
         while left is None or left > 0:
             size = 1000 if left is None else min(left, 1000)
-            page = _check(self.http.get(f"/v1/batches/{batch_id}/line_errors", params={"after": after, "limit": size}))
+            params = {"limit": size} if after is None else {"after": after, "limit": size}
+            page = _check(self.http.get(f"/v1/batches/{batch_id}/line_errors", params=params))
             for item in page["data"]:
                 yield BatchLineError.model_validate(item)
             if not page["has_more"] or not page["data"]:

@@ -2,12 +2,16 @@
 
     python -m bench.ingest --json
 
-Starts a PostgreSQL, a Redis and the API of its own (real processes, loopback only; no worker: the jobs are
-not run), warms the API up with a small batch, then uploads one batch of `--lines` lines (OpenAI Batch lines of
-about a kilobyte each: 20,000 make 22 MB) as our client and CLI do (multipart). `lines_per_s` counts the lines
+Starts a PostgreSQL, a Redis, the API and a worker of its own (real processes, loopback only; the worker takes
+interactive work only: the batch's jobs are not run), warms the API up with a small batch, times `CHATS` chats
+one after another on the idle service, then uploads one batch of `--lines` lines (OpenAI Batch lines of about a
+kilobyte each: 20,000 make 22 MB) as the `openai` SDK does (the file, then a batch naming it) while chats go one
+after another until every line's message is sent. `chat_during_ingest_ratio` is the median latency of the chats
+sent from the upload to the last message over their median on the idle service, side by side in one run.
+`lines_per_s` counts the lines
 over the time from the upload's 202 to the batch seen `in_progress` (polled every 50 ms: every line validated,
 checked against the model's context and stored as a job); `published_lines_per_s` to every job's message sent
-(the broker's queues stopped growing, every job found in a message: the lines can run); `upload_s` is the upload itself (sent, stored, 202).
+(the broker's queues stopped growing, every job found in a message: the lines can run); `upload_s` is the upload itself (the file stored, then the batch's 202).
 `api_rss_growth_mb` is the API process's peak resident memory from the upload's start to the last publish, over
 its resident memory before it: the kernel's own peak (`VmHWM`, reset first through `clear_refs`) where it can
 be reset, else the largest of samples taken every 10 ms.
@@ -17,17 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import httpx
+import openai
 import redis
 import sqlalchemy as sa
 
 from bench.audit import messages_by_job
-from bench.common import report, tiny_model
+from bench.common import percentile, report, tiny_model
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
 from jobs.broker import queue_lists
@@ -37,6 +42,8 @@ from migrations.apply import upgrade
 KEY = "bench-key-not-a-secret"
 MB = 10**6
 WARM_UP = 50  # lines of the batch sent first, whose messages wait in the broker too
+CHATS = 10  # chats timed on the idle service
+CHAT = [{"role": "user", "content": "Where is my parcel?"}]
 
 
 def batch_lines(n: int) -> bytes:
@@ -98,60 +105,98 @@ def wait_in_progress(db: sa.Engine, batch_id: str, timeout: float) -> tuple[str,
         time.sleep(0.05)
 
 
-def wait_published(broker: redis.Redis, settings: Settings, n_jobs: int, timeout: float) -> float:
-    """Poll the broker until its queues stop growing (no worker takes from them); returns when they last grew.
-    Every job must then have its message (a grouped message carries several)."""
+def wait_published(broker: redis.Redis, settings: Settings, db: sa.Engine, timeout: float) -> float:
+    """Poll the broker until every line of every batch has its message (a grouped message carries several) and
+    its queues stopped growing (no worker takes bulk work from them); returns when they last grew."""
     deadline = time.monotonic() + timeout
     lists = [name for names in queue_lists(settings).values() for name in names]
+    with db.connect() as conn:
+        lines = set(conn.execute(sa.text("SELECT id FROM jobs WHERE batch_id IS NOT NULL")).scalars())
     seen, grew = -1, time.monotonic()
-    while time.monotonic() - grew < 1.0:
+    while True:
         if (waiting := sum(broker.llen(name) for name in lists)) != seen:
             seen, grew = waiting, time.monotonic()
+        elif time.monotonic() - grew >= 1.0 and not lines - messages_by_job(broker, settings).keys():
+            return grew
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the batch's messages still growing after {timeout}s")
+            raise TimeoutError(f"the batch's messages were not all sent after {timeout}s")
         time.sleep(0.05)
-    if (found := len(messages_by_job(broker, settings))) != n_jobs:
-        raise RuntimeError(f"{found} of {n_jobs} jobs have a message")
-    return grew
+
+
+class Chats:
+    """Chats sent through the `openai` SDK one after another, on a thread of their own until `stop`: when each
+    started and its latency in ms."""
+
+    def __init__(self, sdk: openai.OpenAI, model: str) -> None:
+        self.sdk, self.model = sdk, model
+        self.sent: list[tuple[float, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._send, daemon=True)
+
+    def one(self) -> tuple[float, float]:
+        start = time.monotonic()
+        self.sdk.chat.completions.create(model=self.model, messages=CHAT, max_tokens=4)
+        return start, (time.monotonic() - start) * 1000
+
+    def _send(self) -> None:
+        while not self._done.is_set():
+            self.sent.append(self.one())
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def upload(sdk: openai.OpenAI, body: bytes) -> str:
+    """A batch made as the `openai` SDK makes one: its file uploaded, then named by `input_file_id`."""
+    file = sdk.files.create(file=("batch.jsonl", body), purpose="batch")
+    return sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h").id
 
 
 def run(n_lines: int, timeout: float) -> dict:
     data = batch_lines(n_lines)
+    model = str(tiny_model())
     pg, broker = PostgresServer().start(), RedisServer().start()
     try:
         upgrade(pg.url)
         db = sa.create_engine(pg.url)
         client = redis.Redis.from_url(broker.url)
-        env = {"CONVOQ_DATABASE_URL": pg.url, "CONVOQ_BROKER_URL": broker.url, "CONVOQ_MODEL": str(tiny_model()),
+        env = {"CONVOQ_DATABASE_URL": pg.url, "CONVOQ_BROKER_URL": broker.url, "CONVOQ_MODEL": model,
                "CONVOQ_API_KEYS": KEY,
                # OpenAI's 200 MB holds 50,000 lines of 4 kB, beyond the tiny model's context: 1 kB lines, more of them
                "CONVOQ_MAX_BATCH_LINES": str(max(n_lines, 50_000)),
                "CONVOQ_MAX_QUEUED_PER_KEY": str(max(n_lines + 100, 100_000))}
-        with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-ingest-"))) as stack, \
-                httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as http:
+        with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-ingest-"))) as stack:
             stack.start_api()
-
-            def upload(body: bytes) -> str:
-                answer = http.post("/v1/batches", files={"file": ("batch.jsonl", body, "application/jsonl")})
-                answer.raise_for_status()
-                return answer.json()["id"]
-
-            wait_in_progress(db, upload(batch_lines(WARM_UP)), timeout)  # warm-up: pools, parsers, the tokenizer
+            stack.start_worker("--queues", Settings().interactive_queue)  # chats only: the batch's jobs wait
+            sdk = openai.OpenAI(base_url=f"{stack.api_url}/v1", api_key=KEY, timeout=600, max_retries=0)
+            chats = Chats(openai.OpenAI(base_url=f"{stack.api_url}/v1", api_key=KEY, timeout=600, max_retries=0),
+                          model)
+            wait_in_progress(db, upload(sdk, batch_lines(WARM_UP)), timeout)  # warm-up: pools, parsers, the tokenizer
+            chats.one()  # the worker's first chat compiles and allocates: not a latency
+            idle_ms = [chats.one()[1] for _ in range(CHATS)]
             before = _status_kb(stack.api.pid, "VmRSS") * 1024
             peak = PeakRss(stack.api.pid)
             peak.start()
+            chats.start()
             start = time.monotonic()
-            batch_id = upload(data)
+            batch_id = upload(sdk, data)
             accepted = time.monotonic()
             status, jobs = wait_in_progress(db, batch_id, timeout)
             ingest_s = time.monotonic() - accepted
-            published_s = wait_published(client, Settings(broker_url=broker.url), WARM_UP + n_lines, timeout) - accepted
+            published = wait_published(client, Settings(broker_url=broker.url), db, timeout)
+            chats.stop()
             peak_rss = peak.stop()
         db.dispose()
         client.close()
     finally:
         pg.stop()
         broker.stop()
+    # the chats sent while the batch was uploaded, ingested and published
+    busy_ms = [ms for sent, ms in chats.sent if sent < published]
     return {
         "lines": n_lines,
         "upload_mb": round(len(data) / MB, 1),
@@ -160,12 +205,19 @@ def run(n_lines: int, timeout: float) -> dict:
         "upload_s": round(accepted - start, 2),
         "ingest_s": round(ingest_s, 2),
         "lines_per_s": round(n_lines / ingest_s, 1),
-        "published_s": round(published_s, 2),
-        "published_lines_per_s": round(n_lines / published_s, 1),
+        "published_s": round(published - accepted, 2),
+        "published_lines_per_s": round(n_lines / (published - accepted), 1),
         "api_rss_before_mb": round(before / MB, 1),
         "api_rss_peak_mb": round(peak_rss / MB, 1),
         "api_rss_growth_mb": round((peak_rss - before) / MB, 1),
         "peak_is_exact": peak.exact,
+        "chats_idle": len(idle_ms),
+        "chats_during_ingest": len(busy_ms),
+        "chat_p50_idle_ms": round(statistics.median(idle_ms), 1),
+        "chat_p50_during_ingest_ms": round(statistics.median(busy_ms), 1),
+        "chat_p95_during_ingest_ms": round(percentile(busy_ms, 0.95), 1),
+        "chat_max_during_ingest_ms": round(max(busy_ms), 1),
+        "chat_during_ingest_ratio": round(statistics.median(busy_ms) / statistics.median(idle_ms), 2),
     }
 
 

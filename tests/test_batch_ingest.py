@@ -19,6 +19,8 @@ import pytest
 import redis
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
+from sqlalchemy import event
+from sqlalchemy.orm import ORMExecuteState
 
 from api.app import create_app
 from api.batch_input import split_lines
@@ -85,6 +87,33 @@ def test_an_ingest_cut_off_by_a_killed_api_is_finished_by_the_next(service_env, 
     assert sql(database, "SELECT count(*) FROM jobs") == [(5000,)]
     assert_one_message_each(service_env["CONVOQ_BROKER_URL"], 5000)  # no worker runs: every message still waits
     assert sql(database, "SELECT count(*) FROM files") == [(0,)]  # the upload went once its lines were jobs
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU time a process spent itself (its children's not counted), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+def test_an_api_process_ingests_in_a_child_of_its_own(service_env, database, tmp_path):
+    """The lines' work is done outside the API process, which keeps its interpreter's lock for its requests."""
+    with Stack(service_env, tmp_path / "logs") as stack:
+        stack.start_api()
+        post = dict(headers=AUTH, timeout=120)
+        httpx.post(f"{stack.api_url}/v1/batches", files={"file": ("warm.jsonl", jsonl([line(0)]))}, **post)
+        answer = httpx.post(f"{stack.api_url}/v1/batches", **post,
+                            files={"file": ("big.jsonl", jsonl([line(i) for i in range(1, 10_001)]))})
+        assert answer.status_code == 202, answer.text
+        before = cpu_s(stack.api.pid)
+        deadline = time.monotonic() + 120
+        while sql(database, "SELECT count(*) FROM batches WHERE status = 'validating'") != [(0,)]:
+            assert time.monotonic() < deadline, "the batches stayed validating"
+            time.sleep(0.2)
+        used = cpu_s(stack.api.pid) - before
+    assert sql(database, "SELECT count(*) FROM jobs") == [(10_001,)]
+    # on its threads the API spent 1.5-4 s of its own CPU on these lines
+    assert used < 0.5, f"the API process spent {used:.2f} s of CPU while its batch was ingested"
 
 
 def assert_one_message_each(broker_url: str, jobs: int) -> None:
@@ -248,6 +277,67 @@ def test_retry_gives_failed_items_a_fresh_run(database, broker, tiny_model):
     [(job_id,)] = sql(database, "SELECT id FROM jobs WHERE custom_id = 'c1'")
     [claimed] = claim_many(app.state.sessions, [str(job_id)], "a-worker", max_attempts=3)
     assert claimed is not None and (claimed.attempt, claimed.crashes) == (1, 0)  # it runs, neither failed nor alone
+
+
+def test_a_retry_counts_against_the_bounds_and_changes_nothing_when_refused(database, broker, tiny_model):
+    settings = settings_for(database, broker, tiny_model, max_queued_per_key=2)
+    with TestClient(create_app(settings)) as client:
+        batch = ingested(client, upload(client, jsonl([line(i) for i in range(2)])).json()["id"])
+        sql(database, "UPDATE jobs SET status = 'failed', error = 'boom'")
+        time.sleep(1.2)  # past the admission's cached count, which still holds the two lines
+        assert client.post("/v1/jobs", json={"messages": [{"role": "user", "content": "hi"}]},
+                           headers=AUTH).status_code == 202
+        refused = client.post(f"/v1/batches/{batch['id']}/retry", headers=AUTH)  # 1 unfinished + 2 > 2
+    assert refused.status_code == 429 and "would pass the bound" in refused.text
+    assert sql(database, "SELECT status, error FROM jobs WHERE batch_id IS NOT NULL") == [("failed", "boom")] * 2
+
+
+def test_a_retry_never_resets_a_job_taken_since_it_read_it(database, broker, tiny_model):
+    app = create_app(settings_for(database, broker, tiny_model))
+    taken = uuid.uuid4()
+
+    def taken_meanwhile(state: ORMExecuteState):  # another retry queued c1 and a worker took it, after this read
+        if not state.is_select or "FROM jobs" not in str(state.statement) or fired:
+            return None
+        fired.append(True)
+        result = state.invoke_statement()
+        sql(database, "UPDATE jobs SET status = 'running', error = NULL, lease_id = :l, worker = 'w' "
+                      "WHERE custom_id = 'c1'", l=taken)
+        return result
+
+    fired: list[bool] = []
+    with TestClient(app) as client:
+        batch = ingested(client, upload(client, jsonl([line(i) for i in range(2)])).json()["id"])
+        sql(database, "UPDATE jobs SET status = 'failed', error = 'boom'")
+        event.listen(app.state.sessions, "do_orm_execute", taken_meanwhile)
+        retried = client.post(f"/v1/batches/{batch['id']}/retry", headers=AUTH)
+        event.remove(app.state.sessions, "do_orm_execute", taken_meanwhile)
+    assert fired and retried.status_code == 200
+    assert sql(database, "SELECT custom_id, status, lease_id, worker FROM jobs ORDER BY custom_id") == [
+        ("c0", "queued", None, None), ("c1", "running", taken, "w")]
+
+
+def test_an_ingest_whose_statement_fails_ends_its_batch_failed_with_the_reason(database, broker, tiny_model,
+                                                                              monkeypatch):
+    from api.service import batch_ingest
+
+    def timed_out(session, *_args, **_kwargs) -> None:  # the insert of the lines runs past a statement timeout
+        session.execute(sa.text("SET LOCAL statement_timeout = 1"))
+        session.execute(sa.text("SELECT pg_sleep(1)"))
+
+    monkeypatch.setattr(batch_ingest, "copy_ignore", timed_out)
+    settings = settings_for(database, broker, tiny_model, heartbeat_s=0.2, dead_after_s=1)
+    with TestClient(create_app(settings)) as client:
+        batch_id = upload(client, jsonl([line(i) for i in range(3)])).json()["id"]
+        deadline = time.monotonic() + 20  # three tries, a lease apart
+        while (batch := client.get(f"/v1/batches/{batch_id}", headers=AUTH).json())["status"] == "validating":
+            assert time.monotonic() < deadline, "an ingest failing on the database is tried forever"
+            time.sleep(0.1)
+        [error] = client.get(f"/v1/batches/{batch_id}/line_errors", headers=AUTH).json()["data"]
+    assert batch["status"] == "failed"
+    assert error["line"] == 0 and "ingest failed 3 times" in error["message"]
+    assert "statement timeout" in error["message"] and "pg_sleep" not in error["message"]
+    assert sql(database, "SELECT ingest_failures, source_file_id FROM batches") == [(3, None)]
 
 
 def test_a_cursor_of_another_tenant_answers_as_an_unknown_one(database, broker, tiny_model):

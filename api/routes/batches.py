@@ -89,11 +89,14 @@ def cancel_batch(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, ca
 
 
 @router.post("/{batch_id}/retry", response_model=BatchOut,
-             responses={**NOT_FOUND, **errors(e409="The batch is validating or cancelling; retry once it settles")})
+             responses={**NOT_FOUND, **errors(e409="The batch is validating or cancelling; retry once it settles",
+                                              e429="Rate limited, or its failed items would pass the bound on "
+                                                   "unfinished jobs (see Retry-After)")})
 def retry_failed(batch_id: uuid.UUID, session: SessionDep, celery: CeleryDep, settings: SettingsDep,
                  intake: IntakeDep, caller: Caller) -> BatchOut:
-    """Run the batch's failed jobs again (lines that failed validation cannot run: fix and upload those)."""
-    return batches.retry_failed(session, celery, settings, batch_id, caller, intake.router)
+    """Run the batch's failed jobs again (lines that failed validation cannot run: fix and upload those). They
+    count against the bounds on unfinished jobs as new work does."""
+    return batches.retry_failed(session, celery, settings, intake.admission, batch_id, caller, intake.router)
 
 
 @router.get("/{batch_id}/output", response_class=StreamingResponse, responses={**JSONL, **NOT_FOUND})
@@ -118,7 +121,9 @@ def line_errors(
     batch_id: uuid.UUID,
     session: SessionDep,
     caller: Caller,
-    after: Annotated[int, Query(ge=0, le=2**31 - 1, description="the last line number of the page before")] = 0,
+    after: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="the last line number of the page before "
+                                                                      "(none: from the first, line 0 being the "
+                                                                      "batch's own, an ingest that failed)")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> ListOf[BatchLineError]:
     """The lines that could not become jobs, by line number, a page at a time (`request_counts.invalid` counts

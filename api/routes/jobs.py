@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from api.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDep, SettingsDep, errors
 from api.events import EventStream, job_events, wait_finished
 from api.json_body import BoundedJsonRoute
-from api.service.jobs import cancel, enqueue, load, stop_strings
+from api.service.jobs import cancel, enqueue, load, load_json, status_of, stop_strings
 from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_ERRORS, route_class=BoundedJsonRoute)
@@ -39,18 +39,20 @@ async def get_job(
     hub: HubDep,
     caller: Caller,
     wait: float = Query(0.0, ge=0.0, description="seconds to wait for the job to finish (long poll)"),
-) -> JobOut:
-    job = await run_in_threadpool(load, sessions, job_id, caller)
-    if job is not None and job.status not in TERMINAL and wait > 0:
+) -> Response:
+    # serialized here, its result's log-probabilities as stored (`load_json`): as a model, tens of megabytes of
+    # them would be parsed, validated and dumped again
+    found = await run_in_threadpool(load_json, sessions, job_id, caller)
+    if found is not None and found[0] not in TERMINAL and wait > 0:
         release = hub.admit(caller.digest)  # a long poll holds a subscription as a stream does, within its bounds
         try:
-            job = await wait_finished(hub, lambda i: load(sessions, i, caller), job_id,
-                                      min(wait, settings.max_wait_seconds))
+            await wait_finished(hub, lambda i: status_of(sessions, i), job_id, min(wait, settings.max_wait_seconds))
         finally:
             release()
-    if job is None:
+        found = await run_in_threadpool(load_json, sessions, job_id, caller)
+    if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
-    return job
+    return Response(found[1], media_type="application/json")
 
 
 @router.get(

@@ -186,31 +186,50 @@ def _cancel_jobs(session: Session, batch_id: uuid.UUID) -> list[str]:
     return running
 
 
-def retry_failed(session: Session, celery: Celery, settings: Settings, batch_id: uuid.UUID,
+# what a retried job's row is reset to: a fresh run (a claim fails a job past its attempts, and crashes make it a
+# suspect run alone, or fail it), stamped published as it is written (`publish` takes the stamp back if its message
+# does not go out)
+_FRESH_RUN = dict(status=JobStatus.queued.value, error=None, error_code=None, error_detail=None, started_at=None,
+                  finished_at=None, attempts=0, crashes=0, alone_at=None, worker=None, lease_id=None,
+                  lease_expires_at=None, message_missing_at=None, cancel_requested_at=None)
+
+
+def retry_failed(session: Session, celery: Celery, settings: Settings, admission: Admission, batch_id: uuid.UUID,
                  caller: ApiKey, router: Router | None = None) -> BatchOut:
-    """Queue the batch's failed jobs again and publish them; 409 while it is validating or cancelling."""
+    """Queue the batch's failed jobs again and publish them; 409 while it is validating or cancelling, 429 (and
+    nothing changed) when they would pass a bound on unfinished jobs. Only jobs still `failed` when they are
+    written are reset: of two retries at once, the second finds none, and a job the first already queued (or a
+    worker took since) is never reset under it."""
     batch = visible_batch(session, batch_id, caller)
     if batch.status in (BatchStatus.validating.value, BatchStatus.cancelling.value):
         raise HTTPException(status.HTTP_409_CONFLICT, f"batch is {batch.status}; retry once it settles")
-    jobs = list(session.scalars(select(Job).where(Job.batch_id == batch_id, Job.status == JobStatus.failed.value)))
+    failed = list(session.scalars(select(Job.id).where(Job.batch_id == batch_id,
+                                                       Job.status == JobStatus.failed.value)))
+    if not failed:
+        return batch_out(session, batch)
+    admission.admit(session, caller.digest, len(failed))
+    jobs = session.execute(
+        update(Job).where(Job.id.in_(failed), Job.status == JobStatus.failed.value)
+        .values(published_at=db_now(), **_FRESH_RUN)
+        .returning(Job.id, Job.kind, Job.priority, Job.tenant, Job.conversation_id, Job.batch_id)).all()
+    admission.give_back(caller.digest, len(failed) - len(jobs))  # taken meanwhile by another retry
     if jobs:
-        for job in jobs:
-            job.status, job.error, job.started_at, job.finished_at, job.published_at = "queued", None, None, None, None
-            job.error_code, job.error_detail = None, None
-            # a fresh run: a claim fails a job past its attempts, and crashes make it a suspect run alone, or fail
-            job.attempts, job.crashes, job.alone_at, job.worker, job.lease_id = 0, 0, None, None, None
-            job.lease_expires_at, job.message_missing_at, job.cancel_requested_at = None, None, None
-        batch.status, batch.completed_at, batch.finalizing_at = BatchStatus.in_progress.value, None, None
-        batch.in_progress_at = batch.in_progress_at or utcnow()
-        session.commit()
-        publish(celery, session, jobs, settings, router=router)
+        session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.not_in(
+            (BatchStatus.validating.value, BatchStatus.cancelling.value)))
+            .values(status=BatchStatus.in_progress.value, completed_at=None, finalizing_at=None,
+                    in_progress_at=func.coalesce(Batch.in_progress_at, utcnow())))
+    session.commit()
+    if jobs:
+        publish(celery, session, jobs, settings, stamped=True, router=router)
+    session.refresh(batch)
     return batch_out(session, batch)
 
 
-def line_errors(session: Session, batch_id: uuid.UUID, caller: ApiKey, after: int,
+def line_errors(session: Session, batch_id: uuid.UUID, caller: ApiKey, after: int | None,
                 limit: int) -> ListOf[BatchLineError]:
-    """The batch's bad lines numbered past `after`, at most `limit` of them."""
+    """The batch's bad lines numbered past `after` (None: from line 0, the batch's own error), at most `limit`."""
     visible_batch(session, batch_id, caller)
+    after = -1 if after is None else after
     rows = list(session.scalars(select(LineErrorRow).where(LineErrorRow.batch_id == batch_id, LineErrorRow.line > after)
                                 .order_by(LineErrorRow.line).limit(limit + 1)))
     found = [BatchLineError(line=r.line, custom_id=r.custom_id, message=r.message) for r in rows[:limit]]

@@ -83,13 +83,14 @@ def list_page(session: Session, caller: ApiKey, purpose: str | None, after: str 
 
 def get(session: Session, sessions: sessionmaker[Session], file_id: str, model: str, caller: ApiKey) -> FileOut:
     """The File object of an upload or of a batch's output or error file; 404 when the caller has none such.
-    A batch's file is sized by reading its lines: these files exist only as they are read."""
+    A batch's file is sized from its lines' stored lengths (`batch_output.size`): these files exist only as they
+    are read, and their log-probabilities are never read to size them."""
     if (batch := batch_output.parse_batch_file_id(file_id)) is not None:
         batch_id, of_errors = batch
         found = _visible_batch(session, batch_id, caller)
         if found is None:
             raise _missing(file_id)
-        size = sum(len(line) for line in batch_output.lines(sessions, batch_id, of_errors, model))
+        size = batch_output.size(sessions, batch_id, of_errors, model)
         return FileOut(id=file_id, bytes=size, created_at=unix(found.created_at), purpose="batch_output",
                        filename=f"batch_{batch_id.hex}_{'error' if of_errors else 'output'}.jsonl")
     row = _visible_file(session, file_id, caller)

@@ -14,6 +14,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import Intake, sees
+from api.raw_json import Spliced
+from api.service.stored_results import StoredResult, read_results
 from jobs.batch_settle import settle_batch
 from jobs.broker import broadcast_cancel
 from jobs.clock import db_now
@@ -85,17 +87,46 @@ def load(sessions: sessionmaker[Session], job_id: UUID, caller: ApiKey) -> JobOu
         job = session.get(Job, job_id)
         if job is None or not sees(caller, job.tenant):
             return None
-        result = session.get(Result, job_id)
-        timing = session.get(Timing, job_id)
-        out = JobOut.model_validate(job, from_attributes=True)
-        out.error_code, out.error = shown_error(job.status, job.error, job.error_code)
-        if job.error_code is None and job.error != out.error:  # settled before error codes: its error is the detail
-            out.error_detail = job.error
-        if result is not None:
-            out.result = ResultOut.model_validate(result, from_attributes=True)
-        if timing is not None:
-            out.timings = TimingsOut.model_validate(timing)
-        return out if "admin" in caller.scopes else for_tenant(out)
+        return _job_out(session, job, caller, session.get(Result, job_id))
+
+
+def load_json(sessions: sessionmaker[Session], job_id: UUID, caller: ApiKey) -> tuple[JobStatus, bytes] | None:
+    """The job as `load` gives it, as JSON, with its result's log-probabilities put in as they were stored, never
+    parsed (tens of megabytes of them parsed and validated took ten times that); and its status, for a long
+    poll."""
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        if job is None or not sees(caller, job.tenant):
+            return None
+        stored = read_results(session, [job_id]).get(job_id)
+        body = _job_out(session, job, caller, stored).model_dump(mode="json")
+    spliced = Spliced()
+    if stored is not None:
+        answers = [body["result"], *(body["result"]["choices"] or [])]
+        for answer, logprobs in zip(answers, stored.held, strict=True):
+            answer["logprobs"] = None if logprobs is None else spliced.hold(logprobs)
+    return JobStatus(job.status), b"".join(spliced.encoded(body))
+
+
+def status_of(sessions: sessionmaker[Session], job_id: UUID) -> SimpleNamespace | None:
+    """What a long poll of a job the caller may see looks at until it ends (`load_json` then reads it): its status
+    alone, never its result."""
+    found = statuses(sessions, [job_id]).get(job_id)
+    return None if found is None else SimpleNamespace(status=JobStatus(found))
+
+
+def _job_out(session: Session, job: Job, caller: ApiKey, result: Result | StoredResult | None) -> JobOut:
+    """The job as `caller` may see it, with its result (a row, or one read by `read_results`) if it has one."""
+    timing = session.get(Timing, job.id)
+    out = JobOut.model_validate(job, from_attributes=True)
+    out.error_code, out.error = shown_error(job.status, job.error, job.error_code)
+    if job.error_code is None and job.error != out.error:  # settled before error codes: its error is the detail
+        out.error_detail = job.error
+    if result is not None:
+        out.result = ResultOut.model_validate(result, from_attributes=True)
+    if timing is not None:
+        out.timings = TimingsOut.model_validate(timing)
+    return out if "admin" in caller.scopes else for_tenant(out)
 
 
 def for_tenant(out: JobOut) -> JobOut:
