@@ -176,6 +176,7 @@ class ApiMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server = None
         self.snapshot.close()
         self.db_engine.dispose()
         if self.broker is not None:
