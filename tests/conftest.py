@@ -103,6 +103,16 @@ def database(empty_database) -> str:
 
 
 @pytest.fixture
+def db(database):
+    """The migrated test database's engine and sessions, disposed after the test."""
+    from jobs.db import make_db_engine, make_sessions
+
+    engine = make_db_engine(database)
+    yield engine, make_sessions(engine)
+    engine.dispose()
+
+
+@pytest.fixture
 def broker(redis_url) -> str:
     """The test Redis, emptied: no messages left by an earlier test."""
     import redis

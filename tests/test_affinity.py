@@ -11,26 +11,17 @@ from collections import Counter
 from collections.abc import Callable
 from types import SimpleNamespace
 
-import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy import update
 
 from jobs.affinity import BALANCE, Router, consumed_queues, rank
 from jobs.broker import BrokerView, create_celery, priority_list
-from jobs.db import make_db_engine, make_sessions
 from jobs.publish import publish
 from jobs.queues import home_queue
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
 from worker.reconciler import Sweeper, beat, hand_back
-
-
-@pytest.fixture
-def db(database):
-    engine = make_db_engine(database)
-    yield engine, make_sessions(engine)
-    engine.dispose()
 
 
 def settings_for(database: str, broker: str = "redis://127.0.0.1:1/0", **fields) -> Settings:

@@ -22,13 +22,12 @@ from api.client import Client
 from cli.stack import Stack
 from jobs.affinity import Advert, Router, by_name, consumed_queues, own_queues
 from jobs.broker import create_celery, priority_list
-from jobs.db import make_db_engine, make_sessions
 from jobs.publish import publish
 from jobs.queues import home_queue
 from jobs.schemas import JobIn
-from jobs.settings import Settings
 from jobs.tables import Job, Worker
 from tests.conftest import API_KEY
+from tests.test_affinity import settings_for
 from tests.test_deploys import PACED, charged, messages
 from tests.test_faults import wait_for
 from worker.exits import NOT_STARTED
@@ -36,17 +35,6 @@ from worker.reconciler import Sweeper, beat, mark_draining
 from worker.shutdown import Shutdown
 
 INTERACTIVE, BULK = "convoq.interactive", "convoq.bulk"
-
-
-@pytest.fixture
-def db(database):
-    engine = make_db_engine(database)
-    yield engine, make_sessions(engine)
-    engine.dispose()
-
-
-def settings_for(database: str, broker: str = "redis://127.0.0.1:1/0", **fields) -> Settings:
-    return Settings(database_url=database, broker_url=broker, **fields)
 
 
 def turn(conversation: str, priority: int = 9) -> SimpleNamespace:

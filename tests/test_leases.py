@@ -21,7 +21,6 @@ from bench.audit import audit, messages_by_job
 from bench.faults import lose_replies_of
 from engine.interface import Completion, Timings
 from jobs.broker import create_celery
-from jobs.db import make_db_engine, make_sessions
 from jobs.publish import publish
 from jobs.schemas import ErrorCode, JobIn
 from jobs.settings import Settings
@@ -31,13 +30,6 @@ from worker.leases import Leases
 from worker.outcome import Outcome
 from worker.reconciler import SWEEP_LOCK, Reconciler, Sweeper, attribute, beat, hand_back_expired
 from worker.solo import Solo
-
-
-@pytest.fixture
-def db(database):
-    engine = make_db_engine(database)
-    yield engine, make_sessions(engine)
-    engine.dispose()
 
 
 def new_job(sessions, text: str = "hi", **columns) -> str:

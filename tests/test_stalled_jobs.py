@@ -27,7 +27,7 @@ from jobs.schemas import ErrorCode, JobIn, JobStatus
 from jobs.settings import Settings
 from tests.conftest import API_KEY
 from tests.test_faults import FAST_RECOVERY, wait_for
-from tests.test_leases import db, done, new_job, row, runs, settings  # noqa: F401 (db, settings: fixtures)
+from tests.test_leases import done, new_job, row, runs, settings  # noqa: F401 (settings: a fixture)
 from worker import results
 from worker.bridge import Bridge
 from worker.engine_factory import WorkerSettings, load_backend
@@ -36,7 +36,7 @@ from worker.reconciler import Sweeper
 QUEUED, FAILED = JobStatus.queued, JobStatus.failed
 
 
-def test_a_stall_hands_its_jobs_back_uncharged_unless_the_same_job_stalls_again(db):  # noqa: F811
+def test_a_stall_hands_its_jobs_back_uncharged_unless_the_same_job_stalls_again(db):
     engine, sessions = db
     job, beside = new_job(sessions), new_job(sessions)
     first = results.claim_many(sessions, [job, beside], "w1", 3)
@@ -75,7 +75,7 @@ def test_a_stall_hands_its_jobs_back_uncharged_unless_the_same_job_stalls_again(
     assert audit(engine, ids)["crashes_uncaused"] == 1
 
 
-def test_a_job_that_stalls_its_engine_while_it_runs_alone_is_condemned(db):  # noqa: F811
+def test_a_job_that_stalls_its_engine_while_it_runs_alone_is_condemned(db):
     """Alone, the stall is its doing, as a worker's death while it runs alone is: it fails at its first such
     stall, charged the crash, instead of stalling engines (a reload each) until its crashes run out."""
     engine, sessions = db
@@ -99,7 +99,7 @@ def test_a_job_that_stalls_its_engine_while_it_runs_alone_is_condemned(db):  # n
     assert audit(engine, [uuid.UUID(suspect)], dead_workers=set())["crashes_uncaused"] == 0  # the stall's own
 
 
-def test_a_completion_after_its_stall_hand_back_writes_nothing_and_says_so(db):  # noqa: F811
+def test_a_completion_after_its_stall_hand_back_writes_nothing_and_says_so(db):
     """The hand-back keeps the run's lease (so that it recognises its own retried write): a late result, retry or
     failure of the same run finds its job queued under that lease, which is not its own earlier write."""
     engine, sessions = db

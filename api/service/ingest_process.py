@@ -6,8 +6,8 @@ behind them at each of its turns (a chat took seconds instead of a tenth of one)
 the machine's cores through the kernel's scheduler, and at a lower priority (`NICE`) than the processes that
 answer requests, so that a chat's work comes first and the ingest takes the time left over.
 
-A child is spawned (never forked: the parent's threads and connections are not a child's) at the first ingest,
-builds what an ingest needs once (its own database pool, Celery app and prompt check), and then takes batch
+A child is spawned (never forked: the parent's threads and connections are not a child's) as the API starts,
+so that the first batch does not wait seconds for its imports and its tokenizer; it builds what an ingest needs once (its own database pool, Celery app and prompt check), and then takes batch
 after batch; the parent keeps the leases and renews them. A child exits when its parent is gone, as a child of
 a killed API process must: another process takes the batch over once the lease lapses, and the fenced writes of
 an orphan that went on would change nothing.
@@ -41,7 +41,7 @@ _needs: Needs | None = None  # a child's, built once by `_start` (a process pool
 
 
 class InChildren:
-    """Up to `processes` ingests at once, each in a child process (spawned at the first ingest)."""
+    """Up to `processes` ingests at once, each in a child process (spawned now, ready before the first ingest)."""
 
     def __init__(self, settings: Settings, processes: int) -> None:
         self.settings, self.processes = settings, processes
@@ -49,8 +49,11 @@ class InChildren:
         self._lock = threading.Lock()
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+        pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_start, initargs=(self.settings, os.getpid()))
+        for _ in range(self.processes):  # a pool spawns a child per job waiting, so these start every child now
+            pool.submit(_ready)
+        return pool
 
     def submit(self, batch_id: uuid.UUID, lease: uuid.UUID) -> Future:
         with self._lock:
@@ -86,6 +89,10 @@ def _watch(parent: int) -> None:
     while os.getppid() == parent:
         threading.Event().wait(PARENT_CHECK_S)
     os._exit(0)
+
+
+def _ready() -> None:
+    """Nothing: a child's start (`_start`) is what was wanted."""
 
 
 def _run(batch_id: uuid.UUID, lease: uuid.UUID) -> None:
