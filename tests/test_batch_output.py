@@ -9,6 +9,7 @@ import time
 import tracemalloc
 import uuid
 
+import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
@@ -36,7 +37,9 @@ def answered(database: str, client: TestClient, items: int, tokens: int, n: int 
               "tool_calls": None}
     engine = sa.create_engine(database)
     with engine.begin() as conn:
-        ids = conn.execute(sa.text("UPDATE jobs SET status = 'succeeded', finished_at = now() RETURNING id")).scalars()
+        ids = conn.execute(sa.text(
+            "UPDATE jobs SET status = 'succeeded', finished_at = CURRENT_TIMESTAMP RETURNING id")).scalars()
+        ids = [uuid.UUID(str(job_id)) for job_id in ids]  # SQLite hands back the hex
         conn.execute(sa.insert(Result), [{
             "job_id": job_id, "text": f"answer {i}\n\u2028", "reasoning": "why", "prompt_tokens": 7,
             "completion_tokens": 9, "finish_reason": "stop", "chunks": 1, "levels": 1,
@@ -56,7 +59,20 @@ def peak_while(work) -> tuple[object, int]:
         tracemalloc.stop()
 
 
-def test_output_lines_are_the_rows_json_with_the_logprobs_as_stored(database, broker, tiny_model):
+@pytest.fixture(params=["postgresql", "sqlite"])
+def any_database(request, tmp_path) -> str:
+    """PostgreSQL takes the stored JSON apart itself; SQLite (the demo's database) has it parsed here."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("database")
+    from migrations.apply import upgrade
+
+    url = f"sqlite:///{tmp_path}/convoq.db"
+    upgrade(url)
+    return url
+
+
+def test_output_lines_are_the_rows_json_with_the_logprobs_as_stored(any_database, broker, tiny_model):
+    database = any_database
     settings = settings_for(database, broker, tiny_model)
     app = create_app(settings)
     with TestClient(app) as client:

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.openai_objects import chat_completion, unix
 from api.raw_json import Spliced
-from api.service.stored_results import StoredResult, read_results
+from api.service.stored_results import StoredResult, byte_length, read_results
 from jobs.schemas import JobStatus, ResultOut, shown_error
 from jobs.tables import BatchLineError, Job, Result
 
@@ -32,7 +32,7 @@ JOB_ROWS = 500  # jobs looked at per round trip
 PAGE_BYTES = 4 * 2**20  # stored bytes of a page's results: a few lines of long log-probabilities are a page
 # what a line's size follows: its result's text, reasoning, tool calls and log-probabilities as stored (PostgreSQL
 # measures them where they are), or its error
-STORED_BYTES = sum(func.coalesce(func.octet_length(column), 0) for column in (
+STORED_BYTES = sum(func.coalesce(byte_length(column), 0) for column in (
     Result.text, Result.reasoning, cast(Result.tool_calls, Text), cast(Result.logprobs, Text),
     cast(Result.choices, Text), Job.error))
 Key = TypeVar("Key")

@@ -5,6 +5,9 @@ tens of megabytes.
 An answer beyond the first is an entry of the result's `choices` column; PostgreSQL takes the entries apart
 (`json_array_elements`, whose `->` gives a member's text as it was stored), so that the column is never parsed
 here either. With `lengths_only` only the log-probabilities' lengths are read: what sizing a file of them needs.
+SQLite (the demo's database, small deployments) has neither, so there the `choices` column is parsed and each
+entry's log-probabilities written back as JSON text; SQLAlchemy stores JSON ASCII-escaped, so a length in
+characters is one in bytes.
 """
 
 from __future__ import annotations
@@ -15,12 +18,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import Text, bindparam, cast, func, select, text
+from sqlalchemy import Integer, LargeBinary, Text, bindparam, cast, func, select, text
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import Uuid
 
 from jobs.tables import Result
+
+
+class byte_length(FunctionElement):
+    """A value's length in bytes, measured by the database: PostgreSQL's `octet_length`, which SQLite gained only
+    in 3.43; a BLOB's `length` is its bytes there."""
+
+    type = Integer()
+    inherit_cache = True
+
+
+@compiles(byte_length)
+def _octet_length(element: byte_length, compiler, **kw) -> str:
+    return f"octet_length({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(byte_length, "sqlite")
+def _blob_length(element: byte_length, compiler, **kw) -> str:
+    return compiler.process(func.length(cast(next(iter(element.clauses)), LargeBinary)), **kw)
+
 
 # a JSON null (what an absent list is stored as) is no value
 _CHOICES = """
@@ -62,16 +86,20 @@ def read_results(session: Session, job_ids: Sequence[uuid.UUID],
     """The stored results of these jobs (those that have one), by job id."""
     if not job_ids:
         return {}
+    postgres = session.get_bind().dialect.name == "postgresql"
     stored = func.nullif(cast(Result.logprobs, Text), "null")
     rows = session.execute(select(Result.job_id, Result.text, Result.reasoning, Result.completion_tokens,
                                   Result.finish_reason, func.nullif(cast(Result.tool_calls, Text), "null"),
                                   Result.prompt_tokens, Result.chunks, Result.levels, Result.created_at,
-                                  func.octet_length(stored) if lengths_only else stored)
+                                  byte_length(stored) if lengths_only else stored)
                            .where(Result.job_id.in_(job_ids)))
     found = {}
     for job_id, text_, reasoning, tokens, finish, calls, prompt, chunks, levels, created, logprobs in rows:
         found[job_id] = StoredResult(text_, reasoning, tokens, finish, _tool_calls(calls), prompt, chunks, levels,
                                      created, held=[logprobs])
+    if not postgres:
+        _parsed_choices(session, found, lengths_only)
+        return found
     others = _CHOICES.format(logprobs=f"octet_length({_LOGPROBS})" if lengths_only else _LOGPROBS)
     for job_id, text_, reasoning, tokens, finish, calls, logprobs in session.execute(
             text(others).bindparams(bindparam("ids", type_=ARRAY(Uuid))), {"ids": list(found)}):
@@ -79,3 +107,17 @@ def read_results(session: Session, job_ids: Sequence[uuid.UUID],
                                       "finish_reason": finish, "tool_calls": _tool_calls(calls)})
         found[job_id].held.append(logprobs)
     return found
+
+
+def _parsed_choices(session: Session, found: dict[uuid.UUID, StoredResult], lengths_only: bool) -> None:
+    """`read_results`' choices where the database cannot take JSON apart: each entry parsed, its log-probabilities
+    held as their JSON text (or its length)."""
+    for job_id, choices in session.execute(select(Result.job_id, Result.choices).where(Result.job_id.in_(found))):
+        for entry in choices or []:
+            logprobs = entry.get("logprobs")
+            held = None if logprobs is None else json.dumps(logprobs)
+            found[job_id].choices.append({"text": entry.get("text"), "reasoning": entry.get("reasoning"),
+                                          "completion_tokens": entry.get("completion_tokens"),
+                                          "finish_reason": entry.get("finish_reason"),
+                                          "tool_calls": entry.get("tool_calls")})
+            found[job_id].held.append(len(held) if lengths_only and held is not None else held)
