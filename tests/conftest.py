@@ -102,6 +102,18 @@ def database(empty_database) -> str:
     return empty_database
 
 
+@pytest.fixture(params=["postgres", "sqlite"])
+def any_database(request, tmp_path) -> str:
+    """A database brought to head by the migrations, on each kind the service runs on (SQLite: the demo's)."""
+    if request.param == "postgres":
+        return request.getfixturevalue("database")
+    from migrations.apply import upgrade
+
+    url = f"sqlite:///{tmp_path}/convoq.db"
+    upgrade(url)
+    return url
+
+
 @pytest.fixture
 def db(database):
     """The migrated test database's engine and sessions, disposed after the test."""

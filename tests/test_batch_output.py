@@ -9,7 +9,6 @@ import time
 import tracemalloc
 import uuid
 
-import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
@@ -57,18 +56,6 @@ def peak_while(work) -> tuple[object, int]:
         return done, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def any_database(request, tmp_path) -> str:
-    """PostgreSQL takes the stored JSON apart itself; SQLite (the demo's database) has it parsed here."""
-    if request.param == "postgresql":
-        return request.getfixturevalue("database")
-    from migrations.apply import upgrade
-
-    url = f"sqlite:///{tmp_path}/convoq.db"
-    upgrade(url)
-    return url
 
 
 def test_output_lines_are_the_rows_json_with_the_logprobs_as_stored(any_database, broker, tiny_model):

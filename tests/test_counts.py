@@ -5,7 +5,6 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
-import pytest
 import sqlalchemy as sa
 from sqlalchemy import insert, update
 
@@ -16,21 +15,10 @@ from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import ErrorCode, JobIn
 from jobs.settings import ApiKey
 from jobs.tables import Batch, Job, job_row, status_counts, utcnow
-from migrations.apply import upgrade
 from worker import results
 from worker.outcome import Outcome
 
 ADMIN = ApiKey(digest="0" * 64, scopes=frozenset({"admin"}), tenant="ops")
-
-
-@pytest.fixture(params=["postgres", "sqlite"])
-def url(request, tmp_path) -> str:
-    """A database brought to head by the migrations, so the triggers tested are the ones deployed."""
-    if request.param == "postgres":
-        return request.getfixturevalue("database")
-    url = f"sqlite:///{tmp_path}/convoq.db"
-    upgrade(url)
-    return url
 
 
 def actual(engine, table: str) -> dict[str, int]:
@@ -52,7 +40,8 @@ def done(job_id: uuid.UUID, finish_reason: str = "stop") -> Outcome:
     return Outcome(Completion(str(job_id), [1, 2], "ok", 5, finish_reason, None, Timings()), 1.0)
 
 
-def test_counts_follow_every_transition(url):
+def test_counts_follow_every_transition(any_database):
+    url = any_database
     engine = make_db_engine(url)
     sessions = make_sessions(engine)
     now = utcnow()
@@ -95,7 +84,8 @@ def test_counts_follow_every_transition(url):
                               "batches": {}}
 
 
-def test_a_fold_leaves_one_row_per_status(url):
+def test_a_fold_leaves_one_row_per_status(any_database):
+    url = any_database
     engine = make_db_engine(url)
     sessions = make_sessions(engine)
     job = JobIn(messages=[{"role": "user", "content": "hi"}])
