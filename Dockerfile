@@ -8,6 +8,9 @@ WORKDIR /app
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 COPY pyproject.toml README.md ./
 COPY jobs jobs
+COPY store store
+COPY broker broker
+COPY process process
 COPY api api
 COPY worker worker
 COPY engine engine

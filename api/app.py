@@ -25,11 +25,11 @@ from api.service.batch_ingest import Ingests, Needs, OnThreads
 from api.service.health import Probe
 from api.service.ingest_process import InChildren
 from api.service.jobs import statuses
-from jobs.affinity import Router
-from jobs.broker import create_celery
-from jobs.db import make_db_engine, make_sessions
-from jobs.heap import freeze_startup_heap
+from broker.affinity import Router
+from broker.app import create_celery
 from jobs.settings import Settings, get_settings
+from process.heap import freeze_startup_heap
+from store.connections import make_db_engine, make_sessions
 
 log = logging.getLogger(__name__)
 # pooled database connections, and as many again past them: the threadpool's 40 threads (anyio's default, where
@@ -111,7 +111,7 @@ def create_app(settings: Settings | None = None, ingest_in_children: bool = Fals
 
 def serving_app() -> FastAPI:
     """The app an API process serves (`convoq api`, in each of its processes): `create_app`, then the heap the
-    process's start built frozen (`jobs.heap`). Tests build theirs with `create_app`, many to a process, and the
+    process's start built frozen (`process.heap`). Tests build theirs with `create_app`, many to a process, and the
     collection before the freeze would take a second there, with torch loaded."""
     app = create_app(ingest_in_children=True)
     freeze_startup_heap()

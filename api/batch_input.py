@@ -71,7 +71,7 @@ class OpenAIBody(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    # convoq's extension: the turns of one conversation go to the worker that holds its prefix (`jobs.affinity`)
+    # convoq's extension: the turns of one conversation go to the worker that holds its prefix (`broker.affinity`)
     conversation_id: Key | None = None
 
 

@@ -23,7 +23,7 @@ from api.admission import Admission
 from api.hub import Hub
 from api.prompt_check import PromptCheck
 from api.service.health import Probe
-from jobs.affinity import Router
+from broker.affinity import Router
 from jobs.schemas import ErrorOut
 from jobs.settings import ApiKey, Settings
 
@@ -74,7 +74,7 @@ class Intake:
     check: PromptCheck
     admission: Admission
     ingest: Callable[[uuid.UUID, uuid.UUID], object]
-    router: Router  # where a job with a conversation is published (`jobs.affinity`)
+    router: Router  # where a job with a conversation is published (`broker.affinity`)
 
 
 async def get_intake(request: Request) -> Intake:

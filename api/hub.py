@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.admission import Busy
-from jobs.broker import progress_channel
+from broker.redis_layout import progress_channel
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -2,11 +2,11 @@
 process's streams and waits for a database connection.
 
 The figures are collected by one thread of the API process at most every `CONVOQ_METRICS_REFRESH_S`
-(`jobs.scrape.Snapshot`; only the process's own counts, in its memory, are read at each scrape), on a Redis
+(`process.scrape.Snapshot`; only the process's own counts, in its memory, are read at each scrape), on a Redis
 connection and a database connection of its own, not the health probe's:
 a scrape answers the last ones without a command to either, so a flood of scrapes costs neither Redis, nor the
 database, nor `/healthz`. Nothing is written: the Redis lists are read the way Flower's broker page reads them,
-and the per-status counts that triggers keep (`jobs.counts`: a few rows, however many jobs are kept). A source
+and the per-status counts that triggers keep (`store.counts`: a few rows, however many jobs are kept). A source
 that does not answer is left out of that round, so the other still reports.
 
 With `CONVOQ_METRICS_KEY` a scrape must send it (`Authorization: Bearer KEY`); with `CONVOQ_METRICS_PORT` the
@@ -30,12 +30,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from jobs.broker import UNACKED_KEY, home_lists, queue_lists
-from jobs.counts import counts
-from jobs.db import make_db_engine, make_sessions
+from broker.redis_layout import UNACKED_KEY, home_lists, queue_lists
 from jobs.schemas import BatchStatus, JobStatus
-from jobs.scrape import Snapshot, serve
 from jobs.settings import Settings, hash_key
+from process.scrape import Snapshot, serve
+from store.connections import make_db_engine, make_sessions
+from store.counts import counts
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["metrics"])
@@ -120,7 +120,7 @@ class ServiceCollector(Collector):
             for priority in range(len(names)):
                 depth.add_metric([queue, str(priority)], next(counts))
         home = GaugeMetricFamily("convoq_home_queue_messages", "Messages waiting in the workers' own queues "
-                                 "(`jobs.affinity`), by the shared queue of their class", labels=["queue"])
+                                 "(`broker.affinity`), by the shared queue of their class", labels=["queue"])
         for queue, names in homes.items():
             home.add_metric([queue], sum(next(counts) for _ in names))
         return [depth, home, GaugeMetricFamily("convoq_broker_unacked_messages",

@@ -20,7 +20,8 @@ import uuid
 import redis
 import sqlalchemy as sa
 
-from jobs.broker import UNACKED_KEY, job_ids_of, message_headers, queue_lists
+from broker.redis_layout import UNACKED_KEY, queue_lists
+from broker.view import job_ids_of, message_headers
 from jobs.schemas import TERMINAL, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Run

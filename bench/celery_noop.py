@@ -2,7 +2,7 @@
 
     python -m celery -A bench.celery_noop worker --pool=threads ...
 
-convoq's own Celery settings (`jobs.broker.create_celery`: late acks, prefetch 1, the threads pool, the
+convoq's own Celery settings (`broker.app.create_celery`: late acks, prefetch 1, the threads pool, the
 priority lists) and queues from the environment, with one task that does nothing but count itself in Redis,
 so that the bench knows when a burst has gone through. What the service adds on top of this is ours.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from redis import Redis
 
-from jobs.broker import create_celery
+from broker.app import create_celery
 from jobs.settings import Settings
 
 settings = Settings()

@@ -35,7 +35,7 @@ throughout the faulty run (not with `engine-stall`: lost replies need the engine
 With `--batch`, the jobs go in as the lines of one batch (uploaded before the first worker starts): bulk work,
 claimed, run and stored `CONVOQ_BULK_GROUP` lines to a message, so that a fault cuts through groups.
 With `--affinity`, every job has a conversation (`chaos-{i % 50}`), and the jobs are submitted in `len(faults) + 1`
-waves while workers live, so that prefix affinity sends them to a worker's own queues (`jobs.affinity`; with
+waves while workers live, so that prefix affinity sends them to a worker's own queues (`broker.affinity`; with
 `CONVOQ_AFFINITY_MAX_WAITING` so high that none spills to the shared queues): the first wave once the first worker
 is ready (8 submissions at a time, faster than a worker runs them), each fault while its wave is going out (a
 worker fault once its worker holds jobs with messages still waiting in its own queues, or once nothing more can
@@ -76,12 +76,12 @@ from bench.common import batch_of, report, tiny_model
 from bench.faults import lost_replies_env
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
-from jobs.affinity import live_workers
 from jobs.queues import HOME_SEP, home_tag
 from jobs.schemas import TERMINAL, BatchStatus, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Batch, Job
 from migrations.apply import upgrade
+from store.workers import live_workers
 
 KEY = "bench-key-not-a-secret"
 FAULTS = ("kill", "redis", "postgres", "freeze", "engine-stall", "api-kill-during-ingest", "deploy", "long-outage",
@@ -118,7 +118,7 @@ def held_by(db: sa.Engine, pid: int) -> int:
 
 
 def is_live(db: sa.Engine, pid: int) -> bool:
-    """Whether the worker process `pid` is among the live workers that publishes route to (`jobs.affinity`)."""
+    """Whether the worker process `pid` is among the live workers that publishes route to (`broker.affinity`)."""
     try:
         with Session(db) as session:
             return any(f":{pid}:" in name for name in live_workers(session, LEASE_S))

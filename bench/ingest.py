@@ -33,9 +33,9 @@ import sqlalchemy as sa
 
 from bench.audit import messages_by_job
 from bench.common import percentile, report, tiny_model
+from broker.redis_layout import queue_lists
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
-from jobs.broker import queue_lists
 from jobs.settings import Settings
 from migrations.apply import upgrade
 

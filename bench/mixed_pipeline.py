@@ -35,11 +35,11 @@ from api.client import Client
 from bench.common import chat_comparison, chat_figures, tiny_model
 from cli.demo import SAMPLES
 from cli.stack import Stack
-from jobs.db import make_db_engine
 from jobs.schemas import BATCH_SETTLED, TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, Timing, as_utc
 from migrations.apply import upgrade
+from store.connections import make_db_engine
 
 KEY = "bench-key-not-a-secret"
 NAMES = ["Ana", "Bilal", "Chen", "Dara", "Emeka", "Freya", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena"]

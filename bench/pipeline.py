@@ -55,10 +55,10 @@ from bench import statements
 from bench.common import batch_of, percentile, report, scraped, tiny_model
 from bench.cpu import CpuMeter, per_item_ms, service_parts, shared_parts
 from bench.engine_alone import through_engine
+from broker.app import create_celery
 from cli.servers import free_port
 from cli.stack import Stack
 from cli.tiny_model import PRESETS
-from jobs.broker import create_celery
 from jobs.schemas import TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Timing, as_utc

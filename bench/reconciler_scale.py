@@ -29,15 +29,16 @@ from tqdm import tqdm
 
 from bench.common import report
 from bench.statements import Statements
+from broker.app import create_celery
+from broker.publish import publish
+from broker.redis_layout import UNACKED_INDEX_KEY, UNACKED_KEY
 from cli.servers import PostgresServer, RedisServer
-from jobs.broker import UNACKED_INDEX_KEY, UNACKED_KEY, create_celery
-from jobs.clock import db_now
-from jobs.db import make_db_engine, make_sessions
-from jobs.publish import publish
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, Run, Worker, job_row, utcnow
 from migrations.apply import upgrade
+from store.clock import db_now
+from store.connections import make_db_engine, make_sessions
 from worker.reconciler import Sweeper, beat
 
 CHUNK = 5000

@@ -27,11 +27,11 @@ from cli.batch import follow
 from cli.servers import RedisServer, ServerUnavailable, port_open
 from cli.stack import Stack
 from cli.tiny_model import build_tiny_model
-from jobs.db import make_db_engine
 from jobs.schemas import JobIn
 from jobs.settings import DATA_DIR, Settings, redact
 from jobs.tables import Job, Result, Timing, as_utc
 from migrations.apply import upgrade
+from store.connections import make_db_engine
 
 DEMO_KEY = "demo-key-not-a-secret"
 SAMPLES = Path(__file__).parent / "samples" / "transcripts.jsonl"

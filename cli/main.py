@@ -49,9 +49,9 @@ def worker(
     import logging
     import os
 
+    from broker.affinity import consumed_queues
+    from broker.app import worker_node_name
     from cli.doctor import run_checks
-    from jobs.affinity import consumed_queues
-    from jobs.broker import worker_node_name
     from worker.engine_factory import WorkerSettings
     from worker.exits import REFUSED
     from worker.tasks import worker_app, worker_name
@@ -113,7 +113,7 @@ def doctor(
 @app.command()
 def flower(port: Annotated[int | None, typer.Option()] = None) -> None:
     """Run Flower on our Celery app, behind basic auth from CONVOQ_FLOWER_USER / CONVOQ_FLOWER_PASSWORD."""
-    from jobs.broker import create_celery
+    from broker.app import create_celery
 
     settings = get_settings()
     celery = create_celery(settings)
@@ -141,8 +141,8 @@ def migrate(revision: str = "head", down: bool = False) -> None:
 def reconcile() -> None:
     """One sweep of the reconciler now (unless a worker is sweeping): hand back jobs whose lease expired, end
     those past their deadline, send again queued jobs with no message."""
-    from jobs.broker import create_celery
-    from jobs.db import make_db_engine, make_sessions
+    from broker.app import create_celery
+    from store.connections import make_db_engine, make_sessions
     from worker.reconciler import Sweeper
 
     settings = get_settings()
@@ -161,7 +161,7 @@ def prune(
     the cut-off, a chunk per transaction; print what went (or would go) as a line and as JSON."""
     from cli.prune import run_prune
     from cli.spans import parse_span
-    from jobs.retention import retention_period
+    from store.retention import retention_period
 
     settings = get_settings()
     span = retention_period(settings) if older_than is None else parse_span(older_than)

@@ -1,4 +1,4 @@
-"""`convoq prune`: delete finished work older than a cut-off (see `jobs.retention`), with a progress bar."""
+"""`convoq prune`: delete finished work older than a cut-off (see `store.retention`), with a progress bar."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import timedelta
 
 from tqdm import tqdm
 
-from jobs.db import make_db_engine, make_sessions
-from jobs.retention import PruneReport, prune
+from store.connections import make_db_engine, make_sessions
+from store.retention import PruneReport, prune
 
 
 def run_prune(database_url: str, older_than: timedelta, dry_run: bool, chunk: int) -> PruneReport:

@@ -22,11 +22,11 @@ from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from cli.spans import parse_span
-from jobs.db import make_db_engine, make_sessions
 from jobs.queues import is_interactive
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Result, Timing, Worker, as_utc
+from store.connections import make_db_engine, make_sessions
 
 # seconds: from a demo's few seconds to weeks of service, the smallest that keeps under MAX_BUCKETS points
 BUCKET_WIDTHS = (1, 2, 5, 10, 15, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
@@ -300,7 +300,7 @@ def priority_rows(jobs: Finished) -> list[list[str]]:
 
 def worker_rows(jobs: Finished) -> list[list[str]]:
     """One row per worker: jobs, prefix reuse, and of the later turns of conversations, the share that ran where
-    the conversation's previous turn had (`jobs.affinity`)."""
+    the conversation's previous turn had (`broker.affinity`)."""
     rows = []
     for name in sorted(set(jobs.worker)):
         mask = jobs.worker == name

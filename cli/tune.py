@@ -92,8 +92,8 @@ def sample_from_file(path: str, limit: int) -> list[JobIn]:
 def sample_from_database(database_url: str, limit: int) -> list[JobIn]:
     from sqlalchemy import select
 
-    from jobs.db import make_db_engine
     from jobs.tables import Job
+    from store.connections import make_db_engine
 
     db = make_db_engine(database_url)
     with db.connect() as conn:

@@ -1,16 +1,11 @@
-"""Queue names and the priority mapping between our scale and the broker's."""
+"""Task and queue names, and the one rule that tells interactive work from bulk work."""
 
 from __future__ import annotations
 
 from jobs.settings import Settings
 
 TASK_RUN_JOB = "convoq.run_job"  # its one argument is the job id; everything else is in the row
-TASK_RUN_GROUP = "convoq.run_group"  # its one argument is a list of job ids: lines of one batch (`jobs.publish`)
-
-
-def broker_priority(priority: int) -> int:
-    """Ours: 9 is the most urgent. Celery's Redis transport serves priority 0 first."""
-    return 9 - priority
+TASK_RUN_GROUP = "convoq.run_group"  # its one argument is a list of job ids: lines of one batch (`broker.publish`)
 
 
 def is_interactive(priority: int, settings: Settings) -> bool:
@@ -35,5 +30,5 @@ def home_tag(worker: str) -> str:
 
 
 def home_queue(queue: str, worker: str) -> str:
-    """The queue of `queue`'s class that only the worker named `worker` consumes (`jobs.affinity`)."""
+    """The queue of `queue`'s class that only the worker named `worker` consumes (`broker.affinity`)."""
     return f"{queue}{HOME_SEP}{home_tag(worker)}"

@@ -139,13 +139,13 @@ class Settings(BaseSettings):
     interactive_priority: int = Field(7, ge=0, le=9)
     # Bulk jobs may hold at most this share of a worker's threads: the rest stay free for interactive messages.
     bulk_share: float = Field(0.75, gt=0, le=1)
-    # A batch's lines travel this many to a Celery message (`jobs.publish`): claimed, stored and acknowledged
+    # A batch's lines travel this many to a Celery message (`broker.publish`): claimed, stored and acknowledged
     # together, so a bulk line costs the worker a share of a message's fixed cost, not all of it. Interactive jobs
     # always travel one to a message (a person waits on each). 1 sends bulk lines one to a message too.
     bulk_group: int = Field(16, ge=1, le=256)
     interactive_queue: str = "convoq.interactive"
     bulk_queue: str = "convoq.bulk"
-    # Prefix affinity (`jobs.affinity`): a job with a conversation_id goes to the queue of the worker that holds
+    # Prefix affinity (`broker.affinity`): a job with a conversation_id goes to the queue of the worker that holds
     # its conversation's prefix, unless that queue already has affinity_max_waiting messages of its class waiting
     # (the worker is saturated: the shared queue serves it sooner than the prefix would save).
     affinity: bool = True

@@ -333,7 +333,7 @@ class Sweep(Base):
     swept_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-# Rows of `jobs` and `batches` by status, kept by triggers (`jobs.counts`) as deltas that a reader folds:
+# Rows of `jobs` and `batches` by status, kept by triggers (`store.counts`) as deltas that a reader folds:
 # `/metrics` reads a handful of rows instead of counting the tables. The key only names a row (logical
 # replication needs one to delete); nothing looks rows up by it.
 status_counts = Table(

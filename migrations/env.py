@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from alembic import context
 
-from jobs.db import make_db_engine
 from jobs.settings import get_settings
 from jobs.tables import Base
+from store.connections import make_db_engine
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or get_settings().database_url.get_secret_value()

@@ -1,6 +1,6 @@
 """The status-count triggers as migration 0008 made them (0009 and 0011 put the same back around a table SQLite
 rebuilds). Frozen: a migration that changes them brings its own, so that every revision keeps making what it
-made. `jobs.counts` reads and folds what they write."""
+made. `store.counts` reads and folds what they write."""
 
 from __future__ import annotations
 

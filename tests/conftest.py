@@ -117,7 +117,7 @@ def any_database(request, tmp_path) -> str:
 @pytest.fixture
 def db(database):
     """The migrated test database's engine and sessions, disposed after the test."""
-    from jobs.db import make_db_engine, make_sessions
+    from store.connections import make_db_engine, make_sessions
 
     engine = make_db_engine(database)
     yield engine, make_sessions(engine)

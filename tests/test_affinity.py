@@ -1,4 +1,4 @@
-"""Prefix affinity: a conversation's turns go to the worker that holds its prefix (`jobs.affinity`), on a real
+"""Prefix affinity: a conversation's turns go to the worker that holds its prefix (`broker.affinity`), on a real
 PostgreSQL and Redis; workers are played by `workers` rows, and at the end by real processes."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy import update
 
-from jobs.affinity import BALANCE, Router, consumed_queues, rank
-from jobs.broker import BrokerView, create_celery, priority_list
-from jobs.publish import publish
+from broker.affinity import BALANCE, Router, consumed_queues, rank
+from broker.app import create_celery
+from broker.publish import publish
+from broker.redis_layout import priority_list
+from broker.view import BrokerView
 from jobs.queues import home_queue
 from jobs.settings import Settings
 from jobs.tables import Job, Worker

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from bench.statements import Statements
-from jobs.queues import broker_priority
+from broker.redis_layout import broker_priority
 from jobs.settings import Settings
 from tests.conftest import API_KEY
 
@@ -158,8 +158,8 @@ def test_an_api_that_dies_between_the_commit_and_the_send_loses_no_job(database,
     even have had no 202): the sweep finds a sent job with no message and sends it, once, after two sweeps."""
     from api.service import jobs as service
     from bench.audit import messages_by_job
-    from jobs.broker import create_celery
-    from jobs.db import make_db_engine, make_sessions
+    from broker.app import create_celery
+    from store.connections import make_db_engine, make_sessions
     from worker.reconciler import Sweeper
 
     settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model),

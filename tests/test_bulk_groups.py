@@ -19,15 +19,16 @@ from sqlalchemy import insert
 from api.client import Client
 from bench.audit import messages_by_job
 from bench.statements import Statements
+from broker.app import create_celery
+from broker.publish import publish
+from broker.view import GROUP_HEADER, message_headers
 from cli.stack import Stack
 from engine.runtime.engine_thread import EngineStalled, EngineThread
-from jobs.broker import GROUP_HEADER, create_celery, message_headers
-from jobs.db import make_db_engine, make_sessions
-from jobs.publish import publish
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
+from store.connections import make_db_engine, make_sessions
 from tests.conftest import API_KEY
 from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_batches import upload, wait_settled

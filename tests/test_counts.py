@@ -10,11 +10,11 @@ from sqlalchemy import insert, update
 
 from api.service.jobs import cancel
 from engine.interface import Completion, Timings
-from jobs.counts import counts, fold
-from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import ErrorCode, JobIn
 from jobs.settings import ApiKey
 from jobs.tables import Batch, Job, job_row, status_counts, utcnow
+from store.connections import make_db_engine, make_sessions
+from store.counts import counts, fold
 from worker import results
 from worker.outcome import Outcome
 

@@ -19,10 +19,11 @@ import sqlalchemy as sa
 from sqlalchemy import update
 
 from api.client import Client
+from broker.affinity import Advert, Router, by_name, consumed_queues, own_queues
+from broker.app import create_celery
+from broker.publish import publish
+from broker.redis_layout import priority_list
 from cli.stack import Stack
-from jobs.affinity import Advert, Router, by_name, consumed_queues, own_queues
-from jobs.broker import create_celery, priority_list
-from jobs.publish import publish
 from jobs.queues import home_queue
 from jobs.schemas import JobIn
 from jobs.tables import Job, Worker

@@ -1,5 +1,5 @@
 """A long-lived process freezes the heap its start built, so that the collector's full collections do not walk
-it again and again (`jobs.heap`): the worker once it is ready to consume, an API process once its app is built."""
+it again and again (`process.heap`): the worker once it is ready to consume, an API process once its app is built."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from celery.signals import worker_ready
 from fastapi.testclient import TestClient
 
 from api.app import create_app, serving_app
-from jobs.broker import create_celery
-from jobs.heap import freeze_startup_heap
+from broker.app import create_celery
 from jobs.settings import Settings
+from process.heap import freeze_startup_heap
 from worker.tasks import worker_app
 
 

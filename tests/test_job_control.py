@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.client import AsyncClient, Client
+from broker.app import CANCEL_COMMAND, create_celery
 from cli.stack import Stack
-from jobs.broker import CANCEL_COMMAND, create_celery
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from tests.conftest import API_KEY

@@ -14,18 +14,22 @@ from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("jobs", "api", "worker", "engine", "kernels", "migrations", "cli", "bench")
+PACKAGES = ("jobs", "store", "broker", "process", "api", "worker", "engine", "kernels", "migrations", "cli", "bench")
 
 # package -> the project packages it may import (lazily inside functions too)
 ALLOWED = {
     "kernels": set(),
     "engine": {"kernels"},
     "jobs": set(),
-    "migrations": {"jobs"},
-    "api": {"jobs"},
-    "worker": {"jobs", "engine"},
-    "cli": {"jobs", "api", "worker", "engine", "kernels", "migrations"},  # kernels: `convoq doctor` runs one
-    "bench": {"jobs", "api", "worker", "engine", "kernels", "migrations", "cli"},
+    "process": set(),
+    "store": {"jobs"},
+    "broker": {"jobs", "store"},
+    "migrations": {"jobs", "store"},
+    "api": {"jobs", "store", "broker", "process"},
+    "worker": {"jobs", "store", "broker", "process", "engine"},
+    # kernels: `convoq doctor` runs one
+    "cli": {"jobs", "store", "broker", "process", "api", "worker", "engine", "kernels", "migrations"},
+    "bench": {"jobs", "store", "broker", "process", "api", "worker", "engine", "kernels", "migrations", "cli"},
 }
 
 

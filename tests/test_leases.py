@@ -19,9 +19,9 @@ from sqlalchemy.exc import OperationalError
 
 from bench.audit import audit, messages_by_job
 from bench.faults import lose_replies_of
+from broker.app import create_celery
+from broker.publish import publish
 from engine.interface import Completion, Timings
-from jobs.broker import create_celery
-from jobs.publish import publish
 from jobs.schemas import ErrorCode, JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
@@ -321,7 +321,7 @@ def test_queued_jobs_are_sent_again_only_when_their_message_is_gone(db, settings
 
 
 def test_a_stamp_that_fails_after_the_send_is_left_to_the_sweep(db, settings, monkeypatch):
-    from jobs import publish as publishing
+    from broker import publish as publishing
 
     engine, sessions = db
     celery = create_celery(settings)

@@ -22,10 +22,10 @@ from pydantic import SecretStr
 from api.app import create_app
 from api.metrics import ServiceCollector, broker_client
 from engine.interface import Completion, Timings
-from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import utcnow
+from store.connections import make_db_engine, make_sessions
 from tests.conftest import API_KEY
 from worker import thread_cpu
 from worker.metrics import EngineCollector, WorkerMetrics
@@ -75,7 +75,7 @@ def test_api_metrics_show_depth_per_priority_and_jobs_by_status(settings, databa
         engine.dispose()
         broker_client = redis.Redis.from_url(broker)
         broker_client.hset("unacked", "delivery-tag", "message")
-        # workers' own queues (`jobs.affinity`), at two priorities, and a message of another worker's bulk queue
+        # workers' own queues (`broker.affinity`), at two priorities, and a message of another worker's bulk queue
         broker_client.lpush("convoq.interactive@h.1.1", "message")
         broker_client.lpush("convoq.interactive@h.1.1:3", "message")
         broker_client.lpush("convoq.bulk@h.2.1:8", "message")

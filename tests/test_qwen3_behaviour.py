@@ -355,9 +355,9 @@ def test_sampling_params_carry_every_field():
 def test_stored_reasoning_reaches_the_api_and_batch_output(database):
     from api.service.batch_output import completion
     from api.service.jobs import load
-    from jobs.db import make_db_engine, make_sessions
     from jobs.settings import ApiKey
     from jobs.tables import Job, Result
+    from store.connections import make_db_engine, make_sessions
     from tests.test_worker_results import new_job
     from worker import results
 

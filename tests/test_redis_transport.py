@@ -1,11 +1,11 @@
-"""`jobs.redis_transport`: kombu's Redis transport with one client per channel for its plain commands."""
+"""`broker.redis_transport`: kombu's Redis transport with one client per channel for its plain commands."""
 
 from __future__ import annotations
 
 from kombu import Queue
 
-from jobs.broker import create_celery
-from jobs.redis_transport import Channel, Transport
+from broker.app import create_celery
+from broker.redis_transport import Channel, Transport
 from jobs.settings import Settings
 
 

@@ -12,11 +12,11 @@ from sqlalchemy import insert
 from typer.testing import CliRunner
 
 from cli.main import app
-from jobs.counts import counts
-from jobs.db import make_db_engine, make_sessions
-from jobs.retention import prune
 from jobs.schemas import JobIn
 from jobs.tables import Batch, Job, Result, Timing, Worker, job_row, utcnow
+from store.connections import make_db_engine, make_sessions
+from store.counts import counts
+from store.retention import prune
 
 NOW = utcnow()
 OLD = NOW - timedelta(days=40)
@@ -132,8 +132,8 @@ def test_the_prune_command(database, history, monkeypatch):
 
 
 def test_retention_is_a_month_by_default_and_zero_keeps_everything():
-    from jobs.retention import retention_period
     from jobs.settings import Settings
+    from store.retention import retention_period
 
     assert retention_period(Settings()) == timedelta(days=30)
     assert retention_period(Settings(retention_days=0)) is None

@@ -100,14 +100,14 @@ def test_flower_sees_the_worker_and_its_tasks(service_env, tmp_path):
         assert all(tasks[t]["name"] == "convoq.run_job" for t in ids)
         # on-call tells a chat from a bulk summary at a glance: the message carries the job's kind and priority
         assert all("'kind': 'chat'" in tasks[t]["kwargs"] and "'priority': " in tasks[t]["kwargs"] for t in ids)
-        # and the queues' lengths, read from Redis by the broker URL's scheme (`jobs.redis_transport` keeps it)
+        # and the queues' lengths, read from Redis by the broker URL's scheme (`broker.redis_transport` keeps it)
         lengths = httpx.get(f"{flower}/api/queues/length", auth=auth, timeout=10)
         assert lengths.status_code == 200, lengths.text
         assert "convoq.interactive" in {q["name"] for q in lengths.json()["active_queues"]}
 
 
 def test_two_workers_on_one_host_get_node_names_and_metrics_ports_of_their_own(service_env, tmp_path):
-    from jobs.broker import create_celery
+    from broker.app import create_celery
     from jobs.settings import Settings
 
     port = two_free_ports()
@@ -126,7 +126,7 @@ def test_two_workers_on_one_host_get_node_names_and_metrics_ports_of_their_own(s
 @pytest.mark.parametrize("home", [False, True], ids=["shared-queue", "own-queue"])
 def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, database, tmp_path, home):
     """Bulk jobs that run for minutes may hold at most 3 of a worker's 4 threads: the fourth takes the urgent job.
-    Bulk jobs of conversations wait in the worker's own bulk queue (`jobs.affinity`), which the gate holds too."""
+    Bulk jobs of conversations wait in the worker's own bulk queue (`broker.affinity`), which the gate holds too."""
     env = {**service_env, "CONVOQ_BACKEND": "tests.slow_backend:create", "CONVOQ_WORKER_CONCURRENCY": "4"}
     with Stack(env, tmp_path / "logs") as stack:
         stack.start_api()

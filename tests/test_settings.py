@@ -55,7 +55,7 @@ def test_the_celery_pool_threads_share_one_result_backend():
     # tens of ms for each of the worker's 256 threads, in the middle of a burst
     import threading
 
-    from jobs.broker import create_celery
+    from broker.app import create_celery
 
     app = create_celery(Settings())
     seen = []

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 from api.client import Client
 from bench.audit import audit
 from bench.chaos import engine_of
+from broker.app import create_celery
 from cli.stack import Stack
 from engine.runtime.engine_process import EngineProcess
-from jobs.broker import create_celery
 from jobs.schemas import ErrorCode, JobIn, JobStatus
 from jobs.settings import Settings
 from tests.conftest import API_KEY

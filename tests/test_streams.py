@@ -21,8 +21,8 @@ import uvicorn
 from sqlalchemy import Engine, event
 
 from api.app import create_app
+from broker.redis_layout import progress_channel
 from cli.servers import free_port
-from jobs.broker import progress_channel
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from tests.conftest import API_KEY

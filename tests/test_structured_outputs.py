@@ -26,11 +26,11 @@ from api.app import create_app
 from api.client import Client
 from cli.stack import Stack
 from engine.interface import Completion
-from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import JobIn, ResultOut
 from jobs.settings import Settings
 from jobs.structured import grammar_spec
 from jobs.tables import Job, Result, job_row, utcnow
+from store.connections import make_db_engine, make_sessions
 from tests.conftest import API_KEY
 from worker import results
 from worker.bridge import Bridge

@@ -19,10 +19,10 @@ from sqlalchemy import insert
 from api.app import create_app
 from api.service import batch_output
 from engine.interface import Completion, Timings
-from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import ERROR_MESSAGES, ErrorCode, JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
+from store.connections import make_db_engine, make_sessions
 from worker import results, tasks
 from worker.outcome import Outcome
 from worker.progress import ProgressPublisher

@@ -12,9 +12,9 @@ from sqlalchemy import insert
 
 from bench.statements import Statements
 from engine.interface import Completion, Timings
-from jobs.db import make_db_engine, make_sessions
 from jobs.schemas import ErrorCode, JobIn
 from jobs.tables import Job, Result, job_row, utcnow
+from store.connections import make_db_engine, make_sessions
 from worker import results
 from worker.outcome import Outcome
 
@@ -279,7 +279,7 @@ def test_a_stopped_run_keeps_its_text_and_ends_with_the_reason(database, reason)
 
 @pytest.mark.parametrize("ping_idle_s", [0.0, None])
 def test_a_pooled_connection_dropped_while_idle_is_replaced_when_pinged(empty_database, ping_idle_s):
-    """The API pings a pooled connection only once it has been idle a while (`jobs.db._ping_when_idle`): one the
+    """The API pings a pooled connection only once it has been idle a while (`store.connections._ping_when_idle`): one the
     server dropped meanwhile is replaced before it is used; unpinged, its first use fails."""
     engine = make_db_engine(empty_database, pool_size=1, ping_idle_s=ping_idle_s)
     with engine.connect() as conn:

@@ -2,7 +2,7 @@
 
 Job metrics carry the same numbers as the job's timings row, observed once that row is committed. Engine
 gauges (`EngineThread.stats()`, a round trip to the engine's process), the process's CPU and memory and each
-thread's CPU are collected at most every `CONVOQ_METRICS_REFRESH_S` by one thread (`jobs.scrape.Snapshot`), not
+thread's CPU are collected at most every `CONVOQ_METRICS_REFRESH_S` by one thread (`process.scrape.Snapshot`), not
 at each scrape: a flood of scrapes asks the engine nothing. Each process serves its own registry on
 `CONVOQ_WORKER_METRICS_PORT` or, when another process on the host holds that, the next free port above it.
 """
@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jobs import scrape
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
+from process import scrape
 from worker.results import Stored
 from worker.thread_cpu import ThreadCpuCollector
 

@@ -19,7 +19,7 @@ import uuid
 
 import redis
 
-from jobs.broker import progress_channel
+from broker.redis_layout import progress_channel
 from jobs.schemas import TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ sweep, however long, delays it. The sweep runs on one worker at a time, once per
 fleet (an advisory lock held for the whole sweep, then the turn in `sweeps`): it hands back jobs whose lease
 expired (`attribute` decides what each crash says about each job), ends queued jobs past their deadline, folds
 the status counts, prunes finished work hourly, and re-sends queued jobs only on evidence that no message for
-them exists (`jobs.broker.BrokerView`; a published job's message must be missing at two sweeps in a row). It
+them exists (`broker.view.BrokerView`; a published job's message must be missing at two sweeps in a row). It
 works in chunks, each its own short transaction. Its cost follows the backlog, never the number of workers.
 """
 
@@ -30,17 +30,18 @@ from sqlalchemy import Row, case, or_, select, text, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.affinity import Advert, Router, homes_open, shared_queues
-from jobs.broker import BrokerView
-from jobs.clock import db_now
-from jobs.counts import fold
-from jobs.db import insert_ignore
-from jobs.publish import mark_published, publish
+from broker.affinity import Advert, Router, homes_open, shared_queues
+from broker.publish import mark_published, publish
+from broker.view import BrokerView
 from jobs.queues import home_tag
-from jobs.retention import prune, retention_period
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job, Run, Sweep, Worker, utcnow
+from store.clock import db_now
+from store.counts import fold
+from store.retention import prune, retention_period
+from store.workers import alive
+from store.writes import insert_ignore
 from worker.leases import Leases
 from worker.outcome import LEASE_LOST
 from worker.results import end_runs, end_unrun, lost_run_updates, retrying, returned, settle
@@ -127,7 +128,7 @@ def hand_back(sessions: sessionmaker[Session], name: str, usage: tuple[float, in
 
 
 def mark_draining(sessions: sessionmaker[Session], name: str) -> None:
-    """This worker's shutdown has begun: from now on the router places no conversation on it (`jobs.affinity`),
+    """This worker's shutdown has begun: from now on the router places no conversation on it (`broker.affinity`),
     and the sweep moves whatever is sent to its own queues regardless to the shared ones."""
     with sessions.begin() as session:
         session.execute(update(Worker.__table__).where(Worker.name == name, Worker.draining_at.is_(None))
@@ -278,7 +279,7 @@ def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, b
 
 def rehome_gone(sessions: sessionmaker[Session], broker: BrokerView, dead_after_s: float) -> int:
     """Move what the own queues no worker reads still hold to the shared queues: those of workers not alive,
-    draining, or not consuming that class (`jobs.affinity.homes_open`). The broker away moves nothing now, and
+    draining, or not consuming that class (`broker.affinity.homes_open`). The broker away moves nothing now, and
     stops nothing else of the sweep: the next one moves them."""
     with sessions() as session:
         homes = homes_open(session, dead_after_s)
@@ -403,8 +404,8 @@ class Sweeper:
             verdicts = hand_back_expired(sessions, s.max_crashes, hold) if hand_back else Counter()
             expired = expire_queued(sessions, hold)
             with sessions.begin() as session:
-                session.execute(update(Worker.__table__).where(Worker.stopped_at.is_(None),
-                                Worker.heartbeat_at < db_now(-s.dead_after_s)).values(stopped_at=db_now()))
+                session.execute(update(Worker.__table__).where(Worker.stopped_at.is_(None), ~alive(s.dead_after_s))
+                                .values(stopped_at=db_now()))
                 fold(session)  # the status counts' deltas since the last sweep, into one row per status
             for batch_id in {b for _, b in expired if b is not None}:
                 retrying(lambda b=batch_id: settle(sessions, b), f"settle batch {batch_id}")

@@ -49,9 +49,6 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.interface import Completion
-from jobs.batch_settle import batch_pending, settle_batch
-from jobs.clock import db_now
-from jobs.db import insert_ignore
 from jobs.schemas import (
     ERROR_MESSAGES,
     STOPPED_MESSAGES,
@@ -62,6 +59,9 @@ from jobs.schemas import (
 )
 from jobs.tables import Job, Result, Run, Timing, as_utc, utcnow
 from jobs.tool_calls import finish_reason
+from store.batch_settle import batch_pending, settle_batch
+from store.clock import db_now
+from store.writes import insert_ignore
 from worker.outcome import STOPPED, Outcome
 
 log = logging.getLogger(__name__)

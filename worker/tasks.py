@@ -1,9 +1,9 @@
 """The tasks job messages run: claim the rows under a lease, run the jobs by their kind through the engine,
 store the outcomes (only while the lease is still the run's). A message carries one job, or up to
-`CONVOQ_BULK_GROUP` lines of one batch (`jobs.publish`): those are claimed in one statement, run side by side,
+`CONVOQ_BULK_GROUP` lines of one batch (`broker.publish`): those are claimed in one statement, run side by side,
 stored in one write and acknowledged together, each line settled on its own (one that fails fails alone).
 
-`worker_app(settings, name)` is the Celery app of a worker process: the shared app (`jobs.broker`) with this task
+`worker_app(settings, name)` is the Celery app of a worker process: the shared app (`broker.app`) with this task
 registered, and the process's context (database, engine, reconciler, metrics) created when the worker starts.
 """
 
@@ -37,19 +37,20 @@ from celery.worker import state as worker_state
 from celery.worker.control import control_command
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker.affinity import Advert, Router, by_name, own_queues
+from broker.app import CANCEL_COMMAND, create_celery
+from broker.publish import publish
+from broker.view import BrokerView
 from engine.interface import Completion
 from engine.runtime.engine_thread import EngineDead, EngineStalled
-from jobs.affinity import Advert, Router, by_name, own_queues
-from jobs.broker import CANCEL_COMMAND, BrokerView, create_celery
 from jobs.chat import chat_for, chat_problem
-from jobs.db import make_db_engine, make_sessions
-from jobs.heap import freeze_startup_heap
-from jobs.publish import publish
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
 from jobs.schemas import ErrorCode, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
 from jobs.tool_calls import tool_use
+from process.heap import freeze_startup_heap
+from store.connections import make_db_engine, make_sessions
 from worker import results
 from worker.bridge import Bridge, JobRun
 from worker.bulk_gate import bulk_gate
@@ -118,7 +119,7 @@ class WorkerContext:
     settings: Settings
     celery: Celery
     sessions: sessionmaker[Session]
-    router: Router  # where the jobs it sends again go (`jobs.affinity`)
+    router: Router  # where the jobs it sends again go (`broker.affinity`)
     bridge: Bridge
     reconciler: Reconciler
     name: str
@@ -243,7 +244,7 @@ class Worker:
         log.info("engine ready: %s", self.settings.model)
 
     def ready(self, sender=None, **_) -> None:
-        """The worker consumes from now on: what its start built lives as long as it does (`jobs.heap`). SIGQUIT
+        """The worker consumes from now on: what its start built lives as long as it does (`process.heap`). SIGQUIT
         becomes a shutdown with no grace from here (`cold_shutdown`)."""
         if self.others(sender):
             return

@@ -33,14 +33,14 @@ from api.batch_input import LineError, ParsedLine, parse_lines
 from api.prompt_check import PromptCheck
 from api.service.file_store import pieces
 from api.service.files import UPLOAD_PURPOSE
-from jobs.affinity import Router
-from jobs.clock import db_now
-from jobs.db import copy_ignore, insert_ignore
-from jobs.publish import publish
+from broker.affinity import Router
+from broker.publish import publish
 from jobs.schemas import BatchStatus
 from jobs.settings import Settings
 from jobs.structured import SchemaBounds
 from jobs.tables import Batch, BatchLineError, File, Job, job_row, utcnow
+from store.clock import db_now
+from store.writes import copy_ignore, insert_ignore
 
 log = logging.getLogger(__name__)
 

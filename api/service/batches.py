@@ -20,12 +20,9 @@ from api.paging import list_of, page
 from api.service import file_store, files
 from api.service.batch_output import batch_file_id
 from api.service.uploads import BatchInput
-from jobs.affinity import Router
-from jobs.batch_settle import PENDING, settle_batch
-from jobs.broker import broadcast_cancel
-from jobs.clock import db_now
-from jobs.db import retry_conflicts
-from jobs.publish import publish
+from broker.affinity import Router
+from broker.app import broadcast_cancel
+from broker.publish import publish
 from jobs.schemas import (
     BATCH_SETTLED,
     BatchLineError,
@@ -42,6 +39,9 @@ from jobs.schemas import (
 from jobs.settings import ApiKey, Settings
 from jobs.tables import Batch, Job, utcnow
 from jobs.tables import BatchLineError as LineErrorRow
+from store.batch_settle import PENDING, settle_batch
+from store.clock import db_now
+from store.writes import retry_conflicts
 
 log = logging.getLogger(__name__)
 

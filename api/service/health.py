@@ -10,8 +10,8 @@ import redis
 from celery import Celery
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
+from store.workers import live_workers
 
-from jobs.affinity import live_workers
 from jobs.settings import Settings
 
 PROBE_TTL_S = 2.0

@@ -26,10 +26,10 @@ from concurrent.futures.process import BrokenProcessPool
 
 from api.prompt_check import PromptCheck
 from api.service.batch_ingest import Needs, run_ingest
-from jobs.affinity import Router
-from jobs.broker import create_celery
-from jobs.db import make_db_engine, make_sessions
+from broker.affinity import Router
+from broker.app import create_celery
 from jobs.settings import Settings
+from store.connections import make_db_engine, make_sessions
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.deps import Intake, sees
 from api.raw_json import Spliced
 from api.service.stored_results import StoredResult, read_results
-from jobs.batch_settle import settle_batch
-from jobs.broker import broadcast_cancel
-from jobs.clock import db_now
-from jobs.publish import publish
+from broker.app import broadcast_cancel
+from broker.publish import publish
 from jobs.schemas import (
     ErrorCode,
     JobAccepted,
@@ -34,6 +32,8 @@ from jobs.schemas import (
 from jobs.settings import ApiKey
 from jobs.tables import Job, Result, Timing, job_row, utcnow
 from jobs.tool_calls import stream_stops
+from store.batch_settle import settle_batch
+from store.clock import db_now
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, Select, and_, delete, exists, func, select
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from jobs.counts import fold
 from jobs.schemas import BATCH_SETTLED, TERMINAL, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, Timing, Worker, utcnow
+from store.counts import fold
 
 FINISHED = sorted(s.value for s in TERMINAL)
 SETTLED = sorted(s.value for s in BATCH_SETTLED)

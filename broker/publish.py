@@ -12,13 +12,14 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from jobs.affinity import Router, Waiting, by_name
-from jobs.broker import GROUP_HEADER
-from jobs.clock import db_now
-from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, broker_priority, home_queue, queue_for
+from broker.affinity import Router, Waiting, by_name
+from broker.redis_layout import broker_priority
+from broker.view import GROUP_HEADER
+from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_queue, queue_for
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from jobs.tables import Job
+from store.clock import db_now
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def publish(
     session. `stamped`: the rows were stamped as they were inserted (`published_at=db_now()`: one write per
     job, not two), so only those whose message did not go out are written, their stamps taken back. With a
     `router`, a job with a conversation goes to its home worker's queue while that queue has room
-    (`jobs.affinity`). A job is anything with a job's `id`, `kind` and `priority` (a `Job`, or a row of those
+    (`broker.affinity`). A job is anything with a job's `id`, `kind` and `priority` (a `Job`, or a row of those
     columns); one with a `batch_id` is a batch line.
 
     An interactive job, or one sent to its home worker, has a message of its own (`convoq.run_job`); bulk lines

@@ -11,7 +11,7 @@ home: one that beats, is not draining (its shutdown has begun), takes conversati
 consumes the job's class (`--queues`), as its `workers` row says (`Advert`). A home queue that already has
 `affinity_max_waiting` messages of the job's class waiting means a saturated worker: the job goes to the shared
 queue, where any worker serves it. The sweep moves what a gone worker's queues still hold back to the shared
-queues (`jobs.broker.BrokerView.rehome`).
+queues (`broker.view.BrokerView.rehome`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from jobs.clock import db_now
 from jobs.queues import home_queue, is_interactive
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
+from store.workers import alive
 
 log = logging.getLogger(__name__)
 LIVE_TTL_S = 2.0  # how long one read of the live workers serves a process's publishes
@@ -104,21 +104,13 @@ class Home:
 
 
 def homes_open(session: Session, dead_after_s: float) -> list[Home]:
-    """The workers a conversation's job may be routed to: alive (`live_workers`), not draining, taking
+    """The workers a conversation's job may be routed to: alive (`store.workers.alive`), not draining, taking
     conversations; each with the classes it consumes (a row from before `workers.classes` existed: both)."""
     w = Worker.__table__.c
     rows = session.execute(select(w.name, w.classes).where(
-        w.stopped_at.is_(None), w.heartbeat_at >= db_now(-dead_after_s), w.draining_at.is_(None),
-        w.affinity.is_(True)).order_by(w.name))
+        alive(dead_after_s), w.draining_at.is_(None), w.affinity.is_(True)).order_by(w.name))
     return [Home(name, frozenset(CLASSES if classes is None else filter(None, classes.split(","))))
             for name, classes in rows]
-
-
-def live_workers(session: Session, dead_after_s: float) -> list[str]:
-    """The workers that beat within a lease and have not stopped (the rows' names)."""
-    workers = Worker.__table__
-    return list(session.scalars(select(workers.c.name).where(
-        workers.c.stopped_at.is_(None), workers.c.heartbeat_at >= db_now(-dead_after_s)).order_by(workers.c.name)))
 
 
 def rank(key: str, worker: str) -> bytes:
@@ -136,7 +128,7 @@ def by_name(name: str) -> Queue:
 
 
 class Router:
-    """Picks the home worker of each job with a conversation, for `jobs.publish.publish`. One per process: it
+    """Picks the home worker of each job with a conversation, for `broker.publish.publish`. One per process: it
     keeps the open homes for `LIVE_TTL_S` (a worker that died or began draining meanwhile leaves its messages to
     the sweep), and the conversations it placed, so that a turn sent before the last one was taken follows it."""
 

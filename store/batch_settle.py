@@ -7,9 +7,9 @@ import uuid
 from sqlalchemy import Connection, bindparam, exists, select, true, update
 from sqlalchemy.orm import Session
 
-from jobs.clock import db_now
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.tables import Batch, Job, utcnow
+from store.clock import db_now
 
 PENDING = (JobStatus.queued.value, JobStatus.running.value)
 # Whether a batch still has a job queued or running: built once, as most settles end with it (building and keying
