@@ -30,7 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from broker.redis_layout import UNACKED_KEY, home_lists, queue_lists
+from broker.redis_layout import UNACKED_KEY, home_lists, is_redis, queue_lists
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.settings import Settings, hash_key
 from process.scrape import Snapshot, serve
@@ -61,10 +61,9 @@ class WaitCountingPool(QueuePool):
 def broker_client(settings: Settings) -> redis.Redis | None:
     """A Redis client over one connection, kept open and taken in turn (its calls are brief), for a Redis broker;
     None for another kombu transport. The health probe has one, the metrics' thread another."""
-    url = settings.broker_url.get_secret_value()
-    if not url.startswith(("redis://", "rediss://")):
+    if not is_redis(settings):
         return None
-    pool = redis.BlockingConnectionPool.from_url(url, max_connections=1, timeout=2, socket_timeout=2,
+    pool = redis.BlockingConnectionPool.from_url(settings.broker_url.get_secret_value(), max_connections=1, timeout=2, socket_timeout=2,
                                                  socket_connect_timeout=2)
     return redis.Redis(connection_pool=pool)
 

@@ -31,6 +31,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from broker.redis_layout import is_redis
 from jobs.queues import home_queue, is_interactive
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
@@ -46,7 +47,7 @@ RECENT = 100_000  # conversations placed, remembered until their first turn is t
 def affinity_on(settings: Settings) -> bool:
     """Whether jobs are routed to their conversation's worker: `CONVOQ_AFFINITY`, on a Redis broker only, the
     one whose queues the sweep can read and move (a gone worker's own queue would wait on any other broker)."""
-    return settings.affinity and settings.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
+    return settings.affinity and is_redis(settings)
 
 
 CLASSES = ("interactive", "bulk")  # the classes of work, by the shared queue each has (`jobs.queues.queue_for`)

@@ -23,6 +23,7 @@ from jsonschema import Draft202012Validator
 from sqlalchemy import select
 
 from api.client import Client
+from broker.redis_layout import is_redis
 from cli.batch import follow
 from cli.servers import RedisServer, ServerUnavailable, port_open
 from cli.stack import Stack
@@ -67,7 +68,7 @@ def pick_broker(settings: Settings) -> tuple[str, str, RedisServer | None]:
     configured = settings.broker_url.get_secret_value()
     shown = redact(configured)  # a broker password never reaches the terminal
     url = urlparse(configured)
-    if url.scheme.startswith("redis") and port_open(url.hostname or "127.0.0.1", url.port or 6379):
+    if is_redis(settings) and port_open(url.hostname or "127.0.0.1", url.port or 6379):
         return configured, f"Redis at {shown}", None
     try:
         server = RedisServer().start()

@@ -183,8 +183,10 @@ def check_engine(settings: Settings) -> Check:
 def check_broker(settings: Settings) -> Check:
     import redis
 
+    from broker.redis_layout import is_redis
+
     url = settings.broker_url.get_secret_value()
-    if not url.startswith(("redis://", "rediss://")):
+    if not is_redis(settings):
         return Check("broker", True, f"{redact(url)} (not Redis: not checked here)")
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)

@@ -2,12 +2,14 @@
 
 Data flows one way (producer -> api -> broker -> worker -> engine -> worker -> database): the API never
 touches the engine or the worker, the engine and its kernels know nothing of the service, and `jobs/`, the
-contract both sides share, depends on no other package of the project.
+contract both sides share, depends on no other package of the project. The broker's room (`broker/`) and the
+database's (`store/`) build on the contract; the contract knows neither.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from graphlib import CycleError, TopologicalSorter
@@ -63,6 +65,49 @@ def test_packages_import_only_what_the_layout_allows():
     broken = {f"{package} -> {other}": modules for package, deps in graph.items()
               for other, modules in deps.items() if other not in ALLOWED[package]}
     assert broken == {}
+
+
+def test_the_contract_imports_no_broker_client():
+    """`jobs/` is what both sides agree on; talking to the broker is `broker/`'s work."""
+    clients = {"celery", "kombu", "redis"}
+    found = {}
+    for path in sorted((ROOT / "jobs").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        if used := sorted({m.split(".")[0] for m in imported_modules(tree, "jobs")} & clients):
+            found[str(path.relative_to(ROOT))] = used
+    assert found == {}
+    assert {m.split(".")[0] for m in imported_modules(ast.parse("from kombu import Queue"), "jobs")} & clients
+
+
+def test_the_contract_makes_no_database_engine():
+    found = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "jobs").rglob("*.py"))
+             if re.search(r"\b(create_engine|sessionmaker)\b", path.read_text())]
+    assert found == []
+
+
+def lines_matching(pattern: str) -> dict[str, int]:
+    """Source file -> how many of its lines match `pattern`, over every package."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if n := sum(1 for line in path.read_text().splitlines() if re.search(pattern, line)):
+                found[str(path.relative_to(ROOT))] = n
+    return found
+
+
+def test_whether_the_broker_is_redis_is_decided_once():
+    assert lines_matching(r"startswith\(\(?[\"']rediss?(://)?[\"']") == {"broker/redis_layout.py": 1}
+
+
+def test_the_liveness_of_workers_is_stated_once():
+    """The router, the health probe and the sweep all ask `store.workers.alive`."""
+    assert lines_matching(r"heartbeat_at\s*[<>]=?\s*db_now\(") == {"store/workers.py": 1}
+    assert lines_matching(r"def live_workers\b") == {"store/workers.py": 1}
+
+
+def test_the_fence_of_a_runs_writes_is_stated_once():
+    """A run's write counts only while its job is `running` under the run's lease (`worker.results.holds`)."""
+    assert lines_matching(r"lease_id\s*==.*status\s*==\s*RUNNING") == {"worker/results.py": 1}
 
 
 def test_migrations_import_no_application_code():

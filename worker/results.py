@@ -109,10 +109,11 @@ def storable(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
-def holds(claimed: Claimed) -> ColumnElement[bool]:
-    """The job is still `running` under this run's lease: the condition of every write of the run."""
+def holds(job_id: object, lease: object) -> ColumnElement[bool]:
+    """The job is still `running` under the run's lease: the condition of every write of the run. Either may be
+    a value, a bound parameter or a column of the rows a statement writes from."""
     jobs = Job.__table__
-    return (jobs.c.id == claimed.job_id) & (jobs.c.lease_id == claimed.lease) & (jobs.c.status == RUNNING)
+    return (jobs.c.id == job_id) & (jobs.c.lease_id == lease) & (jobs.c.status == RUNNING)
 
 
 # The statements every job's claim and store run, built once at import: building and keying a statement costs
@@ -128,7 +129,7 @@ _HELD = (select(_JOBS.c.id, _JOBS.c.status, _RUNS.c.outcome)
          .where(tuple_(_JOBS.c.id, _JOBS.c.lease_id).in_(bindparam("held", expanding=True)))
          .with_for_update(of=_JOBS))
 _FINISH = (update(_JOBS)
-           .where(_JOBS.c.id == bindparam("job"), _JOBS.c.lease_id == bindparam("lease"), _JOBS.c.status == RUNNING)
+           .where(holds(bindparam("job"), bindparam("lease")))
            .values(status=bindparam("new_status"), error=bindparam("new_error"), error_code=bindparam("new_code"),
                    error_detail=bindparam("new_detail"), finished_at=bindparam("now"), lease_expires_at=None))
 
@@ -164,7 +165,7 @@ def _fenced(sessions: sessionmaker[Session], claimed: Claimed, values: dict, don
 
     def action() -> bool:
         with sessions.begin() as session:
-            applied = session.execute(update(jobs).where(holds(claimed)).values(**values)).rowcount == 1
+            applied = session.execute(update(jobs).where(holds(claimed.job_id, claimed.lease)).values(**values)).rowcount == 1
             if not applied and done is not None:
                 found = session.execute(_HELD, {"held": [(claimed.job_id, claimed.lease)]}).first()
                 applied = found is not None and (found.status, found.outcome) == (done, run.get("outcome"))
@@ -239,7 +240,7 @@ def lost_run_updates(keep_lease: bool = False, code: ErrorCode = ErrorCode.crash
     that the writer, retrying after a lost reply, recognises its own hand-back (a stall's, from the worker that
     holds the run)."""
     jobs = Job.__table__
-    fenced = (jobs.c.id == bindparam("j")) & (jobs.c.lease_id == bindparam("l")) & (jobs.c.status == RUNNING)
+    fenced = holds(bindparam("j"), bindparam("l"))
     lease = {} if keep_lease else {"lease_id": None}
     back = update(jobs).where(fenced).values(**returned(crashes=bindparam("charge")), **lease)
     failed = update(jobs).where(fenced).values(
@@ -610,7 +611,7 @@ def _store_statement() -> Executable:
                           column("new_error", Text), column("new_code", Text), column("new_detail", Text))
             .render_derived("v", with_types=True))
     fin = (update(jobs)
-           .where(jobs.c.id == rows.c.job, jobs.c.lease_id == rows.c.lease, jobs.c.status == RUNNING)
+           .where(holds(rows.c.job, rows.c.lease))
            .values(status=rows.c.new_status, error=rows.c.new_error, error_code=rows.c.new_code,
                    error_detail=rows.c.new_detail, finished_at=bindparam("now"), lease_expires_at=None)
            .returning(jobs.c.id, jobs.c.lease_id, jobs.c.status)
