@@ -63,8 +63,8 @@ def broker_client(settings: Settings) -> redis.Redis | None:
     None for another kombu transport. The health probe has one, the metrics' thread another."""
     if not is_redis(settings):
         return None
-    pool = redis.BlockingConnectionPool.from_url(settings.broker_url.get_secret_value(), max_connections=1, timeout=2, socket_timeout=2,
-                                                 socket_connect_timeout=2)
+    pool = redis.BlockingConnectionPool.from_url(settings.broker_url.get_secret_value(), max_connections=1,
+                                                 timeout=2, socket_timeout=2, socket_connect_timeout=2)
     return redis.Redis(connection_pool=pool)
 
 

@@ -165,7 +165,8 @@ def _fenced(sessions: sessionmaker[Session], claimed: Claimed, values: dict, don
 
     def action() -> bool:
         with sessions.begin() as session:
-            applied = session.execute(update(jobs).where(holds(claimed.job_id, claimed.lease)).values(**values)).rowcount == 1
+            fenced = update(jobs).where(holds(claimed.job_id, claimed.lease)).values(**values)
+            applied = session.execute(fenced).rowcount == 1
             if not applied and done is not None:
                 found = session.execute(_HELD, {"held": [(claimed.job_id, claimed.lease)]}).first()
                 applied = found is not None and (found.status, found.outcome) == (done, run.get("outcome"))
