@@ -279,8 +279,9 @@ def test_a_stopped_run_keeps_its_text_and_ends_with_the_reason(database, reason)
 
 @pytest.mark.parametrize("ping_idle_s", [0.0, None])
 def test_a_pooled_connection_dropped_while_idle_is_replaced_when_pinged(empty_database, ping_idle_s):
-    """The API pings a pooled connection only once it has been idle a while (`store.connections._ping_when_idle`): one the
-    server dropped meanwhile is replaced before it is used; unpinged, its first use fails."""
+    """The API pings a pooled connection only once it has been idle a while
+    (`store.connections._ping_when_idle`): one the server dropped meanwhile is replaced before it is used;
+    unpinged, its first use fails."""
     engine = make_db_engine(empty_database, pool_size=1, ping_idle_s=ping_idle_s)
     with engine.connect() as conn:
         pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
