@@ -10,9 +10,9 @@ import redis
 from celery import Celery
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
-from store.workers import live_workers
 
 from jobs.settings import Settings
+from store.workers import live_workers
 
 PROBE_TTL_S = 2.0
 
