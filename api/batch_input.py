@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jobs.schemas import JobIn, Key, Sampling, bounded_json, error_message
+from jobs.schemas import LATER_OPTIONS, JobIn, Key, Sampling, bounded_json, error_message
 from jobs.structured import SchemaBounds, within_bounds
 
 log = logging.getLogger(__name__)
@@ -138,10 +138,6 @@ def openai_job(body: OpenAIBody, priority: int) -> JobIn:
                  tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
 
 
-# fields of `JobIn` our lines may set that have a default of their own: passed on only when a line sets them
-LINE_OPTIONS = ("n", "response_format", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
-
-
 def _job_from_ours(obj: dict, priority: int) -> JobIn:
     sampling = {k: obj[k] for k in Sampling.model_fields if k in obj}
     if "transcript" in obj:
@@ -155,7 +151,8 @@ def _job_from_ours(obj: dict, priority: int) -> JobIn:
     return JobIn(messages=messages, kind=kind, priority=priority, sampling=sampling,
                  conversation_id=obj.get("conversation_id"), thinking=obj.get("thinking"),
                  max_thinking_tokens=obj.get("max_thinking_tokens"),
-                 **{k: obj[k] for k in LINE_OPTIONS if k in obj})
+                 # the options with a default of their own: passed on only when a line sets them
+                 **{k: obj[k] for k in LATER_OPTIONS if k in obj})
 
 
 def split_lines(pieces: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from broker.redis_layout import UNACKED_KEY, home_lists, is_redis, queue_lists
+from jobs.priority import HIGHEST, LEVELS
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.settings import Settings, hash_key
 from process.scrape import Snapshot, serve
@@ -113,10 +114,10 @@ class ServiceCollector(Collector):
         pipe.hlen(UNACKED_KEY)
         *lengths, unacked = pipe.execute()
         depth = GaugeMetricFamily("convoq_queue_messages", "Messages waiting in the broker, by queue and job "
-                                  "priority (9 is the most urgent)", labels=["queue", "priority"])
+                                  f"priority ({HIGHEST} is the most urgent)", labels=["queue", "priority"])
         counts = iter(lengths)
-        for queue, names in lists.items():
-            for priority in range(len(names)):
+        for queue in lists:
+            for priority in LEVELS:
                 depth.add_metric([queue, str(priority)], next(counts))
         home = GaugeMetricFamily("convoq_home_queue_messages", "Messages waiting in the workers' own queues "
                                  "(`broker.affinity`), by the shared queue of their class", labels=["queue"])

@@ -44,6 +44,7 @@ from bench.common import percentile, report, tiny_model
 from bench.mixed_pipeline import ASKS, NAMES
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
+from jobs.priority import HIGHEST
 from jobs.schemas import JobIn, JobStatus
 from jobs.tables import Job, Result, Timing
 from migrations.apply import upgrade
@@ -81,7 +82,7 @@ async def converse(client: AsyncClient, c: int, users: list[str], bar: tqdm) -> 
     ids = []
     for user in users:
         messages.append({"role": "user", "content": user})
-        job = await client.submit(JobIn(messages=messages, priority=9, conversation_id=f"conversation-{c}",
+        job = await client.submit(JobIn(messages=messages, priority=HIGHEST, conversation_id=f"conversation-{c}",
                                         sampling=SAMPLING))
         done = await client.wait(job.id, timeout=600)
         if done.status != JobStatus.succeeded or done.result is None:
@@ -106,7 +107,7 @@ def warm_up(url: str, db: sa.Engine, workers: int) -> None:
     warmed: set[str] = set()
     with Client(url, KEY) as client:
         for _ in range(20):
-            ids = [client.submit(JobIn(messages=[{"role": "user", "content": f"Warm-up {i}."}], priority=9,
+            ids = [client.submit(JobIn(messages=[{"role": "user", "content": f"Warm-up {i}."}], priority=HIGHEST,
                                        sampling=SAMPLING)).id for i in range(workers)]
             for job_id in ids:
                 client.wait(job_id)

@@ -38,8 +38,9 @@ from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Completion, Request, SamplingParams
 from engine.llm_engine import LLMEngine
+from jobs.priority import DEFAULT_BATCH_PRIORITY, HIGHEST
 
-CHAT_PRIORITY, BULK_PRIORITY = 9, 1
+CHAT_PRIORITY, BULK_PRIORITY = HIGHEST, DEFAULT_BATCH_PRIORITY
 VOCAB = 4096
 
 

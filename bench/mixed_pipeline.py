@@ -35,6 +35,7 @@ from api.client import Client
 from bench.common import chat_comparison, chat_figures, tiny_model
 from cli.demo import SAMPLES
 from cli.stack import Stack
+from jobs.priority import HIGHEST
 from jobs.schemas import BATCH_SETTLED, TERMINAL, JobIn, JobStatus
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, Result, Timing, as_utc
@@ -50,7 +51,7 @@ SETTLE_S = 0.5  # after the batch's first job started: let the worker pull the r
 POLL_S = 0.5  # database polls: on two cores every poll is CPU taken from the service being measured
 
 
-def _chats(rng: random.Random, n: int, priority: int = 9) -> list[JobIn]:
+def _chats(rng: random.Random, n: int, priority: int = HIGHEST) -> list[JobIn]:
     """Short chats, urgent unless said otherwise; the order number and name up front keep each phase's prompts
     apart."""
     return [JobIn(messages=[{"role": "user", "content": f"Order {rng.randrange(10**6, 10**7)}, "

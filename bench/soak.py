@@ -46,6 +46,7 @@ import redis
 from bench.common import percentile, report, scraped, tiny_model
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
+from jobs.priority import LOWEST
 from jobs.settings import Settings
 from migrations.apply import upgrade
 
@@ -278,7 +279,7 @@ def setup(url: str, batch_lines: int, streams: int) -> tuple[str, str, list[str]
                 raise RuntimeError(f"the batch did not complete: {batch}")
             print(f"batch: {batch['request_counts']}", file=sys.stderr)
             time.sleep(5)
-        job = client.post("/v1/jobs", json={"messages": ASK, "priority": 0}, headers=headers).json()["id"]
+        job = client.post("/v1/jobs", json={"messages": ASK, "priority": LOWEST}, headers=headers).json()["id"]
 
     async def queue_all() -> list[str]:
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as client:
@@ -286,7 +287,7 @@ def setup(url: str, batch_lines: int, streams: int) -> tuple[str, str, list[str]
 
             async def one(i: int) -> str:
                 async with gate:
-                    r = await client.post("/v1/jobs", json={"messages": ASK, "priority": 0}, headers={
+                    r = await client.post("/v1/jobs", json={"messages": ASK, "priority": LOWEST}, headers={
                         "Authorization": f"Bearer {STREAM_KEYS[i % len(STREAM_KEYS)]}"})
                     r.raise_for_status()
                     return r.json()["id"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import redis
 
+from jobs.priority import HIGHEST, LEVELS
 from jobs.queues import HOME_SEP
 from jobs.settings import Settings
 
@@ -24,8 +25,8 @@ def is_redis(settings: Settings) -> bool:
 
 def transport_options(settings: Settings) -> dict:
     return {
-        # Ten real priority levels: a queue `q` becomes Redis lists `q`, `q:1` ... `q:9` (0 served first).
-        "priority_steps": list(range(10)),
+        # A real level for each of ours: a queue `q` becomes Redis lists `q`, `q:1` ... `q:9` (0 served first).
+        "priority_steps": sorted(broker_priority(p) for p in LEVELS),
         "sep": PRIORITY_SEP,
         "queue_order_strategy": "priority",
         # Counted from delivery, not from the start of the run: it must exceed queue wait + run time.
@@ -34,8 +35,8 @@ def transport_options(settings: Settings) -> dict:
 
 
 def broker_priority(priority: int) -> int:
-    """Ours: 9 is the most urgent. Celery's Redis transport serves priority 0 first."""
-    return 9 - priority
+    """Ours: `HIGHEST` is the most urgent. Celery's Redis transport serves priority 0 first."""
+    return HIGHEST - priority
 
 
 def priority_list(queue: str, priority: int) -> str:
@@ -45,8 +46,8 @@ def priority_list(queue: str, priority: int) -> str:
 
 
 def queue_lists(settings: Settings) -> dict[str, list[str]]:
-    """Each of our queues -> its ten Redis lists, by our priority 0..9."""
-    return {queue: [priority_list(queue, p) for p in range(10)]
+    """Each of our queues -> its Redis lists, by our priority, lowest first."""
+    return {queue: [priority_list(queue, p) for p in LEVELS]
             for queue in (settings.interactive_queue, settings.bulk_queue)}
 
 

@@ -12,6 +12,7 @@ import typer
 from tqdm import tqdm
 
 from api.client import Client, ConvoqError
+from jobs.priority import HIGHEST, LOWEST, RANGE
 from jobs.schemas import BATCH_SETTLED, BatchOut
 
 app = typer.Typer(help="Bulk jobs from JSONL files (OpenAI Batch format or convoq lines).", no_args_is_help=True)
@@ -70,7 +71,8 @@ def _write(client: Client, batch_id: str, path: Path, errors: bool) -> int:
 def submit(
     file: Path,
     wait: Annotated[bool, typer.Option(help="follow progress until the batch settles")] = False,
-    priority: Annotated[int | None, typer.Option(min=0, max=9, help="0..9, 9 most urgent [default: the API's, low]")] = None,
+    priority: Annotated[int | None, typer.Option(min=LOWEST, max=HIGHEST,
+                                                 help=f"{RANGE} [default: the API's, low]")] = None,
     out: Annotated[Path | None, typer.Option(help="with --wait: write the output lines here")] = None,
     completion_window: Annotated[str | None, typer.Option(
         help="'24h' form: items unfinished by then end expired [default: the API's, 24h]")] = None,

@@ -28,6 +28,7 @@ from cli.batch import follow
 from cli.servers import RedisServer, ServerUnavailable, port_open
 from cli.stack import Stack
 from cli.tiny_model import build_tiny_model
+from jobs.priority import HIGHEST
 from jobs.schemas import JobIn
 from jobs.settings import DATA_DIR, Settings, redact
 from jobs.tables import Job, Result, Timing, as_utc
@@ -112,7 +113,7 @@ def run_demo(max_new_tokens: int) -> int:
             stack.start_worker()
             with Client(stack.api_url, key) as client:
                 idle = [client.wait(i, timeout=300) for i in send_chats(client, ticket=4100)]
-                print(f"{len(idle)} customer chats at priority 9 on the idle service: "
+                print(f"{len(idle)} customer chats at priority {HIGHEST} on the idle service: "
                       f"{latency_line(idle)}")
                 start = time.monotonic()
                 upload = "\n".join(json.dumps(line) for line in lines).encode()
@@ -147,12 +148,12 @@ def run_demo(max_new_tokens: int) -> int:
 
 
 def send_chats(client: Client, ticket: int) -> list:
-    """The customer chats, one every 0.2 s (as people would write), at priority 9; their ids. The ticket number
+    """The customer chats, one every 0.2 s (as people would write), at the highest priority; their ids. The ticket number
     opens each message, so a second round is not answered from the first one's cached prompt."""
     ids = []
     for i, question in enumerate(QUESTIONS):
         content = f"Ticket {ticket + i}. {question}"
-        ids.append(client.submit(JobIn(messages=[{"role": "user", "content": content}], priority=9,
+        ids.append(client.submit(JobIn(messages=[{"role": "user", "content": content}], priority=HIGHEST,
                                        sampling={"max_new_tokens": 24})).id)
         time.sleep(0.2)
     return ids
@@ -231,7 +232,7 @@ def _cell(value: object, width: int) -> str:
 def print_overtaking(chats: list, jobs: list[dict]) -> None:
     for chat in chats:
         later = sum(as_utc(j["finished_at"]) > as_utc(chat.finished_at) for j in jobs if j["finished_at"])
-        print(f"chat {str(chat.id)[:8]} (priority 9): {chat.status}, finished before {later} of the "
+        print(f"chat {str(chat.id)[:8]} (priority {HIGHEST}): {chat.status}, finished before {later} of the "
               f"{len(jobs)} batch items, end to end {chat.timings.end_to_end_ms if chat.timings else 0:.0f} ms")
 
 

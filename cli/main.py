@@ -11,6 +11,7 @@ import typer
 
 from cli.batch import KEY, URL
 from cli.batch import app as batch_app
+from jobs.priority import HIGHEST, LOWEST, RANGE
 from jobs.settings import get_settings
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ def submit(
     url: str = URL,
     api_key: str = KEY,
     kind: str = "chat",
-    priority: Annotated[int | None, typer.Option(help="0..9, 9 most urgent [default: the API's]")] = None,
+    priority: Annotated[int | None, typer.Option(min=LOWEST, max=HIGHEST, help=f"{RANGE} [default: the API's]")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="[default: the API's]")] = None,
     deadline_s: Annotated[float | None, typer.Option(help="seconds: unfinished by then, the job ends expired")] = None,
     wait: Annotated[float, typer.Option(help="seconds to wait for the result")] = 60.0,

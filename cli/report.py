@@ -22,6 +22,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from cli.spans import parse_span
+from jobs.priority import HIGHEST
 from jobs.queues import is_interactive
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
@@ -239,7 +240,7 @@ def wait_vs_compute_plot(jobs: Finished) -> str:
         for (name, _, color), height in zip(parts, heights, strict=True):
             ax.bar(labels, height, bottom=bottom, label=name, color=color)
             bottom += height
-        ax.set_xlabel("priority (9 is the most urgent)")
+        ax.set_xlabel(f"priority ({HIGHEST} is the most urgent)")
         ax.grid(axis="y", alpha=0.3)
     absolute.set_ylabel("mean seconds per job")
     share.set_ylabel("share of queue wait + compute (%)")

@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from engine.llm_engine import LLMEngine
 from engine.runtime.engine_thread import EngineThread
-from jobs.schemas import DEFAULT_BATCH_PRIORITY, JobIn
+from jobs.priority import DEFAULT_BATCH_PRIORITY
+from jobs.schemas import JobIn
 from jobs.settings import Settings
 from worker.bridge import Bridge
 from worker.engine_factory import engine_config

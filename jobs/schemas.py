@@ -1,6 +1,6 @@
 """The job contract, shared by the API, the client and the worker (pydantic v2).
 
-Priority runs 0..9 with **9 the most urgent**; the worker maps it to the broker's own order (`jobs.queues`).
+A job's priority is `jobs.priority.Priority`, the highest the most urgent.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from jobs.priority import DEFAULT_PRIORITY, HIGHEST, LEVELS, LOWEST, RANGE, Priority
 from jobs.structured import vetted_problem
 
 MAX_MESSAGES = 256
@@ -49,8 +50,6 @@ def error_message(error: dict) -> str:
 MAX_NEW_TOKENS = 4096
 MAX_CHOICES = 8  # a job's `n`: OpenAI's allows more, but each choice holds KV blocks of its own
 DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_PRIORITY = 5  # a job submitted on its own
-DEFAULT_BATCH_PRIORITY = 1  # bulk work: low, so that chats overtake it
 T = TypeVar("T")
 
 
@@ -363,10 +362,15 @@ class NamedToolChoice(Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+# what a job gained after its first form (migration 0012: choices, structured outputs, logprobs, tools), each with a
+# default of its own: a request that leaves them unset is the job it was before
+LATER_OPTIONS = ("n", "response_format", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+
+
 class JobIn(Strict):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     kind: Literal["chat", "summarize"] = "chat"
-    priority: int = Field(DEFAULT_PRIORITY, ge=0, le=9, description="0..9, 9 is the most urgent")
+    priority: Priority = Field(DEFAULT_PRIORITY, description=f"{LOWEST}..{HIGHEST}, {HIGHEST} is the most urgent")
     conversation_id: Key | None = None
     idempotency_key: Key | None = None
     sampling: Sampling = Field(default_factory=Sampling)
@@ -643,13 +647,17 @@ def safe_metadata(stored: object) -> dict[str, str]:
     return dict(list(kept.items())[:METADATA_KEYS])
 
 
+PRIORITY_TEXTS = frozenset(str(p) for p in LEVELS)
+
+
 def _priority_is_a_digit(metadata: dict[str, str] | None) -> dict[str, str] | None:
-    if metadata and "priority" in metadata and not re.fullmatch(r"[0-9]", metadata["priority"]):
-        raise ValueError(f"metadata.priority must be a digit '0'..'9' (9 most urgent), not {metadata['priority']!r}")
+    if metadata and "priority" in metadata and metadata["priority"] not in PRIORITY_TEXTS:
+        raise ValueError(f"metadata.priority must be a digit '{LOWEST}'..'{HIGHEST}' ({HIGHEST} most urgent), not "
+                         f"{metadata['priority']!r}")
     return metadata
 
 
-# OpenAI's `metadata`, in which a priority may ride: "0".."9"
+# OpenAI's `metadata`, in which a priority may ride as its digit
 PriorityMetadata = Annotated[Metadata | None, AfterValidator(_priority_is_a_digit)]
 
 
@@ -680,7 +688,7 @@ class BatchCreate(BaseModel):
 class BatchUpload(BaseModel):
     """`POST /v1/batches` as multipart/form-data (our client and CLI): the JSONL itself, in `file`."""
 
-    priority: int | None = Field(None, ge=0, le=9, description="0..9, 9 most urgent; bulk work defaults low")
+    priority: Priority | None = Field(None, description=f"{RANGE}; bulk work defaults low")
     metadata: Metadata | None = Field(None, description="a JSON object of strings kept with the batch (OpenAI's "
                                                         "bounds: 16 keys of 64 characters, values of 512)")
     completion_window: Window = Field(DEFAULT_COMPLETION_WINDOW, description=(

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from jobs.priority import Priority
+
 DATA_DIR = Path(".convoq")
 
 
@@ -136,7 +138,7 @@ class Settings(BaseSettings):
 
     # Jobs of at least this priority are interactive: a person waits on them (`jobs.queues.is_interactive`). They
     # go to the interactive queue and get the engine's latency targets; everything else is bulk.
-    interactive_priority: int = Field(7, ge=0, le=9)
+    interactive_priority: Priority = 7
     # Bulk jobs may hold at most this share of a worker's threads: the rest stay free for interactive messages.
     bulk_share: float = Field(0.75, gt=0, le=1)
     # A batch's lines travel this many to a Celery message (`broker.publish`): claimed, stored and acknowledged

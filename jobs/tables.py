@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from jobs.schemas import JobIn, Message
+from jobs.schemas import LATER_OPTIONS, JobIn, Message
 
 
 def utcnow() -> datetime:
@@ -203,10 +203,9 @@ class Job(Base):
     )
 
 
-# what a request gained after idempotency hashes were first stored (migration 0012: choices, structured outputs,
-# logprobs, tools): left at their defaults they are not hashed, so that a request sent again across the deploy
+# what a request gained after idempotency hashes were first stored (`jobs.schemas.LATER_OPTIONS`, and two fields
+# of a message): left at their defaults they are not hashed, so that a request sent again across the deploy
 # that added them still matches the hash stored for it
-LATER_JOB_FIELDS = ("n", "response_format", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
 LATER_MESSAGE_FIELDS = ("tool_calls", "tool_call_id")
 
 
@@ -217,7 +216,7 @@ def _without_later_defaults(dump: dict, model: type, names: tuple[str, ...]) -> 
 
 def request_hash(job: JobIn) -> str:
     """sha256 of the job as submitted, keys sorted: equal for a repeat of the same request."""
-    dump = _without_later_defaults(job.model_dump(mode="json"), JobIn, LATER_JOB_FIELDS)
+    dump = _without_later_defaults(job.model_dump(mode="json"), JobIn, LATER_OPTIONS)
     dump["messages"] = [_without_later_defaults(m, Message, LATER_MESSAGE_FIELDS) for m in dump["messages"]]
     return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()
 

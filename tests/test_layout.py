@@ -327,3 +327,14 @@ def test_the_interactive_line_is_drawn_in_one_place():
     assert found == {"jobs/queues.py": found.get("jobs/queues.py", [])} and found["jobs/queues.py"]
     assert interactive_comparisons(ast.parse("urgent = job.priority >= 7")) == [1]
     assert interactive_comparisons(ast.parse("urgent = p >= settings.interactive_priority")) == [1]
+
+
+def test_the_priority_range_is_written_once():
+    """`jobs.priority` bounds a priority; everything else takes `Priority`, `LOWEST`, `HIGHEST` or `LEVELS`."""
+    assert lines_matching(r"^LOWEST, HIGHEST = ") == {"jobs/priority.py": 1}
+    assert lines_matching(r"\b(le|max)\s*=\s*9\b|range\(10\)|\b9 - priority") == {}
+    assert lines_matching(r"\bHeader\(") == {"api/priority.py": 1}  # the X-Convoq-Priority header
+
+
+def test_a_job_s_later_options_are_listed_once():
+    assert lines_matching(r"\(\"n\", \"response_format\", \"logprobs\"") == {"jobs/schemas.py": 1}

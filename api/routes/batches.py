@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, status
+from fastapi import APIRouter, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
@@ -21,10 +21,11 @@ from api.deps import (
     SettingsDep,
     errors,
 )
-from api.priority import chosen_priority
+from api.priority import BatchPriorityHeader, chosen_priority
 from api.service import batches, uploads
 from api.service.batch_output import lines as batch_lines
-from jobs.schemas import DEFAULT_BATCH_PRIORITY, BatchLineError, BatchOut, ListOf
+from jobs.priority import DEFAULT_BATCH_PRIORITY
+from jobs.schemas import BatchLineError, BatchOut, ListOf
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=V1_ERRORS)
 
@@ -46,10 +47,7 @@ async def create_batch(
     settings: SettingsDep,
     intake: IntakeDep,
     caller: Caller,
-    # typed `int` so the document says integer (a header is never JSON null); absent, it is None
-    x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
-        ge=0, le=9, description="0..9, 9 most urgent; before the body's `priority` (multipart) or "
-                                "`metadata.priority` (JSON); bulk work defaults low")] = None,
+    x_convoq_priority: BatchPriorityHeader = None,
 ) -> BatchOut:
     """Create a batch from OpenAI's JSON body (`input_file_id`: a file uploaded with purpose `batch`, as the
     `openai` SDK sends it) or from a multipart/form-data upload of the JSONL itself (`file`, as our client and

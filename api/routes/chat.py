@@ -17,10 +17,9 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Header, HTTPException, Request, status
+from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
@@ -30,7 +29,7 @@ from api.errors import CodedError, openai_error
 from api.events import EventStream, follow, stored_text
 from api.json_body import BoundedJsonRoute
 from api.openai_objects import chat_completion, chunk, logprobs, tool_call_deltas, usage
-from api.priority import chosen_priority
+from api.priority import ChatPriorityHeader, chosen_priority
 from api.service.jobs import Unrunnable, cancel, enqueue, load
 from jobs.chat import split_reasoning, thinking_of
 from jobs.schemas import REQUEST_ERRORS, JobOut, JobStatus, PriorityMetadata, metadata_priority
@@ -103,9 +102,7 @@ async def chat_completions(
     intake: IntakeDep,
     hub: HubDep,
     caller: Caller,
-    # typed `int` so the document says integer (a header is never JSON null); absent, it is None
-    x_convoq_priority: Annotated[int, Header(  # noqa: RUF013
-        ge=0, le=9, description="0..9, 9 most urgent; before `metadata.priority`; interactive by default")] = None,
+    x_convoq_priority: ChatPriorityHeader = None,
 ):
     """OpenAI's chat completions (`n` up to 8; with `stream`, 1). Sampling fields as in a batch line; unset ones
     take the model's defaults. Answers a `chat.completion`, or with `stream` its chunks as Server-Sent Events."""
