@@ -16,8 +16,8 @@ from fastapi import HTTPException, status
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobs.schemas import JobStatus
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from jobs.tables import Job
 
 UNFINISHED = (JobStatus.queued.value, JobStatus.running.value)

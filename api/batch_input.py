@@ -21,7 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jobs.schemas import LATER_OPTIONS, JobIn, Key, Sampling, bounded_json, error_message
+from jobs.bounded_json import bounded_json
+from jobs.schemas import LATER_OPTIONS, JobIn, Key, Sampling, error_message
 from jobs.structured import SchemaBounds, within_bounds
 
 log = logging.getLogger(__name__)

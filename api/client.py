@@ -9,7 +9,10 @@ from uuid import UUID
 
 import httpx
 
-from jobs.schemas import TERMINAL, BatchLineError, BatchOut, JobAccepted, JobEvent, JobIn, JobOut
+from api.schemas.batches import BatchLineError, BatchOut
+from api.schemas.jobs import JobAccepted, JobEvent, JobOut
+from jobs.schemas import JobIn
+from jobs.status import TERMINAL
 
 
 class ConvoqError(RuntimeError):

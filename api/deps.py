@@ -22,9 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.admission import Admission
 from api.hub import Hub
 from api.prompt_check import PromptCheck
+from api.schemas.errors import ErrorOut
 from api.service.health import Probe
 from broker.affinity import Router
-from jobs.schemas import ErrorOut
 from jobs.settings import ApiKey, Settings
 
 Statement = TypeVar("Statement", Select, Delete)

@@ -29,8 +29,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.hub import Hub
+from api.schemas.jobs import JobEvent, JobOut
+from api.schemas.results import ResultOut
 from jobs.chat import split_reasoning
-from jobs.schemas import TERMINAL, JobEvent, JobOut, JobStatus, ResultOut
+from jobs.status import TERMINAL, JobStatus
 
 KEEPALIVE_S = 15.0
 THINK_TAGS = ("<think>", "</think>")

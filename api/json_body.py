@@ -1,4 +1,4 @@
-"""JSON request bodies parsed within `jobs.schemas.MAX_JSON_DEPTH`, and the JSON schemas they hold vetted:
+"""JSON request bodies parsed within `jobs.bounded_json.MAX_JSON_DEPTH`, and the JSON schemas they hold vetted:
 routers whose routes take a JSON body use `BoundedJsonRoute`.
 
 - A body nested deeper is a 422 naming the problem, before any model sees it (Python's parser would give up at
@@ -23,7 +23,7 @@ from fastapi import HTTPException, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
 
-from jobs.schemas import UnheldNumber, bounded_json
+from jobs.bounded_json import UnheldNumber, bounded_json
 from jobs.structured import VERDICTS, SchemaBounds, SchemaTooLarge, vet
 
 INLINE_BYTES = 16 * 1024  # smaller bodies are read on the event loop: a hop to a thread would cost more

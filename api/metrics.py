@@ -32,8 +32,8 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from broker.redis_layout import UNACKED_KEY, home_lists, is_redis, queue_lists
 from jobs.priority import HIGHEST, LEVELS
-from jobs.schemas import BatchStatus, JobStatus
 from jobs.settings import Settings, hash_key
+from jobs.status import BatchStatus, JobStatus
 from process.scrape import Snapshot, serve
 from store.connections import make_db_engine, make_sessions
 from store.counts import counts

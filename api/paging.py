@@ -11,7 +11,7 @@ from fastapi import HTTPException, status
 from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import Session
 
-from jobs.schemas import ListOf
+from api.schemas.lists import ListOf
 
 
 def page(session: Session, rows: Select, table: Any, after: object | None, limit: int,

@@ -45,7 +45,8 @@ from bench.mixed_pipeline import ASKS, NAMES
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
 from jobs.priority import HIGHEST
-from jobs.schemas import JobIn, JobStatus
+from jobs.schemas import JobIn
+from jobs.status import JobStatus
 from jobs.tables import Job, Result, Timing
 from migrations.apply import upgrade
 

@@ -22,8 +22,8 @@ import sqlalchemy as sa
 
 from broker.redis_layout import UNACKED_KEY, queue_lists
 from broker.view import job_ids_of, message_headers
-from jobs.schemas import TERMINAL, JobStatus
 from jobs.settings import Settings
+from jobs.status import TERMINAL, JobStatus
 from jobs.tables import Job, Run
 
 RERUN_REASONS = ("crashed", "returned", "retry", "stalled")

@@ -77,8 +77,9 @@ from bench.faults import lost_replies_env
 from cli.servers import PostgresServer, RedisServer
 from cli.stack import Stack
 from jobs.queues import HOME_SEP, home_tag
-from jobs.schemas import TERMINAL, BatchStatus, JobIn, JobStatus
+from jobs.schemas import JobIn
 from jobs.settings import Settings
+from jobs.status import TERMINAL, BatchStatus, JobStatus
 from jobs.tables import Batch, Job
 from migrations.apply import upgrade
 from store.workers import live_workers

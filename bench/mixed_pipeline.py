@@ -36,8 +36,9 @@ from bench.common import chat_comparison, chat_figures, tiny_model
 from cli.demo import SAMPLES
 from cli.stack import Stack
 from jobs.priority import HIGHEST
-from jobs.schemas import BATCH_SETTLED, TERMINAL, JobIn, JobStatus
+from jobs.schemas import JobIn
 from jobs.settings import Settings
+from jobs.status import BATCH_SETTLED, TERMINAL, JobStatus
 from jobs.tables import Batch, Job, Result, Timing, as_utc
 from migrations.apply import upgrade
 from store.connections import make_db_engine

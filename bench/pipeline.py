@@ -59,8 +59,9 @@ from broker.app import create_celery
 from cli.servers import free_port
 from cli.stack import Stack
 from cli.tiny_model import PRESETS
-from jobs.schemas import TERMINAL, JobIn, JobStatus
+from jobs.schemas import JobIn
 from jobs.settings import Settings
+from jobs.status import TERMINAL, JobStatus
 from jobs.tables import Job, Timing, as_utc
 from migrations.apply import upgrade
 

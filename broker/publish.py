@@ -16,8 +16,8 @@ from broker.affinity import Router, Waiting, by_name
 from broker.redis_layout import broker_priority
 from broker.view import GROUP_HEADER
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_queue, queue_for
-from jobs.schemas import JobStatus
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from jobs.tables import Job
 from store.clock import db_now
 

@@ -12,8 +12,9 @@ import typer
 from tqdm import tqdm
 
 from api.client import Client, ConvoqError
+from api.schemas.batches import BatchOut
 from jobs.priority import HIGHEST, LOWEST, RANGE
-from jobs.schemas import BATCH_SETTLED, BatchOut
+from jobs.status import BATCH_SETTLED
 
 app = typer.Typer(help="Bulk jobs from JSONL files (OpenAI Batch format or convoq lines).", no_args_is_help=True)
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from uuid import UUID
 
     from api.client import Client
-    from jobs.schemas import JobOut
+    from api.schemas.jobs import JobOut
 
 app = typer.Typer(help="convoq: queue-fed batch inference for Qwen3 models.", no_args_is_help=True)
 app.add_typer(batch_app, name="batch")

@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 from cli.spans import parse_span
 from jobs.priority import HIGHEST
 from jobs.queues import is_interactive
-from jobs.schemas import JobStatus
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from jobs.tables import Job, Result, Timing, Worker, as_utc
 from store.connections import make_db_engine, make_sessions
 

@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jobs.schemas import JobIn, ToolChoice, bounded_json
+from jobs.bounded_json import bounded_json
+from jobs.schemas import JobIn, ToolChoice
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)

@@ -7,7 +7,7 @@ import uuid
 from sqlalchemy import Connection, bindparam, exists, select, true, update
 from sqlalchemy.orm import Session
 
-from jobs.schemas import BatchStatus, JobStatus
+from jobs.status import BatchStatus, JobStatus
 from jobs.tables import Batch, Job, utcnow
 from store.clock import db_now
 

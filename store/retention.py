@@ -24,8 +24,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, Select, and_, delete, exists, func, select
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from jobs.schemas import BATCH_SETTLED, TERMINAL, JobStatus
 from jobs.settings import Settings
+from jobs.status import BATCH_SETTLED, TERMINAL, JobStatus
 from jobs.tables import Batch, Job, Result, Timing, Worker, utcnow
 from store.counts import fold
 

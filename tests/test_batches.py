@@ -12,7 +12,8 @@ import sqlalchemy as sa
 
 from api.client import Client
 from cli.stack import Stack
-from jobs.schemas import BATCH_SETTLED, JobIn
+from jobs.schemas import JobIn
+from jobs.status import BATCH_SETTLED
 from tests.conftest import API_KEY
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,8 @@ from sqlalchemy import insert, update
 
 from api.service.jobs import cancel
 from engine.interface import Completion, Timings
-from jobs.schemas import ErrorCode, JobIn
+from jobs.error_codes import ErrorCode
+from jobs.schemas import JobIn
 from jobs.settings import ApiKey
 from jobs.tables import Batch, Job, job_row, status_counts, utcnow
 from store.connections import make_db_engine, make_sessions

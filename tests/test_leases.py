@@ -22,7 +22,8 @@ from bench.faults import lose_replies_of
 from broker.app import create_celery
 from broker.publish import publish
 from engine.interface import Completion, Timings
-from jobs.schemas import ErrorCode, JobIn
+from jobs.error_codes import ErrorCode
+from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from worker import reconciler, results

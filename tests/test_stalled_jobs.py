@@ -23,8 +23,10 @@ from bench.chaos import engine_of
 from broker.app import create_celery
 from cli.stack import Stack
 from engine.runtime.engine_process import EngineProcess
-from jobs.schemas import ErrorCode, JobIn, JobStatus
+from jobs.error_codes import ErrorCode
+from jobs.schemas import JobIn
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from tests.conftest import API_KEY
 from tests.test_faults import FAST_RECOVERY, wait_for
 from tests.test_leases import done, new_job, row, runs, settings  # noqa: F401 (settings: a fixture)

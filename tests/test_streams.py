@@ -23,8 +23,8 @@ from sqlalchemy import Engine, event
 from api.app import create_app
 from broker.redis_layout import progress_channel
 from cli.servers import free_port
-from jobs.schemas import JobStatus
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from tests.conftest import API_KEY
 from worker.progress import ProgressPublisher
 

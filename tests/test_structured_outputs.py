@@ -24,9 +24,10 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.client import Client
+from api.schemas.results import ResultOut
 from cli.stack import Stack
 from engine.interface import Completion
-from jobs.schemas import JobIn, ResultOut
+from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.structured import grammar_spec
 from jobs.tables import Job, Result, job_row, utcnow

@@ -19,7 +19,8 @@ from sqlalchemy import insert
 from api.app import create_app
 from api.service import batch_output
 from engine.interface import Completion, Timings
-from jobs.schemas import ERROR_MESSAGES, ErrorCode, JobIn
+from jobs.error_codes import ERROR_MESSAGES, ErrorCode
+from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions

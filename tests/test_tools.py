@@ -15,12 +15,13 @@ from pydantic import ValidationError
 
 from api.batch_input import OpenAIBody, ParsedLine, openai_job, parse_batch
 from api.events import settled
-from api.openai_objects import choice, tool_call_deltas
+from api.schemas.chat_completion import choice, tool_call_deltas
+from api.schemas.results import ChoiceOut
 from api.service.batch_output import completion
 from cli.tiny_model import build_tokenizer, copy_qwen3_tokenizer
 from engine.interface import Completion
 from jobs.chat import chat_for, encode_chat, problem
-from jobs.schemas import MAX_TOOLS, ChoiceOut, JobIn
+from jobs.schemas import MAX_TOOLS, JobIn
 from jobs.tables import Job, Result, utcnow
 from jobs.tool_calls import ToolUse, finish_reason, parse, stream_stops, template_tools, tool_use
 from tests.conftest import API_KEY, QWEN3_TOKENIZER

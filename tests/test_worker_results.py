@@ -12,7 +12,8 @@ from sqlalchemy import insert
 
 from bench.statements import Statements
 from engine.interface import Completion, Timings
-from jobs.schemas import ErrorCode, JobIn
+from jobs.error_codes import ErrorCode
+from jobs.schemas import JobIn
 from jobs.tables import Job, Result, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
 from worker import results

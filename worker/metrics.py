@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jobs.schemas import JobStatus
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from process import scrape
 from worker.results import Stored
 from worker.thread_cpu import ThreadCpuCollector

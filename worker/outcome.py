@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.interface import Completion
 from jobs.chat import split_reasoning
-from jobs.schemas import ErrorCode
+from jobs.error_codes import ErrorCode
 from jobs.tool_calls import ToolUse, parse
 from worker.logprobs import openai_logprobs
 

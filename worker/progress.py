@@ -20,7 +20,7 @@ import uuid
 import redis
 
 from broker.redis_layout import progress_channel
-from jobs.schemas import TERMINAL, JobStatus
+from jobs.status import TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from broker.affinity import Advert, Router, homes_open, shared_queues
 from broker.publish import mark_published, publish
 from broker.view import BrokerView
 from jobs.queues import home_tag
-from jobs.schemas import JobStatus
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from jobs.tables import Job, Run, Sweep, Worker, utcnow
 from store.clock import db_now
 from store.counts import fold

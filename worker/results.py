@@ -49,14 +49,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from engine.interface import Completion
-from jobs.schemas import (
-    ERROR_MESSAGES,
-    STOPPED_MESSAGES,
-    ErrorCode,
-    JobIn,
-    JobStatus,
-    error_columns,
-)
+from jobs.error_codes import ERROR_MESSAGES, STOPPED_MESSAGES, ErrorCode, error_columns
+from jobs.schemas import JobIn
+from jobs.status import JobStatus
 from jobs.tables import Job, Result, Run, Timing, as_utc, utcnow
 from jobs.tool_calls import finish_reason
 from store.batch_settle import batch_pending, settle_batch

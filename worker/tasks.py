@@ -44,9 +44,11 @@ from broker.view import BrokerView
 from engine.interface import Completion
 from engine.runtime.engine_thread import EngineDead, EngineStalled
 from jobs.chat import chat_for, chat_problem
+from jobs.error_codes import ErrorCode
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
-from jobs.schemas import ErrorCode, JobIn, JobStatus
+from jobs.schemas import JobIn
 from jobs.settings import Settings
+from jobs.status import JobStatus
 from jobs.tables import Job
 from jobs.tool_calls import tool_use
 from process.heap import freeze_startup_heap

@@ -22,10 +22,11 @@ from api.deps import (
     errors,
 )
 from api.priority import BatchPriorityHeader, chosen_priority
+from api.schemas.batches import BatchLineError, BatchOut
+from api.schemas.lists import ListOf
 from api.service import batches, uploads
 from api.service.batch_output import lines as batch_lines
 from jobs.priority import DEFAULT_BATCH_PRIORITY
-from jobs.schemas import BatchLineError, BatchOut, ListOf
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=V1_ERRORS)
 

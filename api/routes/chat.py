@@ -28,11 +28,14 @@ from api.deps import V1_ERRORS, Caller, HubDep, IntakeDep, errors
 from api.errors import CodedError, openai_error
 from api.events import EventStream, follow, stored_text
 from api.json_body import BoundedJsonRoute
-from api.openai_objects import chat_completion, chunk, logprobs, tool_call_deltas, usage
 from api.priority import ChatPriorityHeader, chosen_priority
+from api.schemas.chat_completion import chat_completion, chunk, logprobs, tool_call_deltas, usage
+from api.schemas.jobs import JobOut
+from api.schemas.metadata import PriorityMetadata, metadata_priority
 from api.service.jobs import Unrunnable, cancel, enqueue, load
 from jobs.chat import split_reasoning, thinking_of
-from jobs.schemas import REQUEST_ERRORS, JobOut, JobStatus, PriorityMetadata, metadata_priority
+from jobs.error_codes import REQUEST_ERRORS
+from jobs.status import JobStatus
 from jobs.tool_calls import stream_stops
 
 router = APIRouter(prefix="/v1/chat", tags=["openai"], responses=V1_ERRORS, route_class=BoundedJsonRoute)

@@ -10,8 +10,9 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
 
 from api.deps import JSONL, JSONL_TYPE, V1_ERRORS, Caller, SessionDep, SessionsDep, SettingsDep, errors
+from api.schemas.files import FileDeleted, FileOut
+from api.schemas.lists import ListOf
 from api.service import files
-from jobs.schemas import FileDeleted, FileOut, ListOf
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=V1_ERRORS)
 

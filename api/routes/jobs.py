@@ -11,8 +11,10 @@ from fastapi.responses import StreamingResponse
 from api.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDep, SettingsDep, errors
 from api.events import EventStream, job_events, wait_finished
 from api.json_body import BoundedJsonRoute
+from api.schemas.jobs import JobAccepted, JobOut
 from api.service.jobs import cancel, enqueue, load, load_json, status_of, stop_strings
-from jobs.schemas import TERMINAL, JobAccepted, JobIn, JobOut, JobStatus
+from jobs.schemas import JobIn
+from jobs.status import TERMINAL, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=V1_ERRORS, route_class=BoundedJsonRoute)
 

@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, status
 
 from api.deps import V1_ERRORS, Caller, SettingsDep, errors
-from jobs.schemas import ListOf, ModelOut
+from api.schemas.lists import ListOf
+from api.schemas.models import ModelOut
 from jobs.settings import Settings
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=V1_ERRORS)

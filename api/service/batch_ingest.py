@@ -35,8 +35,8 @@ from api.service.file_store import pieces
 from api.service.files import UPLOAD_PURPOSE
 from broker.affinity import Router
 from broker.publish import publish
-from jobs.schemas import BatchStatus
 from jobs.settings import Settings
+from jobs.status import BatchStatus
 from jobs.structured import SchemaBounds
 from jobs.tables import Batch, BatchLineError, File, Job, job_row, utcnow
 from store.clock import db_now

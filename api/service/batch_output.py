@@ -20,10 +20,12 @@ from typing import TypeVar
 from sqlalchemy import Text, cast, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.openai_objects import chat_completion, unix
 from api.raw_json import Spliced
+from api.schemas.chat_completion import chat_completion, unix
+from api.schemas.results import ResultOut
 from api.service.stored_results import StoredResult, byte_length, read_results
-from jobs.schemas import JobStatus, ResultOut, shown_error
+from jobs.error_codes import shown_error
+from jobs.status import JobStatus
 from jobs.tables import BatchLineError, Job, Result
 
 BATCH_FILE = re.compile(r"file-([0-9a-f]{32})-(output|errors)")

@@ -15,28 +15,21 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.admission import Admission
 from api.batch_input import count_lines
 from api.deps import sees, visible
-from api.openai_objects import unix
 from api.paging import list_of, page
+from api.schemas.batches import BatchLineError, BatchOut, RequestCounts
+from api.schemas.chat_completion import unix
+from api.schemas.lists import ListOf
+from api.schemas.metadata import safe_metadata
+from api.schemas.windows import window_seconds
 from api.service import file_store, files
 from api.service.batch_output import batch_file_id
 from api.service.uploads import BatchInput
 from broker.affinity import Router
 from broker.app import broadcast_cancel
 from broker.publish import publish
-from jobs.schemas import (
-    BATCH_SETTLED,
-    BatchLineError,
-    BatchOut,
-    BatchStatus,
-    ErrorCode,
-    JobStatus,
-    ListOf,
-    RequestCounts,
-    error_columns,
-    safe_metadata,
-    window_seconds,
-)
+from jobs.error_codes import ErrorCode, error_columns
 from jobs.settings import ApiKey, Settings
+from jobs.status import BATCH_SETTLED, BatchStatus, JobStatus
 from jobs.tables import Batch, Job, utcnow
 from jobs.tables import BatchLineError as LineErrorRow
 from store.batch_settle import PENDING, settle_batch

@@ -14,10 +14,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import sees, visible
-from api.openai_objects import unix
 from api.paging import list_of, page
+from api.schemas.chat_completion import unix
+from api.schemas.files import FileDeleted, FileOut
+from api.schemas.lists import ListOf
 from api.service import batch_output, file_store
-from jobs.schemas import FileDeleted, FileOut, ListOf
 from jobs.settings import ApiKey, Settings
 from jobs.tables import Batch
 from jobs.tables import File as FileRow

@@ -15,21 +15,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import Intake, sees
 from api.raw_json import Spliced
+from api.schemas.jobs import JobAccepted, JobOut, TimingsOut
+from api.schemas.results import ResultOut
 from api.service.stored_results import StoredResult, read_results
 from broker.app import broadcast_cancel
 from broker.publish import publish
-from jobs.schemas import (
-    ErrorCode,
-    JobAccepted,
-    JobIn,
-    JobOut,
-    JobStatus,
-    ResultOut,
-    TimingsOut,
-    error_columns,
-    shown_error,
-)
+from jobs.error_codes import ErrorCode, error_columns, shown_error
+from jobs.schemas import JobIn
 from jobs.settings import ApiKey
+from jobs.status import JobStatus
 from jobs.tables import Job, Result, Timing, job_row, utcnow
 from jobs.tool_calls import stream_stops
 from store.batch_settle import settle_batch

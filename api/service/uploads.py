@@ -14,8 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 
+from api.schemas.batches import ENDPOINTS, BatchCreate, BatchUpload
 from api.service.batch_output import parse_batch_file_id
-from jobs.schemas import ENDPOINTS, BatchCreate, BatchUpload, bounded_json
+from jobs.bounded_json import bounded_json
 from jobs.settings import Settings
 
 M = TypeVar("M", bound=BaseModel)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from jobs.schemas import ChoiceOut, ResultOut
+from api.schemas.results import ChoiceOut, ResultOut
 from jobs.tables import as_utc
 
 
