@@ -12,19 +12,19 @@ from fastapi.exceptions import RequestValidationError
 from redis.asyncio import BlockingConnectionPool, Redis
 from starlette.exceptions import HTTPException
 
-from api import metrics
-from api.admission import Admission
-from api.deps import Intake
-from api.errors import http_error, validation_error
-from api.gate import Gate
-from api.hub import Hub
-from api.prompt_check import PromptCheck
-from api.ratelimit import RateLimiter
-from api.routes import batches, chat, files, health, jobs, models
+from api.http.admission import Admission
+from api.http.deps import Intake
+from api.http.errors import http_error, validation_error
+from api.http.gate import Gate
+from api.http.ratelimit import RateLimiter
+from api.routes import batches, chat, files, health, jobs, metrics, models
 from api.service.batch_ingest import Ingests, Needs, OnThreads
 from api.service.health import Probe
 from api.service.ingest_process import InChildren
 from api.service.jobs import statuses
+from api.service.metrics import ApiMetrics, WaitCountingPool, broker_client
+from api.service.prompt_check import PromptCheck
+from api.streams.hub import Hub
 from broker.affinity import Router
 from broker.app import create_celery
 from jobs.settings import Settings, get_settings
@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None, ingest_in_children: bool = Fals
         log.warning("CONVOQ_API_KEYS is empty: every /v1 request will be refused")
     check = PromptCheck(settings.model, settings.default_thinking)
     db_engine = make_db_engine(settings.database_url.get_secret_value(), pool_size=DB_POOL_SIZE,
-                               pool_class=metrics.WaitCountingPool)
+                               pool_class=WaitCountingPool)
     sessions = make_sessions(db_engine)
     # Redis, within `api_redis_connections`: the streams' one pub/sub connection, one for health, one for metrics,
     # the rest Celery's pool for publishing and cancel broadcasts, where each pooled connection is two of Redis's
@@ -54,10 +54,10 @@ def create_app(settings: Settings | None = None, ingest_in_children: bool = Fals
     progress = Redis(connection_pool=BlockingConnectionPool.from_url(settings.broker_url.get_secret_value(),
                                                                      max_connections=1))
     hub = Hub(progress, lambda ids: statuses(sessions, ids), settings)
-    broker = metrics.broker_client(settings)
+    broker = broker_client(settings)
     celery = create_celery(settings)
     celery.conf.broker_pool_limit = (settings.api_redis_connections - 3) // 2
-    api_metrics = metrics.ApiMetrics(settings, lambda: {"streams": hub.streams,
+    api_metrics = ApiMetrics(settings, lambda: {"streams": hub.streams,
                                                         "db_pool_waits": getattr(db_engine.pool, "waits", 0)})
     router = Router(settings)
     runner = (InChildren(settings, INGESTS) if ingest_in_children
@@ -104,7 +104,7 @@ def create_app(settings: Settings | None = None, ingest_in_children: bool = Fals
     app.include_router(chat.router)
     app.include_router(files.router)
     app.include_router(models.router)
-    if not settings.metrics_port:  # else served on a port of its own (`api.metrics.ApiMetrics`)
+    if not settings.metrics_port:  # else served on a port of its own (`api.service.metrics.ApiMetrics`)
         app.include_router(metrics.router)
     return app
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from tqdm import tqdm
 
-from api.client import AsyncClient, Client
+from api.http.client import AsyncClient, Client
 from bench.common import percentile, report, tiny_model
 from bench.mixed_pipeline import ASKS, NAMES
 from cli.servers import PostgresServer, RedisServer

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from api.client import Client
+from api.http.client import Client
 from bench.common import report, scraped, tiny_model
 from bench.engine_alone import through_engine
 from cli.batch import follow

@@ -70,7 +70,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 from tqdm import tqdm
 
-from api.client import Client
+from api.http.client import Client
 from bench.audit import audit
 from bench.common import batch_of, report, tiny_model
 from bench.faults import lost_replies_env

@@ -31,7 +31,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from tqdm import tqdm
 
-from api.client import Client
+from api.http.client import Client
 from bench.common import chat_comparison, chat_figures, tiny_model
 from cli.demo import SAMPLES
 from cli.stack import Stack

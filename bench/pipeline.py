@@ -50,7 +50,7 @@ import sqlalchemy as sa
 from redis import Redis
 from tqdm import tqdm
 
-from api.client import AsyncClient, Client
+from api.http.client import AsyncClient, Client
 from bench import statements
 from bench.common import batch_of, percentile, report, scraped, tiny_model
 from bench.cpu import CpuMeter, per_item_ms, service_parts, shared_parts

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from api.client import Client, ConvoqError
+from api.http.client import Client, ConvoqError
 from api.schemas.batches import BatchOut
 from jobs.priority import HIGHEST, LOWEST, RANGE
 from jobs.status import BATCH_SETTLED

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from jsonschema import Draft202012Validator
 from sqlalchemy import select
 
-from api.client import Client
+from api.http.client import Client
 from broker.redis_layout import is_redis
 from cli.batch import follow
 from cli.servers import RedisServer, ServerUnavailable, port_open

@@ -17,7 +17,7 @@ from jobs.settings import get_settings
 if TYPE_CHECKING:
     from uuid import UUID
 
-    from api.client import Client
+    from api.http.client import Client
     from api.schemas.jobs import JobOut
 
 app = typer.Typer(help="convoq: queue-fed batch inference for Qwen3 models.", no_args_is_help=True)
@@ -252,7 +252,7 @@ def submit(
     stream: Annotated[bool, typer.Option(help="print the text as it is generated, then the job's status")] = False,
 ) -> None:
     """Submit one job over the HTTP API and print it as JSON once it finishes (or its text as it comes)."""
-    from api.client import Client, ConvoqError
+    from api.http.client import Client, ConvoqError
     from jobs.schemas import JobIn
 
     try:
@@ -311,7 +311,7 @@ def _print_stream(client: Client, job_id: UUID) -> JobOut:
 @app.command()
 def cancel(job_id: str, url: str = URL, api_key: str = KEY) -> None:
     """Cancel a job: queued, it never runs; running, it stops within an engine step and keeps its text so far."""
-    from api.client import Client, ConvoqError
+    from api.http.client import Client, ConvoqError
 
     with Client(url, api_key) as client:
         try:

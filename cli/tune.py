@@ -83,7 +83,7 @@ def recommend(trials: list[Trial], plateau: float = 0.05) -> Trial | None:
 
 
 def sample_from_file(path: str, limit: int) -> list[JobIn]:
-    from api.batch_input import parse_batch
+    from api.service.batch_input import parse_batch
 
     with open(path, "rb") as f:
         parsed, _, _ = parse_batch(f.read(), priority=DEFAULT_BATCH_PRIORITY)

@@ -129,7 +129,7 @@ class Settings(BaseSettings):
 
     # Streams (`GET /v1/jobs/{id}/events`, and chat completions while they wait) per API key and in total, per API
     # process: past either a new one gets 429 with Retry-After. Each holds a connection to the API, none to Redis
-    # or the database (`api.events.Hub` multiplexes them all over one pub/sub connection).
+    # or the database (`api.streams.hub.Hub` multiplexes them all over one pub/sub connection).
     max_streams_per_key: int = Field(1000, ge=1)
     max_streams: int = Field(10_000, ge=1)
     # The most Redis connections one API process holds: one pub/sub connection for every stream, one for health

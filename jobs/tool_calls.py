@@ -58,7 +58,7 @@ def tool_use(job: JobIn) -> ToolUse | None:
 
 def stream_stops(stops: Sequence[str], tools: Sequence[object] | None,
                  tool_choice: ToolChoice | dict | None) -> list[str]:
-    """What a stream of the job holds back (`api.events.settled`): its stop strings and, when it may call tools,
+    """What a stream of the job holds back (`api.streams.events.settled`): its stop strings and, when it may call tools,
     everything from the first `<tool_call>` on, which the result gives back parsed."""
     return [*stops, OPEN] if offers_tools(tools, tool_choice) else list(stops)
 

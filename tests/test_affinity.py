@@ -176,7 +176,7 @@ def test_a_worker_consumes_its_own_queue_of_each_class_first():
 
 
 def test_turns_follow_their_worker_and_a_dead_workers_queue_is_served_by_the_others(service_env, tmp_path):
-    from api.client import Client
+    from api.http.client import Client
     from cli.stack import Stack
     from jobs.schemas import JobIn
     from tests.conftest import API_KEY

@@ -23,9 +23,9 @@ from sqlalchemy import event
 from sqlalchemy.orm import ORMExecuteState
 
 from api.app import create_app
-from api.batch_input import split_lines
 from api.service import batches
 from api.service.batch_ingest import claim_lapsed, ingest
+from api.service.batch_input import split_lines
 from api.service.uploads import BatchInput
 from bench.audit import messages_by_job
 from cli.stack import Stack

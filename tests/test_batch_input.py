@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from api.batch_input import OpenAIBody, parse_batch
+from api.service.batch_input import OpenAIBody, parse_batch
 from jobs.schemas import Sampling
 
 # a value for every sampling field, none of them its default

@@ -10,7 +10,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from api.client import Client
+from api.http.client import Client
 from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.status import BATCH_SETTLED

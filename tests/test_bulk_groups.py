@@ -16,7 +16,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy import insert
 
-from api.client import Client
+from api.http.client import Client
 from bench.audit import messages_by_job
 from bench.statements import Statements
 from broker.app import create_celery

@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from api.batch_input import parse_batch
-from api.client import Client
+from api.http.client import Client
+from api.service.batch_input import parse_batch
 from api.service.batch_output import completion
 from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import JobIn

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import pytest
 from transformers import AutoTokenizer
 
-from api.batch_input import parse_batch
+from api.service.batch_input import parse_batch
 from engine.interface import Request
 from engine.runtime.engine_thread import EngineThread
 from jobs import customer_text

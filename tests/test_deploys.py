@@ -17,7 +17,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from api.client import Client
+from api.http.client import Client
 from bench.audit import audit, messages_by_job
 from cli.servers import PostgresServer
 from cli.stack import Stack

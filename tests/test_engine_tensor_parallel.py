@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from api.client import Client
+from api.http.client import Client
 from cli.stack import Stack
 from engine.interface import Request
 from engine.llm_engine import LLMEngine

@@ -15,7 +15,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from api.client import Client
+from api.http.client import Client
 from bench.audit import audit
 from bench.faults import lost_replies_env
 from cli.servers import PostgresServer, RedisServer

@@ -18,7 +18,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy import update
 
-from api.client import Client
+from api.http.client import Client
 from broker.affinity import Advert, Router, by_name, consumed_queues, own_queues
 from broker.app import create_celery
 from broker.publish import publish

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.client import AsyncClient, Client
+from api.http.client import AsyncClient, Client
 from broker.app import CANCEL_COMMAND, create_celery
 from cli.stack import Stack
 from jobs.schemas import JobIn

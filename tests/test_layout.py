@@ -333,8 +333,52 @@ def test_the_priority_range_is_written_once():
     """`jobs.priority` bounds a priority; everything else takes `Priority`, `LOWEST`, `HIGHEST` or `LEVELS`."""
     assert lines_matching(r"^LOWEST, HIGHEST = ") == {"jobs/priority.py": 1}
     assert lines_matching(r"\b(le|max)\s*=\s*9\b|range\(10\)|\b9 - priority") == {}
-    assert lines_matching(r"\bHeader\(") == {"api/priority.py": 1}  # the X-Convoq-Priority header
+    assert lines_matching(r"\bHeader\(") == {"api/http/priority.py": 1}  # the X-Convoq-Priority header
 
 
 def test_a_job_s_later_options_are_listed_once():
     assert lines_matching(r"\(\"n\", \"response_format\", \"logprobs\"") == {"jobs/schemas.py": 1}
+
+
+MAX_MODULE_LINES = 400
+SIZED = ("api", "jobs", "cli")  # the packages held to `MAX_MODULE_LINES`
+
+
+def long_modules(packages: tuple[str, ...], limit: int) -> dict[str, int]:
+    found = {}
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if (n := len(path.read_text().splitlines())) > limit:
+                found[str(path.relative_to(ROOT))] = n
+    return found
+
+
+def test_no_module_of_the_api_the_contract_or_the_cli_is_over_the_limit():
+    assert long_modules(SIZED, MAX_MODULE_LINES) == {}
+    assert long_modules(SIZED, 150)  # the count sees modules
+
+
+# what sits in `api/` itself: everything else is in a room (`http`, `streams`, `schemas`, `service`, `routes`)
+API_FLAT = {"__init__.py", "app.py"}
+
+
+def test_the_api_keeps_its_modules_in_rooms():
+    flat = {path.name for path in (ROOT / "api").glob("*.py")}
+    rooms = {path.name for path in (ROOT / "api").iterdir() if (path / "__init__.py").is_file()}
+    assert flat == API_FLAT
+    assert rooms == {"http", "streams", "schemas", "service", "routes"}
+
+
+def plain_models(tree: ast.AST) -> list[str]:
+    """Classes made straight from pydantic's `BaseModel`: what the API answers is, a job's parts are `Strict`."""
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            and any(isinstance(base, ast.Name) and base.id == "BaseModel" for base in node.bases)]
+
+
+def test_the_contract_holds_no_wire_model_of_the_api():
+    """`jobs/` is what the worker needs too; what the API answers (`JobOut`, `BatchOut`, lists, errors) is
+    `api/schemas/`."""
+    found = {str(path.relative_to(ROOT)): models for path in sorted((ROOT / "jobs").rglob("*.py"))
+             if (models := plain_models(ast.parse(path.read_text(), str(path))))}
+    assert found == {"jobs/schemas.py": ["Strict"]}
+    assert plain_models(ast.parse("class BatchOut(BaseModel):\n    id: int")) == ["BatchOut"]

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from api.app import create_app
-from api.metrics import ServiceCollector, broker_client
+from api.service.metrics import ServiceCollector, broker_client
 from engine.interface import Completion, Timings
 from jobs.schemas import JobIn
 from jobs.settings import Settings

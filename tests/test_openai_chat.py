@@ -9,7 +9,7 @@ import uuid
 import openai
 import pytest
 
-from api.client import Client
+from api.http.client import Client
 from tests.conftest import API_KEY
 
 HELLO = [{"role": "user", "content": "Hello, where is my parcel?"}]

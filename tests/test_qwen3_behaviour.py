@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from api.batch_input import parse_batch
+from api.service.batch_input import parse_batch
 from engine.core.output_text import finish_text
 from engine.hf_backend import HFEngine, _ThinkingBudget
 from engine.interface import Completion, Request, SamplingParams

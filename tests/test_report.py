@@ -143,7 +143,7 @@ def test_since_accepts_spans_and_iso_times(text, expected):
 def test_a_run_of_seconds_is_plotted_over_seconds_with_its_date_in_the_axis_label():
     from matplotlib.figure import Figure
 
-    from cli.report import Buckets, time_axis
+    from cli.report_plots import Buckets, time_axis
 
     start = datetime(2026, 12, 1, 23, 59, 50, tzinfo=UTC).timestamp()
     buckets = Buckets.over(np.array([start + 0.5 * i for i in range(30)]))  # a 15-second demo, across midnight

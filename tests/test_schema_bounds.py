@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from api import json_body
 from api.app import create_app
-from api.batch_input import parse_lines
+from api.http import json_body
+from api.service.batch_input import parse_lines
 from jobs import structured
 from jobs.schemas import JobIn
 from jobs.settings import Settings

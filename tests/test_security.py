@@ -233,7 +233,7 @@ def test_behind_the_proxy_failures_are_counted_per_forwarded_client(service_env,
 def test_a_tenant_is_never_told_of_another_tenants_cached_prompt(service_env, tmp_path):
     """Tenant B sends tenant A's exact prompt right after A: none of it comes from A's prefix cache, where A
     sending it again reuses it; so neither the counters nor the time to first token confirm a guess."""
-    from api.client import Client
+    from api.http.client import Client
     from cli.stack import Stack
 
     secret = {"messages": [{"role": "user", "content": "My account number is 4417 1234 5678 9113 and my name is "

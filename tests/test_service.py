@@ -10,7 +10,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from api.client import Client
+from api.http.client import Client
 from cli.stack import Stack
 from jobs.schemas import JobIn
 from tests.conftest import API_KEY

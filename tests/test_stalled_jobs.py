@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 from transformers import AutoTokenizer
 
-from api.client import Client
+from api.http.client import Client
 from bench.audit import audit
 from bench.chaos import engine_of
 from broker.app import create_celery

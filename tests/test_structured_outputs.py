@@ -23,7 +23,7 @@ from sqlalchemy import insert
 from transformers import AutoTokenizer
 
 from api.app import create_app
-from api.client import Client
+from api.http.client import Client
 from api.schemas.results import ResultOut
 from cli.stack import Stack
 from engine.interface import Completion

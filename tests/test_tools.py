@@ -13,11 +13,11 @@ import pytest
 import xgrammar as xgr
 from pydantic import ValidationError
 
-from api.batch_input import OpenAIBody, ParsedLine, openai_job, parse_batch
-from api.events import settled
 from api.schemas.chat_completion import choice, tool_call_deltas
 from api.schemas.results import ChoiceOut
+from api.service.batch_input import OpenAIBody, ParsedLine, openai_job, parse_batch
 from api.service.batch_output import completion
+from api.streams.events import settled
 from cli.tiny_model import build_tokenizer, copy_qwen3_tokenizer
 from engine.interface import Completion
 from jobs.chat import chat_for, encode_chat, problem

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.deps import (
+from api.http.deps import (
     JSONL,
     JSONL_TYPE,
     V1_ERRORS,
@@ -21,7 +21,7 @@ from api.deps import (
     SettingsDep,
     errors,
 )
-from api.priority import BatchPriorityHeader, chosen_priority
+from api.http.priority import BatchPriorityHeader, chosen_priority
 from api.schemas.batches import BatchLineError, BatchOut
 from api.schemas.lists import ListOf
 from api.service import batches, uploads

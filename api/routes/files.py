@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
 
-from api.deps import JSONL, JSONL_TYPE, V1_ERRORS, Caller, SessionDep, SessionsDep, SettingsDep, errors
+from api.http.deps import JSONL, JSONL_TYPE, V1_ERRORS, Caller, SessionDep, SessionsDep, SettingsDep, errors
 from api.schemas.files import FileDeleted, FileOut
 from api.schemas.lists import ListOf
 from api.service import files

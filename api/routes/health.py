@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
-from api.deps import IntakeDep, ProbeDep, SessionDep, SettingsDep
+from api.http.deps import IntakeDep, ProbeDep, SessionDep, SettingsDep
 from api.service import health
 
 router = APIRouter(tags=["health"])

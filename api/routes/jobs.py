@@ -8,11 +8,11 @@ from fastapi import APIRouter, HTTPException, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDep, SettingsDep, errors
-from api.events import EventStream, job_events, wait_finished
-from api.json_body import BoundedJsonRoute
+from api.http.deps import V1_ERRORS, Caller, CeleryDep, HubDep, IntakeDep, SessionsDep, SettingsDep, errors
+from api.http.json_body import BoundedJsonRoute
 from api.schemas.jobs import JobAccepted, JobOut
 from api.service.jobs import cancel, enqueue, load, load_json, status_of, stop_strings
+from api.streams.events import EventStream, job_events, wait_finished
 from jobs.schemas import JobIn
 from jobs.status import TERMINAL, JobStatus
 

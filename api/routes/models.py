@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, status
 
-from api.deps import V1_ERRORS, Caller, SettingsDep, errors
+from api.http.deps import V1_ERRORS, Caller, SettingsDep, errors
 from api.schemas.lists import ListOf
 from api.schemas.models import ModelOut
 from jobs.settings import Settings

@@ -29,10 +29,10 @@ from sqlalchemy import delete, or_, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.batch_input import LineError, ParsedLine, parse_lines
-from api.prompt_check import PromptCheck
+from api.service.batch_input import LineError, ParsedLine, parse_lines
 from api.service.file_store import pieces
 from api.service.files import UPLOAD_PURPOSE
+from api.service.prompt_check import PromptCheck
 from broker.affinity import Router
 from broker.publish import publish
 from jobs.settings import Settings

@@ -6,7 +6,7 @@ page after the last line number or `custom_id` sent), each page one short transa
 lines go out, so a client that reads slowly holds no database connection while it reads. A page is bounded in
 bytes, not only in rows: one line with `n` 8, `top_logprobs` 20 and 4,096 tokens holds ~30 MB of
 log-probabilities, so a page takes lines while their stored bytes (measured by PostgreSQL, `STORED_BYTES`) fit in
-`PAGE_BYTES`, and at least one. The log-probabilities go out as the JSON text stored (`api.raw_json`), never
+`PAGE_BYTES`, and at least one. The log-probabilities go out as the JSON text stored (`api.http.raw_json`), never
 parsed, and a file's size is summed from their lengths without reading them.
 """
 
@@ -20,7 +20,7 @@ from typing import TypeVar
 from sqlalchemy import Text, cast, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.raw_json import Spliced
+from api.http.raw_json import Spliced
 from api.schemas.chat_completion import chat_completion, unix
 from api.schemas.results import ResultOut
 from api.service.stored_results import StoredResult, byte_length, read_results

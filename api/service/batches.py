@@ -12,16 +12,16 @@ from fastapi import HTTPException, status
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.admission import Admission
-from api.batch_input import count_lines
-from api.deps import sees, visible
-from api.paging import list_of, page
+from api.http.admission import Admission
+from api.http.deps import sees, visible
+from api.http.paging import list_of, page
 from api.schemas.batches import BatchLineError, BatchOut, RequestCounts
 from api.schemas.chat_completion import unix
 from api.schemas.lists import ListOf
 from api.schemas.metadata import safe_metadata
 from api.schemas.windows import window_seconds
 from api.service import file_store, files
+from api.service.batch_input import count_lines
 from api.service.batch_output import batch_file_id
 from api.service.uploads import BatchInput
 from broker.affinity import Router

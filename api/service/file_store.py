@@ -12,7 +12,7 @@ from fastapi import HTTPException, status
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.batch_input import count_lines
+from api.service.batch_input import count_lines
 from jobs.settings import ApiKey, Settings
 from jobs.tables import CHUNK_BYTES, FileChunk, utcnow
 from jobs.tables import File as FileRow

@@ -13,8 +13,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.deps import sees, visible
-from api.paging import list_of, page
+from api.http.deps import sees, visible
+from api.http.paging import list_of, page
 from api.schemas.chat_completion import unix
 from api.schemas.files import FileDeleted, FileOut
 from api.schemas.lists import ListOf

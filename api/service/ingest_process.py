@@ -24,8 +24,8 @@ import uuid
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from api.prompt_check import PromptCheck
 from api.service.batch_ingest import Needs, run_ingest
+from api.service.prompt_check import PromptCheck
 from broker.affinity import Router
 from broker.app import create_celery
 from jobs.settings import Settings

@@ -13,8 +13,8 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.deps import Intake, sees
-from api.raw_json import Spliced
+from api.http.deps import Intake, sees
+from api.http.raw_json import Spliced
 from api.schemas.jobs import JobAccepted, JobOut, TimingsOut
 from api.schemas.results import ResultOut
 from api.service.stored_results import StoredResult, read_results

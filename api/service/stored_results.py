@@ -1,4 +1,4 @@
-"""Results read with each answer's log-probabilities left as the JSON text stored (`api.raw_json`), never parsed:
+"""Results read with each answer's log-probabilities left as the JSON text stored (`api.http.raw_json`), never parsed:
 the answers themselves (text, reasoning, tool calls) are a few kilobytes each, their log-probabilities can be
 tens of megabytes.
 

@@ -1,6 +1,6 @@
 """A job's progress as Server-Sent Events: its status, its text as it is generated, then its result.
 
-The stream takes an inbox of the job's events from the process's `api.hub.Hub` (subscribed *before* the
+The stream takes an inbox of the job's events from the process's `api.streams.hub.Hub` (subscribed *before* the
 job's row is read, so nothing that happens in between is missed) and starts from that row: a client that
 connects late gets the current status at once and the whole text so far with the next text event. The hub's
 shared status poll stands in for lost events, so a lost event only delays the end, never hangs it.
@@ -28,9 +28,9 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.hub import Hub
 from api.schemas.jobs import JobEvent, JobOut
 from api.schemas.results import ResultOut
+from api.streams.hub import Hub
 from jobs.chat import split_reasoning
 from jobs.status import TERMINAL, JobStatus
 

@@ -8,7 +8,7 @@ while the connection is down, so every `poll_s` one query reads the status of ev
 on those that changed: its cost follows the followed jobs, not the quiet streams times a poll a second.
 
 Streams are admitted here too: at most `max_streams_per_key` per API key and `max_streams` in all, past
-either a 429 with Retry-After (`api.admission.Busy`).
+either a 429 with Retry-After (`api.http.admission.Busy`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fastapi.concurrency import run_in_threadpool
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.admission import Busy
+from api.http.admission import Busy
 from broker.redis_layout import progress_channel
 from jobs.settings import Settings
 

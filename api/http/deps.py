@@ -1,7 +1,7 @@
 """Request-scoped dependencies: settings, database sessions, the publisher, the intake of new work, the caller and
 what it may see; and what routes document in common.
 
-`api.gate.Gate` authenticates every `/v1/` request before its body is read; routes take the result as
+`api.http.gate.Gate` authenticates every `/v1/` request before its body is read; routes take the result as
 `Caller` (an `ApiKey`: its hash, scopes and tenant). Jobs, batches and files belong to a tenant: another
 tenant is told they do not exist (404, never 403), `admin` keys see every tenant's.
 """
@@ -19,11 +19,11 @@ from fastapi.security import HTTPBearer
 from sqlalchemy import Delete, Select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.admission import Admission
-from api.hub import Hub
-from api.prompt_check import PromptCheck
+from api.http.admission import Admission
 from api.schemas.errors import ErrorOut
 from api.service.health import Probe
+from api.service.prompt_check import PromptCheck
+from api.streams.hub import Hub
 from broker.affinity import Router
 from jobs.settings import ApiKey, Settings
 

@@ -1,5 +1,5 @@
-"""`GET /metrics`: queue depth per priority, unacknowledged messages, jobs and batches by status, and this API
-process's streams and waits for a database connection.
+"""What `GET /metrics` answers (`api.routes.metrics`): queue depth per priority, unacknowledged messages, jobs and
+batches by status, and this API process's streams and waits for a database connection.
 
 The figures are collected by one thread of the API process at most every `CONVOQ_METRICS_REFRESH_S`
 (`process.scrape.Snapshot`; only the process's own counts, in its memory, are read at each scrape), on a Redis
@@ -21,8 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import redis
-from fastapi import APIRouter, HTTPException, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import QueuePool
@@ -39,7 +38,6 @@ from store.connections import make_db_engine, make_sessions
 from store.counts import counts
 
 log = logging.getLogger(__name__)
-router = APIRouter(tags=["metrics"])
 
 
 class WaitCountingPool(QueuePool):
@@ -189,14 +187,3 @@ class ApiMetrics:
             return True
         scheme, _, offered = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(hash_key(offered.strip()), self._key_digest)
-
-
-@router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    """Answered on the event loop from the last figures: a flood of scrapes takes none of the threads that
-    `/healthz` and the routes run on."""
-    feed: ApiMetrics = request.app.state.metrics
-    if not feed.allows(request.headers.get("authorization")):
-        raise HTTPException(401, "missing or wrong metrics key (Authorization: Bearer "
-                            "<CONVOQ_METRICS_KEY>)", headers={"WWW-Authenticate": "Bearer"})
-    return Response(generate_latest(feed.registry), media_type=CONTENT_TYPE_LATEST)

@@ -22,8 +22,8 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_body
-from api.ratelimit import RateLimiter
+from api.http.errors import error_body
+from api.http.ratelimit import RateLimiter
 from jobs.settings import ApiKey, Settings, hash_key
 
 PROTECTED = "/v1/"
