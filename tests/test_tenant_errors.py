@@ -24,7 +24,7 @@ from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
 from worker import results, tasks
-from worker.outcome import Outcome
+from worker.outcome import Ending, Outcome, RunEnd
 from worker.progress import ProgressPublisher
 
 SHOP_KEY, ADMIN_KEY = "shop-key-0123456789", "admin-key-0123456789"
@@ -70,7 +70,7 @@ def raising(exc: Exception):
 def run_raising(worker, job_id: str, exc: Exception) -> None:
     """Claim the job as worker `HOST` does, and run it into `exc` (its last attempt: it fails)."""
     claimed = results.claim(worker.sessions, job_id, HOST, worker.settings.max_attempts)
-    assert tasks.guarded(worker, claimed, raising(exc)) is False
+    assert tasks.guarded(worker, claimed, raising(exc)) == RunEnd(Ending.SETTLED)
 
 
 def test_a_run_that_raises_shows_its_tenant_a_stable_message_and_code_and_an_admin_what_raised(
@@ -187,7 +187,7 @@ def test_a_database_errors_text_holds_no_parameters(settings, sessions, worker, 
 
     claimed = results.claim(sessions, str(job["id"]), HOST, 1)
     with caplog.at_level(logging.ERROR, logger="worker.tasks"):
-        assert tasks.guarded(worker, claimed, write_twice) is False
+        assert tasks.guarded(worker, claimed, write_twice) == RunEnd(Ending.SETTLED)
     with sessions() as session:
         detail = session.get(Job, job["id"]).error_detail
     assert "IntegrityError" in detail and "INSERT INTO jobs" in detail and "IntegrityError" in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from engine.interface import Completion
 from jobs.chat import split_reasoning
@@ -67,3 +68,25 @@ class Outcome:
         """A job that cannot run at all (it does not fit the model's context): it fails at once, without a retry,
         `error` telling its tenant why."""
         return cls(Completion.empty(request_id, 0, "error", error), engine_ms, code=ErrorCode.too_long)
+
+
+class Ending(Enum):
+    """How a job's run ended, for the task that ran it."""
+
+    FINISHED = "finished"  # with an outcome, which the task stores
+    # its worker is shutting down, so the job went back uncharged and its message goes back to the queue
+    HANDED_BACK = "handed_back"
+    # nothing to store: the job was failed, retried or given back already, or it had moved on
+    SETTLED = "settled"
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """What a job's run leaves its task: how it ended, and the outcome to store when it finished."""
+
+    ending: Ending
+    outcome: Outcome | None = None
+
+    @classmethod
+    def finished(cls, outcome: Outcome) -> RunEnd:
+        return cls(Ending.FINISHED, outcome)

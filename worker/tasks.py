@@ -59,7 +59,7 @@ from worker.exits import NOT_STARTED
 from worker.group_commit import GroupCommit
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.outcome import LEASE_LOST, SHUTDOWN, Outcome
+from worker.outcome import LEASE_LOST, SHUTDOWN, Ending, Outcome, RunEnd
 from worker.progress import ProgressPublisher
 from worker.reconciler import Reconciler, hand_back, mark_draining
 from worker.shutdown import Shutdown
@@ -393,7 +393,7 @@ def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool)
         ran = run_chats(ctx, claims)
     else:
         ran = list(ctx.lines.map(lambda c: execute(ctx, c, alone), claims))
-    done = [(c, outcome) for c, outcome in zip(claims, ran, strict=True) if isinstance(outcome, Outcome)]
+    done = [(c, end.outcome) for c, end in zip(claims, ran, strict=True) if end.outcome is not None]
     for (claimed, outcome), future in zip(done, ctx.store.many(done), strict=True):
         try:
             stored = future.result()
@@ -405,7 +405,7 @@ def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool)
             continue
         ctx.progress.status(str(claimed.job_id), stored.status)
         ctx.metrics.observe(claimed.job.priority, stored, outcome.completion_tokens)
-    return any(outcome is True for outcome in ran)
+    return any(end.ending is Ending.HANDED_BACK for end in ran)
 
 
 def two_phase(job: JobIn) -> bool:
@@ -423,7 +423,7 @@ class Asking:
     stack: ExitStack  # leaves the job's run on the bridge, as leaving `execute`'s `with` does
 
 
-def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[Outcome | bool]:
+def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[RunEnd]:
     """Single-answer chats of one message, on this thread in two phases: every job's request goes into the engine,
     which batches them as it would a thread's each, then each job's answer is awaited in turn. A thread per job
     would cost each job its wake-ups and its hand-offs of the interpreter lock for nothing: the jobs wait on the
@@ -435,7 +435,7 @@ def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[Outcome
             asked = ask(run)
             return Asking(run, asked, stack.pop_all())
 
-    def finish(claimed: results.Claimed, asking: Asking) -> Outcome | bool:
+    def finish(claimed: results.Claimed, asking: Asking) -> RunEnd:
         with asking.stack:
             outcome = answered(asking.run, asking.asked)
         return judged(ctx, claimed, outcome)
@@ -445,13 +445,13 @@ def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[Outcome
             for c, a in zip(claims, asked, strict=True)]
 
 
-def execute(ctx: WorkerContext, claimed: results.Claimed, alone: bool) -> Outcome | bool:
-    """Run one claimed job through the engine: its outcome, to store; or, once it was settled here otherwise,
-    True if it was handed back at shutdown (its message must go back to the queue), else False."""
-    def run() -> Outcome | bool:
+def execute(ctx: WorkerContext, claimed: results.Claimed, alone: bool) -> RunEnd:
+    """Run one claimed job through the engine. It finishes with an outcome to store, or it was settled here in
+    some other way (`judged`, `guarded`)."""
+    def run() -> RunEnd:
         if alone and not results.mark_alone(ctx.sessions, claimed):
             ctx.metrics.refused()
-            return False
+            return RunEnd(Ending.SETTLED)
         with opened(ctx, claimed) as job_run:
             outcome = RUN_BY_KIND[claimed.job.kind](job_run)
         return judged(ctx, claimed, outcome)
@@ -472,41 +472,44 @@ def opened(ctx: WorkerContext, claimed: results.Claimed) -> Iterator[JobRun]:
         yield run
 
 
-def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> Outcome | bool:
-    """What a finished run leaves to do: its outcome, to store; or, for a run that must not store it (stopped at
-    shutdown, or its lease lost), the job settled here (`execute`'s answer). A failure the engine may not fail
-    again raises, for `guarded` to retry the job."""
+def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> RunEnd:
+    """How a run whose engine work is over ends. Usually its outcome is stored. A run stopped at shutdown, or
+    one whose lease was lost, must not store it, so its job is settled here instead. A failure that the engine
+    may not repeat raises, and `guarded` retries the job."""
     verdict = outcome.verdict
     if verdict.finish_reason == SHUTDOWN:
         return hand_back_at_shutdown(ctx, claimed)
     if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
         if not results.give_back(ctx.sessions, claimed):
             ctx.metrics.refused()
-        return False
+        return RunEnd(Ending.SETTLED)
     if verdict.retryable:
         raise RuntimeError(verdict.error)
-    return outcome
+    return RunEnd.finished(outcome)
 
 
-def guarded(ctx: WorkerContext, claimed: results.Claimed, step: Callable[[], T]) -> T | bool:
-    """`step` of a job's run, the job settled here if it raises: a stalled engine hands it back as a stall's, a
-    dead one ends the worker (at shutdown, the job goes back uncharged: True), anything else is retried or fails
-    the job (False). Should settling fail too (the database away for long), this job alone, not its group, is
-    left to its lease: False."""
+def guarded(ctx: WorkerContext, claimed: results.Claimed, step: Callable[[], T]) -> T | RunEnd:
+    """Run `step` of a job's run, and settle the job here if it raises.
+
+    If the engine stalled, the job goes back as a stall's. If the engine died, the worker exits, unless it is
+    shutting down, in which case the job goes back uncharged. Anything else retries the job or fails it. If
+    settling fails too (the database is away for long), this job alone is left to its lease, not its group.
+    """
     try:
         try:
             return step()
-        except EngineStalled:  # the engine was killed and is being restarted: the job goes back, as a stall's
+        except EngineStalled:  # the engine was killed and is being restarted, so the job goes back as a stall's
             hand_back_stalled(ctx, claimed)
         except EngineDead as exc:
             if not ctx.shutdown.begun.is_set():
                 engine_died(exc)
-            return hand_back_at_shutdown(ctx, claimed)  # closed under it at shutdown: no crash of this job's doing
+            # the engine was closed under the job at shutdown, so the job caused no crash
+            return hand_back_at_shutdown(ctx, claimed)
         except Exception as exc:
             run_failed(ctx, claimed, exc)
     except Exception:
         log.exception("job %s could not be settled; its lease expires and the sweep hands it back", claimed.job_id)
-    return False
+    return RunEnd(Ending.SETTLED)
 
 
 def run_failed(ctx: WorkerContext, claimed: results.Claimed, exc: Exception) -> None:
@@ -527,16 +530,16 @@ def engine_died(error: EngineDead, shutdown: Shutdown | None = None) -> None:
     os._exit(3)
 
 
-def hand_back_at_shutdown(ctx: WorkerContext, claimed: results.Claimed) -> bool:
-    """A run its worker's shutdown ended: the job goes back uncharged; True: its message must go back to the queue,
-    where the next worker takes it (`worker.shutdown`). A job that moved on meanwhile needs neither: its message
-    is acked."""
-    ctx.leases.drop(claimed)  # first: the heartbeat must not take a job on its way back for a lost one
+def hand_back_at_shutdown(ctx: WorkerContext, claimed: results.Claimed) -> RunEnd:
+    """A run that its worker's shutdown ended. The job goes back uncharged, and its message goes back to the
+    queue, where the next worker takes it (`worker.shutdown`). A job that moved on meanwhile needs neither, and
+    its message is acked."""
+    ctx.leases.drop(claimed)  # first, so that the heartbeat does not take a job on its way back for a lost one
     if not results.give_back(ctx.sessions, claimed, requeued=True):
         ctx.metrics.refused()
-        return False
+        return RunEnd(Ending.SETTLED)
     ctx.progress.status(str(claimed.job_id), JobStatus.queued)
-    return True
+    return RunEnd(Ending.HANDED_BACK)
 
 
 def hand_back_stalled(ctx: WorkerContext, claimed: results.Claimed) -> None:
