@@ -33,11 +33,11 @@ from tests.conftest import API_KEY
 from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise
-from worker import results, tasks
+from worker import results, runs
 from worker.bridge import Bridge
 from worker.bulk_gate import bulk_gate
 from worker.group_commit import GroupCommit
-from worker.tasks import run_together
+from worker.runs import run_together
 
 
 def sent_messages(broker_url: str) -> list[dict]:
@@ -275,7 +275,7 @@ def test_a_group_line_whose_engine_stalls_is_handed_back_alone_and_one_whose_han
             raise sa.exc.OperationalError("UPDATE jobs", {}, Exception("the database is away"))
         handed_back.append(str(claimed.job_id))
 
-    monkeypatch.setattr(tasks, "hand_back_stalled", hand_back_stalled)
+    monkeypatch.setattr(runs, "hand_back_stalled", hand_back_stalled)
     recorder = Recorder()
     try:
         assert run_together(worker_context(bridge, recorder), chats, alone=False) is False

@@ -28,8 +28,8 @@ from tests.engine_helpers import greedy, make_engine, run_all, sampling_rows, si
 from tests.test_tools import ANSWERED, ASK, CALLED, TICKET, WEATHER
 from worker.bridge import Bridge
 from worker.outcome import Outcome
+from worker.reply import reply
 from worker.sampling import OURS, sampling_params
-from worker.tasks import reply
 
 THINK, END_THINK, IM_END, IM_START = 151667, 151668, 151645, 151644
 

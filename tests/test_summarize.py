@@ -143,7 +143,7 @@ def test_a_budget_too_small_to_combine_fails_clearly(bridge):
 
 def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge, monkeypatch):
     from jobs.chat import problem
-    from worker.tasks import reply
+    from worker.reply import reply
 
     job = JobIn(messages=[{"role": "user", "content": "where is my parcel " * 200}], sampling={"max_new_tokens": 64})
     lengths = spy_prompts(bridge, monkeypatch)
@@ -157,7 +157,7 @@ def test_the_engine_counts_a_jobs_wait_from_its_creation(bridge, monkeypatch):
     """Time in the broker ages a request like time in the engine: its arrival is the job's creation."""
     import time
 
-    from worker.tasks import reply
+    from worker.reply import reply
 
     spy_prompts(bridge, monkeypatch)
     created = datetime.now(UTC) - timedelta(seconds=30)

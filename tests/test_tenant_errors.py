@@ -23,7 +23,7 @@ from jobs.schemas import ERROR_MESSAGES, ErrorCode, JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
-from worker import results, tasks
+from worker import results, runs
 from worker.outcome import Ending, Outcome, RunEnd
 from worker.progress import ProgressPublisher
 
@@ -70,14 +70,14 @@ def raising(exc: Exception):
 def run_raising(worker, job_id: str, exc: Exception) -> None:
     """Claim the job as worker `HOST` does, and run it into `exc` (its last attempt: it fails)."""
     claimed = results.claim(worker.sessions, job_id, HOST, worker.settings.max_attempts)
-    assert tasks.guarded(worker, claimed, raising(exc)) == RunEnd(Ending.SETTLED)
+    assert runs.guarded(worker, claimed, raising(exc)) == RunEnd(Ending.SETTLED)
 
 
 def test_a_run_that_raises_shows_its_tenant_a_stable_message_and_code_and_an_admin_what_raised(
         settings, worker, caplog):
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=bearer(SHOP_KEY)).json()["id"]
-        with caplog.at_level(logging.ERROR, logger="worker.tasks"):
+        with caplog.at_level(logging.ERROR, logger="worker.settling"):
             run_raising(worker, job_id, RuntimeError(WHAT))
         tenant = client.get(f"/v1/jobs/{job_id}", headers=bearer(SHOP_KEY))
         admin = client.get(f"/v1/jobs/{job_id}", headers=bearer(ADMIN_KEY)).json()
@@ -186,8 +186,8 @@ def test_a_database_errors_text_holds_no_parameters(settings, sessions, worker, 
             session.execute(insert(Job.__table__), [{**duplicate, "id": job["id"]}])
 
     claimed = results.claim(sessions, str(job["id"]), HOST, 1)
-    with caplog.at_level(logging.ERROR, logger="worker.tasks"):
-        assert tasks.guarded(worker, claimed, write_twice) == RunEnd(Ending.SETTLED)
+    with caplog.at_level(logging.ERROR, logger="worker.settling"):
+        assert runs.guarded(worker, claimed, write_twice) == RunEnd(Ending.SETTLED)
     with sessions() as session:
         detail = session.get(Job, job["id"]).error_detail
     assert "IntegrityError" in detail and "INSERT INTO jobs" in detail and "IntegrityError" in caplog.text

@@ -3,7 +3,7 @@
 
 Many Celery threads run jobs at once; each opens a `JobRun` on the bridge and blocks on its own futures while
 the engine loop batches everything in flight. What a job's prompts are (one chat, or the parts of a
-map-reduce summary) is decided by the task (`worker.tasks`, `worker.summarize`), never here.
+map-reduce summary) is decided by the task (`worker.runs`, `worker.reply`, `worker.summarize`), never here.
 
 A run can be stopped from any thread (`Bridge.stop`: a cancel, or a deadline seen by the reconciler): its
 requests in the engine are stopped before the next step and keep their text so far; requests it submits
