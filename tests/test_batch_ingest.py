@@ -265,7 +265,7 @@ def test_a_deeply_nested_body_is_a_422_naming_it(database, broker, tiny_model):
 # --- smaller -------------------------------------------------------------------------------------------------------
 
 def test_retry_gives_failed_items_a_fresh_run(database, broker, tiny_model):
-    from worker.results import claim_many
+    from worker.claims import claim_many
 
     app = create_app(settings_for(database, broker, tiny_model))
     with TestClient(app) as client:

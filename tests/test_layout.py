@@ -106,8 +106,8 @@ def test_the_liveness_of_workers_is_stated_once():
 
 
 def test_the_fence_of_a_runs_writes_is_stated_once():
-    """A run's write counts only while its job is `running` under the run's lease (`worker.results.holds`)."""
-    assert lines_matching(r"lease_id\s*==.*status\s*==\s*RUNNING") == {"worker/results.py": 1}
+    """A run's write counts only while its job is `running` under the run's lease (`worker.fence.holds`)."""
+    assert lines_matching(r"lease_id\s*==.*status\s*==\s*RUNNING") == {"worker/fence.py": 1}
 
 
 def test_migrations_import_no_application_code():

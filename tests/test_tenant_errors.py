@@ -24,6 +24,7 @@ from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
 from worker import results, runs
+from worker.claims import claim
 from worker.outcome import Ending, Outcome, RunEnd
 from worker.progress import ProgressPublisher
 
@@ -69,7 +70,7 @@ def raising(exc: Exception):
 
 def run_raising(worker, job_id: str, exc: Exception) -> None:
     """Claim the job as worker `HOST` does, and run it into `exc` (its last attempt: it fails)."""
-    claimed = results.claim(worker.sessions, job_id, HOST, worker.settings.max_attempts)
+    claimed = claim(worker.sessions, job_id, HOST, worker.settings.max_attempts)
     assert runs.guarded(worker, claimed, raising(exc)) == RunEnd(Ending.SETTLED)
 
 
@@ -160,7 +161,7 @@ def test_a_job_settled_before_error_codes_shows_its_tenant_no_exception_text(set
 def test_a_tenant_sees_no_engine_step_an_admin_does(settings, sessions):
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=bearer(SHOP_KEY)).json()["id"]
-        claimed = results.claim(sessions, job_id, HOST, 3)
+        claimed = claim(sessions, job_id, HOST, 3)
         timings = Timings(queue_wait_ms=5, ttft_ms=9, prefill_ms=3, decode_ms=4, batch_size=2, first_step=11)
         done = Outcome(Completion(job_id, [1, 2], "It is on its way.", 8, "stop", timings=timings), engine_ms=8)
         assert results.store(sessions, claimed, done, HOST).applied
@@ -185,7 +186,7 @@ def test_a_database_errors_text_holds_no_parameters(settings, sessions, worker, 
         with sessions.begin() as session:
             session.execute(insert(Job.__table__), [{**duplicate, "id": job["id"]}])
 
-    claimed = results.claim(sessions, str(job["id"]), HOST, 1)
+    claimed = claim(sessions, str(job["id"]), HOST, 1)
     with caplog.at_level(logging.ERROR, logger="worker.settling"):
         assert runs.guarded(worker, claimed, write_twice) == RunEnd(Ending.SETTLED)
     with sessions() as session:

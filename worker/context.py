@@ -23,7 +23,10 @@ from jobs.settings import Settings
 from store.connections import make_db_engine, make_sessions
 from worker import results
 from worker.bridge import Bridge
+from worker.claims import claim_many
+from worker.database import retrying
 from worker.engine_factory import start_engine
+from worker.fence import Claimed
 from worker.group_commit import GroupCommit
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
@@ -52,8 +55,8 @@ class WorkerContext:
     progress: ProgressPublisher
     leases: Leases  # the jobs this process holds, renewed at each heartbeat
     solo: Solo  # suspects run with the engine to themselves
-    claim: GroupCommit[str, results.Claimed | None]  # job id -> the claimed job, or None: not queued
-    store: GroupCommit[tuple[results.Claimed, Outcome], results.Stored]
+    claim: GroupCommit[str, Claimed | None]  # job id -> the claimed job, or None: not queued
+    store: GroupCommit[tuple[Claimed, Outcome], results.Stored]
     shutdown: Shutdown  # the grace of a warm shutdown, then its hand-back
     lines: ThreadPoolExecutor  # a grouped message's lines that are not single-answer chats run side by side here
 
@@ -64,7 +67,7 @@ class WorkerContext:
         engine thread stalls (an engine process is restarted instead). What was built is closed again if a later
         part fails: the engine process above all, which would keep this process from exiting."""
         with ExitStack() as built:
-            # every write here retries on a dropped connection (`results.retrying`), so no ping per checkout
+            # every write here retries on a dropped connection (`database.retrying`), so no ping per checkout
             db = make_db_engine(settings.database_url.get_secret_value(),
                                 pool_size=min(settings.worker_concurrency, 32), ping_idle_s=None)
             built.callback(db.dispose)
@@ -82,7 +85,7 @@ class WorkerContext:
             built.pop_all()
         shutdown.start(lambda reason: bridge.stop(bridge.running(), reason), partial(drain, settings, sessions, name))
         progress = ProgressPublisher(settings.broker_url.get_secret_value(), bridge.tokenizer)
-        claim = GroupCommit(lambda ids: results.claim_many(sessions, ids, name, settings.max_attempts,
+        claim = GroupCommit(lambda ids: claim_many(sessions, ids, name, settings.max_attempts,
                                                            settings.dead_after_s), "claims")
         store = GroupCommit(lambda done: results.store_many(sessions, done, worker=name), "stores")
         # the bulk gate holds the lines in flight to its share of `worker_concurrency` (give or take a group)
@@ -98,7 +101,7 @@ class WorkerContext:
         self.reconciler.stop()
         usage = self.reconciler.usage() if self.reconciler.usage is not None else None  # the jobs since its last beat
         try:
-            return results.retrying(lambda: hand_back(self.sessions, self.name, usage), "hand back at shutdown",
+            return retrying(lambda: hand_back(self.sessions, self.name, usage), "hand back at shutdown",
                                     deadline_s=10.0)
         finally:  # a hand-back that failed is the sweep's to finish (leases); the rest closes all the same
             rehome_own(self.settings, self.name)

@@ -13,7 +13,7 @@ from worker.logprobs import openai_logprobs
 
 # finish reasons of a job stopped before it ended by itself: its text so far is kept as its result
 STOPPED = ("cancelled", "expired")
-# a run stopped because its worker lost the job's lease: it writes nothing of what it did (`results.give_back`)
+# a run stopped because its worker lost the job's lease, so it writes nothing of what it did (`run_ends.give_back`)
 LEASE_LOST = "lease_lost"
 # a run stopped because its worker is shutting down: its job goes back to the queue uncharged (`worker.shutdown`)
 SHUTDOWN = "shutdown"

@@ -42,9 +42,12 @@ from store.counts import fold
 from store.retention import prune, retention_period
 from store.workers import alive
 from store.writes import insert_ignore
+from worker.claims import end_unrun
+from worker.database import retrying, settle
+from worker.fence import end_runs
 from worker.leases import Leases
 from worker.outcome import LEASE_LOST
-from worker.results import end_runs, end_unrun, lost_run_updates, retrying, returned, settle
+from worker.run_ends import lost_run_updates, returned_columns
 
 log = logging.getLogger(__name__)
 QUEUED, RUNNING, FAILED = JobStatus.queued.value, JobStatus.running.value, JobStatus.failed.value
@@ -99,7 +102,7 @@ def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uui
                 # An expired lease is renewed too while its job still runs under it: it expired while this worker
                 # lived (the database was away, or the worker froze), and nobody else has the job. Once a sweep
                 # hands the job back its lease id is gone, so is the renewal, and every late write of the run
-                # is refused (`results.holds`).
+                # is refused (`fence.holds`).
                 update(jobs).where(jobs.c.worker == name, jobs.c.status == RUNNING,
                                    jobs.c.lease_id.in_(set(leases.values())))
                 .values(lease_expires_at=db_now(lease_s))
@@ -119,7 +122,7 @@ def hand_back(sessions: sessionmaker[Session], name: str, usage: tuple[float, in
     with sessions.begin() as session:
         back = session.execute(
             update(jobs).where(jobs.c.worker == name, jobs.c.status == RUNNING)
-            .values(**returned(), lease_id=None)
+            .values(**returned_columns(), lease_id=None)
             .returning(jobs.c.id, jobs.c.lease_id)
         ).all()
         end_runs(session, [(job_id, lease, "returned") for job_id, lease in back])
@@ -215,9 +218,9 @@ def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
     jobs = Job.__table__
     live = broker.live(settings.dead_after_s)  # read before the rows: a message consumed since is a running job
     grace = db_now(-settings.unpublished_grace_s)
-    # Never sent, for longer than the grace: a job put back to `queued` by a writer that sends its message itself
-    # (a retry's, a stall's, a shutdown's) is stamped as published then (`results.sent_on`), so it is judged from
-    # that moment, and its backoff holds; one the sweep must send (its lease expired) goes at once.
+    # Never sent, for longer than the grace. A job put back to `queued` by a writer that sends its message itself
+    # (a retry's, a stall's, a shutdown's) is stamped as published then (`run_ends.sent_now_columns`). So it is
+    # judged from that moment, and its backoff holds. One the sweep must send (its lease expired) goes at once.
     never = jobs.c.published_at.is_(None) & (jobs.c.created_at < grace)
     if live is None:  # no view into the broker: only the age of the last publish says a message was lost
         sent_long_ago = jobs.c.published_at < db_now(-settings.republish_after_s)

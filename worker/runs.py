@@ -16,11 +16,13 @@ from celery.exceptions import Reject
 
 from engine.runtime.engine_thread import EngineDead, EngineStalled
 from jobs.schemas import JobIn, JobStatus
-from worker import results
 from worker.bridge import JobRun
+from worker.claims import mark_alone
 from worker.context import WorkerContext, engine_died
+from worker.fence import Claimed
 from worker.outcome import LEASE_LOST, SHUTDOWN, Ending, Outcome, RunEnd
 from worker.reply import Asked, answered, ask, reply
+from worker.run_ends import give_back
 from worker.settling import hand_back_at_shutdown, hand_back_stalled, run_failed
 from worker.summarize import summarize
 
@@ -32,7 +34,7 @@ T = TypeVar("T")
 RUN_BY_KIND: dict[str, Callable[[JobRun], Outcome]] = {"chat": reply, "summarize": summarize}
 
 
-def run_claims(ctx: WorkerContext, claims: list[results.Claimed]) -> None:
+def run_claims(ctx: WorkerContext, claims: list[Claimed]) -> None:
     """Run the jobs of a message, which this worker holds the leases of, and store their outcomes in one write.
     A suspect (in `suspect_after_crashes` crashes) runs with the engine to itself, after the others, and says so in
     its row first; it keeps the engine to itself until its outcome is written, so that a crash after it cannot be
@@ -53,7 +55,7 @@ def run_claims(ctx: WorkerContext, claims: list[results.Claimed]) -> None:
                      requeue=True)
 
 
-def run_together(ctx: WorkerContext, claims: list[results.Claimed], alone: bool) -> bool:
+def run_together(ctx: WorkerContext, claims: list[Claimed], alone: bool) -> bool:
     """Run `claims` side by side (a single job on this thread), then store the outcomes of those that finished in
     one write; True if one of them was handed back at shutdown."""
     if len(claims) == 1:
@@ -92,19 +94,19 @@ class Asking:
     stack: ExitStack  # leaves the job's run on the bridge, as leaving `execute`'s `with` does
 
 
-def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[RunEnd]:
+def run_chats(ctx: WorkerContext, claims: list[Claimed]) -> list[RunEnd]:
     """Single-answer chats of one message, on this thread in two phases: every job's request goes into the engine,
     which batches them as it would a thread's each, then each job's answer is awaited in turn. A thread per job
     would cost each job its wake-ups and its hand-offs of the interpreter lock for nothing: the jobs wait on the
     engine, not on each other. Each job is settled on its own, as `execute` settles it."""
-    def begin(claimed: results.Claimed) -> Asking:
+    def begin(claimed: Claimed) -> Asking:
         ctx.progress.status(str(claimed.job_id), JobStatus.running)
         with ExitStack() as stack:  # asking failed: the run is left here, before its failure is settled
             run = stack.enter_context(opened(ctx, claimed))
             asked = ask(run)
             return Asking(run, asked, stack.pop_all())
 
-    def finish(claimed: results.Claimed, asking: Asking) -> RunEnd:
+    def finish(claimed: Claimed, asking: Asking) -> RunEnd:
         with asking.stack:
             outcome = answered(asking.run, asking.asked)
         return judged(ctx, claimed, outcome)
@@ -114,11 +116,11 @@ def run_chats(ctx: WorkerContext, claims: list[results.Claimed]) -> list[RunEnd]
             for c, a in zip(claims, asked, strict=True)]
 
 
-def execute(ctx: WorkerContext, claimed: results.Claimed, alone: bool) -> RunEnd:
+def execute(ctx: WorkerContext, claimed: Claimed, alone: bool) -> RunEnd:
     """Run one claimed job through the engine. It finishes with an outcome to store, or it was settled here in
     some other way (`judged`, `guarded`)."""
     def run() -> RunEnd:
-        if alone and not results.mark_alone(ctx.sessions, claimed):
+        if alone and not mark_alone(ctx.sessions, claimed):
             ctx.metrics.refused()
             return RunEnd(Ending.SETTLED)
         with opened(ctx, claimed) as job_run:
@@ -130,7 +132,7 @@ def execute(ctx: WorkerContext, claimed: results.Claimed, alone: bool) -> RunEnd
 
 
 @contextmanager
-def opened(ctx: WorkerContext, claimed: results.Claimed) -> Iterator[JobRun]:
+def opened(ctx: WorkerContext, claimed: Claimed) -> Iterator[JobRun]:
     """The job's run on the bridge, its tokens streaming to the job's progress events."""
     job_id = str(claimed.job_id)
     with ctx.bridge.run(job_id, claimed.job, claimed.created_at, claimed.deadline_at,
@@ -141,7 +143,7 @@ def opened(ctx: WorkerContext, claimed: results.Claimed) -> Iterator[JobRun]:
         yield run
 
 
-def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> RunEnd:
+def judged(ctx: WorkerContext, claimed: Claimed, outcome: Outcome) -> RunEnd:
     """How a run whose engine work is over ends. Usually its outcome is stored. A run stopped at shutdown, or
     one whose lease was lost, must not store it, so its job is settled here instead. A failure that the engine
     may not repeat raises, and `guarded` retries the job."""
@@ -149,7 +151,7 @@ def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> Ru
     if verdict.finish_reason == SHUTDOWN:
         return hand_back_at_shutdown(ctx, claimed)
     if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
-        if not results.give_back(ctx.sessions, claimed):
+        if not give_back(ctx.sessions, claimed):
             ctx.metrics.refused()
         return RunEnd(Ending.SETTLED)
     if verdict.retryable:
@@ -157,7 +159,7 @@ def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> Ru
     return RunEnd.finished(outcome)
 
 
-def guarded(ctx: WorkerContext, claimed: results.Claimed, step: Callable[[], T]) -> T | RunEnd:
+def guarded(ctx: WorkerContext, claimed: Claimed, step: Callable[[], T]) -> T | RunEnd:
     """Run `step` of a job's run, and settle the job here if it raises.
 
     If the engine stalled, the job goes back as a stall's. If the engine died, the worker exits, unless it is

@@ -36,11 +36,11 @@ from engine.runtime.engine_thread import EngineStalled
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB
 from jobs.settings import Settings
 from process.heap import freeze_startup_heap
-from worker import results
 from worker.bulk_gate import bulk_gate
 from worker.context import WorkerContext, engine_died
 from worker.exits import NOT_STARTED
 from worker.reconciler import hand_back
+from worker.run_ends import record_stall
 from worker.runs import run_claims
 
 log = logging.getLogger(__name__)
@@ -104,13 +104,13 @@ class Worker:
 
     def engine_stalled(self, error: EngineStalled) -> None:
         """An engine thread stalled (CONVOQ_ENGINE_PROCESS=false; a process is killed and restarted instead). A
-        thread cannot be killed, so the jobs in the engine go back as a stall's (`results.stalled`), every other
-        job this worker holds goes back uncharged, and the worker exits as at the engine's death. They are not
-        sent again from here, where this worker would take them before it exits: the sweep sends them."""
+        thread cannot be killed, so the jobs in the engine go back as a stall's (`run_ends.record_stall`), every
+        other job this worker holds goes back uncharged, and the worker exits as at the engine's death. They are
+        not sent again from here, where this worker would take them before it exits. The sweep sends them."""
         ctx = self.context
         try:
             running = set(ctx.bridge.running())
-            results.stalled(ctx.sessions, [c for c in ctx.leases.claims() if str(c.job_id) in running],
+            record_stall(ctx.sessions, [c for c in ctx.leases.claims() if str(c.job_id) in running],
                             ctx.settings.max_crashes)
             hand_back(ctx.sessions, ctx.name)
         finally:
