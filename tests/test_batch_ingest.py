@@ -418,7 +418,7 @@ def test_a_multipart_null_priority_is_no_priority(database, broker, tiny_model):
 
 def test_lines_whose_publish_failed_are_sent_once_each_by_the_sweep(database, broker, tiny_model, monkeypatch):
     from broker import publish as publishing
-    from worker.reconciler import Sweeper
+    from worker.sweep import Sweeper
 
     settings = settings_for(database, broker, tiny_model, unpublished_grace_s=0, bulk_group=8)
     app = create_app(settings)  # not started: nothing resumes on its own

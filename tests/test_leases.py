@@ -27,11 +27,14 @@ from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from worker import reconciler, results
 from worker.claims import claim, claim_many, mark_alone
+from worker.crashes import attribute, hand_back_expired
+from worker.heartbeat import beat, hand_back
 from worker.leases import Leases
 from worker.outcome import Outcome
-from worker.reconciler import SWEEP_LOCK, Reconciler, Sweeper, attribute, beat, hand_back_expired
+from worker.reconciler import Reconciler
 from worker.run_ends import fail, give_back, requeue
 from worker.solo import Solo
+from worker.sweep import SWEEP_LOCK, LockLost, Sweeper
 
 
 def new_job(sessions, text: str = "hi", **columns) -> str:
@@ -190,7 +193,7 @@ def test_a_heartbeat_stamps_what_its_worker_used_on_its_row(db):
     assert used() == (4.25, 10)
     beat(sessions, "w-usage", {}, 30, 15)
     assert used() == (4.25, 10)
-    reconciler.hand_back(sessions, "w-usage", usage=(5.0, 12))  # a clean stop: what it did since its last beat
+    hand_back(sessions, "w-usage", usage=(5.0, 12))  # a clean stop: what it did since its last beat
     assert used() == (5.0, 12)
 
 
@@ -379,20 +382,20 @@ def test_a_sweep_longer_than_a_lease_never_holds_the_heartbeat_back(db, settings
 
 def test_the_sweep_lock_lasts_the_whole_sweep_and_a_sweeper_that_lost_it_stops(db, settings, monkeypatch):
     engine, sessions = db
-    monkeypatch.setattr(reconciler, "CHUNK", 2)
+    monkeypatch.setattr("worker.crashes.CHUNK", 2)
     # the server's minute, shortened; still several chunks long, so a sweeper slowed by a busy machine keeps it
-    monkeypatch.setattr(reconciler, "LOCK_IDLE_S", 2.5)
+    monkeypatch.setattr("worker.sweep.LOCK_IDLE_S", 2.5)
     ids = [new_job(sessions) for _ in range(24)]  # 12 chunks, 6 s of sweeping
     claim_many(sessions, ids, "gone", 3)
     expire_leases(engine, *ids)
-    chunks, attribute_now = [], reconciler.attribute
+    chunks, attribute_now = [], attribute
 
     def slow(*args):
         chunks.append(time.monotonic())
         time.sleep(0.5)
         return attribute_now(*args)
 
-    monkeypatch.setattr(reconciler, "attribute", slow)
+    monkeypatch.setattr("worker.crashes.attribute", slow)
     first, second = (Sweeper(sessions, create_celery(settings), settings) for _ in range(2))
     errors: list[Exception] = []
 
@@ -416,7 +419,7 @@ def test_the_sweep_lock_lasts_the_whole_sweep_and_a_sweeper_that_lost_it_stops(d
     ended = time.monotonic()
     sweeping.join(5)
     assert [t for t in chunks if t > ended] == []  # it stopped before its next chunk: no two sweepers at once
-    assert [type(e) for e in errors] == [reconciler.LockLost]
+    assert [type(e) for e in errors] == [LockLost]
     left = 24 - 2 * len(chunks)
     assert second.sweep(force=True)["handed_back"] == left > 0  # the next sweeper goes on from there
 

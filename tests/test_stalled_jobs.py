@@ -32,8 +32,8 @@ from worker import results
 from worker.bridge import Bridge
 from worker.claims import claim, claim_many, mark_alone
 from worker.engine_factory import WorkerSettings, load_backend
-from worker.reconciler import Sweeper
 from worker.run_ends import fail, give_back, record_stall, requeue
+from worker.sweep import Sweeper
 
 QUEUED, FAILED = JobStatus.queued, JobStatus.failed
 

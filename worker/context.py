@@ -28,11 +28,12 @@ from worker.database import retrying
 from worker.engine_factory import start_engine
 from worker.fence import Claimed
 from worker.group_commit import GroupCommit
+from worker.heartbeat import hand_back, mark_draining
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.outcome import Outcome
 from worker.progress import ProgressPublisher
-from worker.reconciler import Reconciler, hand_back, mark_draining
+from worker.reconciler import Reconciler
 from worker.shutdown import Shutdown
 from worker.solo import Solo
 from worker.usage import cpu_seconds

@@ -39,7 +39,7 @@ from process.heap import freeze_startup_heap
 from worker.bulk_gate import bulk_gate
 from worker.context import WorkerContext, engine_died
 from worker.exits import NOT_STARTED
-from worker.reconciler import hand_back
+from worker.heartbeat import hand_back
 from worker.run_ends import record_stall
 from worker.runs import run_claims
 
