@@ -110,6 +110,17 @@ def test_the_fence_of_a_runs_writes_is_stated_once():
     assert lines_matching(r"lease_id\s*==.*status\s*==\s*RUNNING") == {"worker/fence.py": 1}
 
 
+MAX_MODULE_LINES = 400
+
+
+def test_no_worker_module_is_over_400_lines():
+    """A module that long holds more than one concept: split it by what it holds."""
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+             for path in sorted((ROOT / "worker").rglob("*.py"))}
+    assert len(sizes) >= 10 and sum(sizes.values()) > MAX_MODULE_LINES
+    assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
 def test_migrations_import_no_application_code():
     """A revision must make what it made whatever the application becomes: it imports nothing of the project but
     the frozen helpers beside it (`migrations.*`), never `jobs`, whose tables, schemas and counts move on."""
