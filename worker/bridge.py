@@ -81,8 +81,8 @@ class JobRun:
         self._lock = threading.Lock()
 
     @property
-    def context(self) -> int:
-        return self.bridge.context
+    def max_model_len(self) -> int:
+        return self.bridge.max_model_len
 
     @property
     def tokenizer(self) -> object:
@@ -238,7 +238,7 @@ class Bridge:
         return self.runner.tokenizer
 
     @property
-    def context(self) -> int:
+    def max_model_len(self) -> int:
         return self.runner.max_model_len
 
     def prompt_ids(self, chat: Chat, thinking: bool, interactive: bool, tools: list[dict] | None = None) -> list[int]:

@@ -27,7 +27,7 @@ def ask(run: JobRun) -> Asked | Outcome:
     context; or, when they are not, the job's failure."""
     start = time.monotonic()
     prompt = run.prompt_ids(chat_for(run.job))
-    if problem := chat_problem(len(prompt), run.job.sampling.max_new_tokens, run.context):
+    if problem := chat_problem(len(prompt), run.job.sampling.max_new_tokens, run.max_model_len):
         return Outcome.failed(run.job_id, problem)
     return Asked(start, run.choices(prompt))
 

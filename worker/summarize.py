@@ -105,9 +105,9 @@ def summarize(run: JobRun) -> Outcome:
     """The final request (the whole transcript, or the last combine) streams its text; a part that does not
     succeed ends the job with that part's completion (a stop keeps the part's text so far)."""
     job, started = run.job, time.monotonic()
-    if problem := summary_problem(job.sampling.max_new_tokens, run.context):
+    if problem := summary_problem(job.sampling.max_new_tokens, run.max_model_len):
         return _too_long(run.job_id, problem, started)
-    budget = prompt_budget(run.context, job.sampling.max_new_tokens)
+    budget = prompt_budget(run.max_model_len, job.sampling.max_new_tokens)
 
     def fits_with(make_chat: Callable[[Turns], Chat]) -> Callable[[Turns], bool]:
         return lambda turns: len(run.prompt_ids(make_chat(turns))) <= budget
