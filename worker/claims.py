@@ -77,12 +77,12 @@ def claim_many(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
 
 @functools.cache
 def _claim_statement(lease_s: float, postgres: bool) -> Executable:
-    """The claim of `claim_many`, built once per lease length: building and keying a statement of this size costs
-    about a millisecond of CPU, more than the database spends running it. On PostgreSQL, the same statement
-    inserts the claimed jobs' `runs` rows (a data-modifying CTE), so that a claim is one statement, committed on
-    its own: one round trip instead of four (begin, claim, runs, commit); and its ids are one array parameter,
-    so that its text is the same whatever their number (an expanded `IN` is rendered anew for each call, and
-    past 50 parameters the driver parses the whole text again each time)."""
+    """The claim of `claim_many`, built once per lease length. Building and keying a statement of this size
+    costs about a millisecond of CPU, more than the database spends running it. On PostgreSQL the same statement
+    inserts the claimed jobs' `runs` rows (a data-modifying CTE). So a claim is one statement, committed on its
+    own, one round trip instead of four (begin, claim, runs, commit). Its ids are one array parameter, so that its
+    text is the same whatever their number. An expanded `IN` is rendered anew for each call, and past 50
+    parameters the driver parses the whole text again each time."""
     jobs = JOBS
     lease = bindparam("claim_lease", type_=jobs.c.lease_id.type)
     worker = bindparam("claim_worker", type_=jobs.c.worker.type)
@@ -114,7 +114,7 @@ def _claim(sessions: sessionmaker[Session], lease_s: float, params: dict) -> lis
     if bind.dialect.name == "postgresql":
         with committing(bind) as conn:
             return conn.execute(_claim_statement(lease_s, True), params).all()
-    with sessions.begin() as session:  # SQLite: no data-modifying CTE, so two statements in one transaction
+    with sessions.begin() as session:  # SQLite has no data-modifying CTE, so two statements in one transaction
         rows = session.execute(_claim_statement(lease_s, False), params).all()
         if rows:
             insert_ignore(session, Run, [dict(job_id=row.id, lease_id=params["claim_lease"],

@@ -56,7 +56,7 @@ class WorkerContext:
     progress: ProgressPublisher
     leases: Leases  # the jobs this process holds, renewed at each heartbeat
     solo: Solo  # suspects run with the engine to themselves
-    claim: GroupCommit[str, Claimed | None]  # job id -> the claimed job, or None: not queued
+    claim: GroupCommit[str, Claimed | None]  # job id -> the claimed job, or None if it is not queued
     store: GroupCommit[tuple[Claimed, Outcome], results.Stored]
     shutdown: Shutdown  # the grace of a warm shutdown, then its hand-back
     lines: ThreadPoolExecutor  # a grouped message's lines that are not single-answer chats run side by side here
@@ -64,16 +64,17 @@ class WorkerContext:
     @classmethod
     def start(cls, settings: Settings, celery: Celery, name: str, advert: Advert,
               on_stall: Callable[[EngineStalled], None] | None = None) -> WorkerContext:
-        """`name`: this worker's row in `workers` (`worker_name`), with its `advert`; `on_stall`: what to do when an
-        engine thread stalls (an engine process is restarted instead). What was built is closed again if a later
-        part fails: the engine process above all, which would keep this process from exiting."""
+        """Start a worker's context. `name` is this worker's row in `workers` (`worker_name`), with its `advert`.
+        `on_stall` is what to do when an engine thread stalls (an engine process is restarted instead). What was
+        built is closed again if a later part fails. That matters most for the engine process, which would keep
+        this process from exiting."""
         with ExitStack() as built:
             # every write here retries on a dropped connection (`database.retrying`), so no ping per checkout
             db = make_db_engine(settings.database_url.get_secret_value(),
                                 pool_size=min(settings.worker_concurrency, 32), ping_idle_s=None)
             built.callback(db.dispose)
             sessions = make_sessions(db)
-            shutdown = Shutdown(settings.shutdown_grace_s)  # before the engine: its death in a shutdown is no crash
+            shutdown = Shutdown(settings.shutdown_grace_s)  # before the engine, whose death in a shutdown is no crash
             bridge = Bridge.for_settings(start_engine(settings, on_death=partial(engine_died, shutdown=shutdown),
                                                       on_stall=on_stall), settings)
             built.callback(bridge.close)
@@ -96,8 +97,8 @@ class WorkerContext:
 
     def close(self) -> int:
         """Hand back the jobs this worker still holds, then close the engine and the rest; returns how many went
-        back. The engine goes last: a task it outlived would see its end as a crash and exit the worker, leaving
-        its job to expire and be charged."""
+        back. The engine goes last, because a task it outlived would see its end as a crash and exit the worker,
+        leaving its job to expire and be charged."""
         self.shutdown.begin(cold=True)  # whatever still runs stops now, and an engine gone from here is no crash
         self.reconciler.stop()
         usage = self.reconciler.usage() if self.reconciler.usage is not None else None  # the jobs since its last beat
@@ -114,8 +115,8 @@ class WorkerContext:
 
 
 def engine_died(error: EngineDead, shutdown: Shutdown | None = None) -> None:
-    """The model's state is unknown: exit so the supervisor restarts the worker; this worker's leases then
-    expire and the reconciler hands its jobs back. During a shutdown the worker is leaving anyway: its tasks
+    """The model's state is unknown, so exit and let the supervisor restart the worker. This worker's leases
+    then expire and the reconciler hands its jobs back. During a shutdown the worker is leaving anyway. Its tasks
     hand their jobs back uncharged (`hand_back_at_shutdown`) and it exits as it was going to."""
     if shutdown is not None and shutdown.begun.is_set():
         log.warning("the engine ended during shutdown (%s); its jobs go back to the queue", error)
@@ -125,8 +126,8 @@ def engine_died(error: EngineDead, shutdown: Shutdown | None = None) -> None:
 
 
 def drain(settings: Settings, sessions: sessionmaker[Session], name: str) -> None:
-    """As this worker's shutdown begins: its row says it is draining, so the router sends it nothing more, and what
-    already waits in its own queues goes to the shared ones now, not once the grace is spent."""
+    """Called as this worker's shutdown begins. Its row says it is draining, so the router sends it nothing
+    more, and what already waits in its own queues goes to the shared ones now, not once the grace is spent."""
     try:
         mark_draining(sessions, name)
     finally:
@@ -134,13 +135,13 @@ def drain(settings: Settings, sessions: sessionmaker[Session], name: str) -> Non
 
 
 def rehome_own(settings: Settings, name: str) -> None:
-    """At shutdown: what still waits in this worker's own queues goes to the shared ones, where the next worker
-    takes it now rather than after the sweep has seen this worker gone."""
+    """At shutdown, what still waits in this worker's own queues goes to the shared ones. The next worker
+    takes it there now, rather than after the sweep has seen this worker gone."""
     broker = BrokerView(settings)
     try:
         if moved := broker.rehome(lambda _queue, tag: tag == home_tag(name)):
             log.info("moved %d messages from this worker's own queues to the shared queues", moved)
-    except Exception:  # the broker is away: the sweep moves them once it sees this worker gone
+    except Exception:  # the broker is away, so the sweep moves them once it sees this worker gone
         log.exception("could not move this worker's own queues' messages to the shared queues")
     finally:
         broker.close()

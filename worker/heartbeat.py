@@ -58,7 +58,7 @@ def beat(sessions: sessionmaker[Session], name: str, leases: dict[uuid.UUID, uui
         renewed: list[Row] = []
         if leases:
             renewed = session.execute(
-                # An expired lease is renewed too while its job still runs under it: it expired while this worker
+                # An expired lease is renewed too while its job still runs under it. It expired while this worker
                 # lived (the database was away, or the worker froze), and nobody else has the job. Once a sweep
                 # hands the job back its lease id is gone, so is the renewal, and every late write of the run
                 # is refused (`fence.holds`).

@@ -25,10 +25,11 @@ class Outcome:
     engine_ms: float  # first request submitted -> last completion back
     chunks: int = 1  # transcript chunks summarized (map-reduce)
     levels: int = 1  # summarization levels, the final combine included
-    reasoning: str | None = None  # with thinking: the reasoning; the completion's text is then the answer
-    logprobs: list[dict] | None = None  # asked for: OpenAI's `logprobs.content` of the answer
+    reasoning: str | None = None  # with thinking, the reasoning (the completion's text is then the answer)
+    logprobs: list[dict] | None = None  # when asked for, OpenAI's `logprobs.content` of the answer
     tool_calls: list[dict] | None = None  # OpenAI's `tool_calls` the answer made; the completion's text is the rest
-    # a job with `n` > 1: choices 1..n-1 (this outcome is choice 0; its timings are the job's, `merged_timings`)
+    # for a job with `n` > 1, choices 1..n-1 (this outcome is choice 0, and its timings are the job's,
+    # `merged_timings`)
     choices: list[Outcome] = field(default_factory=list)
     # a failure found before the engine was asked (`failed`); the engine's own refusals are `invalid_prompt`
     code: ErrorCode | None = None
@@ -76,7 +77,7 @@ class Ending(Enum):
     FINISHED = "finished"  # with an outcome, which the task stores
     # its worker is shutting down, so the job went back uncharged and its message goes back to the queue
     HANDED_BACK = "handed_back"
-    # nothing to store: the job was failed, retried or given back already, or it had moved on
+    # nothing to store, because the job was failed, retried or given back already, or it had moved on
     SETTLED = "settled"
 
 

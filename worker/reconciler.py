@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 
 
 class Reconciler:
-    """The reconciler of one worker process, on two threads: the heartbeat beats every `heartbeat_s`, renews the
-    worker's leases and stops the runs it lost or whose cancel was asked for (`stop_jobs(ids, reason)`); the
-    sweeper sweeps when a beat finds its turn come. Apart, so that no sweep or prune, however long, holds a beat
-    back: the leases of the sweeper's own jobs would expire under it, and charge them a crash."""
+    """The reconciler of one worker process, on two threads. The heartbeat beats every `heartbeat_s`, renews
+    the worker's leases and stops the runs it lost or whose cancel was asked for (`stop_jobs(ids, reason)`). The
+    sweeper sweeps when a beat finds its turn come. They are apart so that no sweep or prune, however long, holds
+    a beat back. Otherwise the leases of the sweeper's own jobs would expire under it, and charge them a
+    crash."""
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
                  leases: Leases, stop_jobs: Callable[[list[str], str], list[str]],
@@ -49,9 +50,9 @@ class Reconciler:
         # when the database last answered a beat, and since when it has answered them without a gap (monotonic)
         self._last_beat: float | None = None
         self._answering_since = 0.0
-        # The longest gap between beats that no lease can expire in: a live worker renews its leases within two
-        # heartbeats of the database's return. (Not under one and a half heartbeats, a beat's own cadence: a
-        # lease that short expires at any late beat whatever this says.)
+        # The longest gap between beats that no lease can expire in. A live worker renews its leases within two
+        # heartbeats of the database's return. It is never under one and a half heartbeats, a beat's own cadence,
+        # because a lease that short expires at any late beat whatever this says.
         self._quiet_s = max(settings.dead_after_s - 2 * settings.heartbeat_s, 1.5 * settings.heartbeat_s)
         self._beats = threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)
         self._sweeps = threading.Thread(target=self._sweep_loop, name="reconciler", daemon=True)
@@ -66,8 +67,8 @@ class Reconciler:
         self._stop.set()
         self._sweep_due.set()
         self._beats.join(10)
-        # a sweep in progress is not waited for: each of its chunks is a transaction of its own, and the one it is
-        # in when the process ends is rolled back
+        # A sweep in progress is not waited for. Each of its chunks is a transaction of its own, and the one it is
+        # in when the process ends is rolled back.
         self._sweeps.join(1)
 
     def beat(self) -> Beat:
@@ -79,8 +80,9 @@ class Reconciler:
         if self._last_beat is None or now - self._last_beat > self._quiet_s:  # started, or back from an outage
             self._answering_since = now
         self._last_beat = now
-        # a job that finished since the leases were read is not running any more, and one claimed again here
-        # since (a stalled engine's job, sent again at once) runs under a new lease: only runs still going are lost
+        # A job that finished since the leases were read is not running any more, and one claimed again here
+        # since (a stalled engine's job, sent again at once) runs under a new lease. Only runs still going are
+        # lost.
         still = self.leases.held()
         lost = [i for i in result.lost if still.get(uuid.UUID(i)) == held[uuid.UUID(i)]]
         if lost := self.stop_jobs(lost, LEASE_LOST):
@@ -92,15 +94,15 @@ class Reconciler:
         return result
 
     def settled(self) -> bool:
-        """Whether the database has answered this worker's beats without a gap for a full lease (`dead_after_s`):
-        only then does a lease that expired mean that its worker stopped beating, not that the database was away.
+        """Whether the database has answered this worker's beats without a gap for a full lease (`dead_after_s`).
+        Only then does a lease that expired mean that its worker stopped beating, not that the database was away.
 
         A database outage long enough to expire a lease expires every lease in flight, while their workers live.
-        Each of them renews its own at its first beat back (an expired lease is renewed while its job still runs
-        under it: `beat`); a sweeper that has seen the database answer for a full lease since has let them, and
-        whatever is still expired belongs to a worker that did not beat: dead, or frozen. Such an outage leaves a
+        Each of them renews its own at its first beat back (`beat` renews an expired lease while its job still
+        runs under it). A sweeper that has seen the database answer for a full lease since has let them, and
+        whatever is still expired belongs to a worker that did not beat, dead or frozen. Such an outage leaves a
         gap of over `_quiet_s` in this worker's beats too (a beat that failed, or hung until the database came
-        back), which restarts the count; a sweeper that started since cannot tell, and counts from its start. A
+        back), which restarts the count. A sweeper that started since cannot tell, and counts from its start. A
         beat that fails now and then (a lost connection) leaves a gap too short to restart anything."""
         now = time.monotonic()
         return (self._last_beat is not None and now - self._last_beat <= self._quiet_s
@@ -110,7 +112,7 @@ class Reconciler:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
                 self.beat()
-            except Exception:  # the database is away: try again next beat
+            except Exception:  # the database is away, so try again next beat
                 log.exception("reconciler heartbeat failed")
 
     def _sweep_loop(self) -> None:
@@ -118,5 +120,5 @@ class Reconciler:
             self._sweep_due.clear()
             try:
                 self.sweeper.sweep(hand_back=self.settled())
-            except Exception:  # the database or broker is away, or the lock was lost: the next turn sweeps again
+            except Exception:  # the database or broker is away, or the lock was lost; the next turn sweeps again
                 log.exception("reconciler sweep failed")

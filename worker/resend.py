@@ -31,13 +31,13 @@ def resend(sessions: sessionmaker[Session], celery: Celery, settings: Settings, 
     returns the ids sent and how many published jobs were seen without a message for the first time
     (`message_missing_at`: the next sweep, by whichever worker, sends those still missing)."""
     jobs = Job.__table__
-    live = broker.live(settings.dead_after_s)  # read before the rows: a message consumed since is a running job
+    live = broker.live(settings.dead_after_s)  # read before the rows, since a message consumed since is a running job
     grace = db_now(-settings.unpublished_grace_s)
     # Never sent, for longer than the grace. A job put back to `queued` by a writer that sends its message itself
     # (a retry's, a stall's, a shutdown's) is stamped as published then (`run_ends.sent_now_columns`). So it is
     # judged from that moment, and its backoff holds. One the sweep must send (its lease expired) goes at once.
     never = jobs.c.published_at.is_(None) & (jobs.c.created_at < grace)
-    if live is None:  # no view into the broker: only the age of the last publish says a message was lost
+    if live is None:  # with no view into the broker, only the age of the last publish says a message was lost
         sent_long_ago = jobs.c.published_at < db_now(-settings.republish_after_s)
         with sessions() as session:
             due = list(session.scalars(select(jobs.c.id).where(jobs.c.status == QUEUED, or_(never, sent_long_ago))))
@@ -91,9 +91,9 @@ def _send(sessions: sessionmaker[Session], celery: Celery, settings: Settings, b
 
 
 def rehome_gone(sessions: sessionmaker[Session], broker: BrokerView, dead_after_s: float) -> int:
-    """Move what the own queues no worker reads still hold to the shared queues: those of workers not alive,
-    draining, or not consuming that class (`broker.affinity.homes_open`). The broker away moves nothing now, and
-    stops nothing else of the sweep: the next one moves them."""
+    """Move to the shared queues what the own queues that no worker reads still hold. Those are the queues of
+    workers not alive, draining, or not consuming that class (`broker.affinity.homes_open`). With the broker away
+    nothing moves now, and nothing else of the sweep stops. The next sweep moves them."""
     with sessions() as session:
         homes = homes_open(session, dead_after_s)
     shared = shared_queues(broker.settings)

@@ -111,8 +111,8 @@ class _Write:
 
     claimed: Claimed
     status: JobStatus
-    timing: dict | None  # its timings row: a job that succeeded
-    result: dict | None  # its result row: a job that succeeded, or stopped with the text it had
+    timing: dict | None  # its timings row, for a job that succeeded
+    result: dict | None  # its result row, for a job that succeeded or stopped with the text it had
     finished: dict  # the fenced update of its row (`_FINISH`'s parameters)
 
 
@@ -143,10 +143,10 @@ def _write_of(claimed: Claimed, outcome: Outcome, worker: str, now: datetime) ->
 def store_many(sessions: sessionmaker[Session], done: list[tuple[Claimed, Outcome]], worker: str) -> list[Stored]:
     """Results, timings and final statuses of finished jobs, all or nothing; then their batches settle.
 
-    Only jobs their run still holds are written: the update of their rows is fenced by the lease, and their
-    results, timings and runs are written with it: in one statement on PostgreSQL (`_store_statement`); on
-    SQLite in one transaction, its rows locked first. A job this write already finished (a retry after a lost
-    reply) counts as written; the rest are refused and nothing of theirs is stored.
+    Only jobs their run still holds are written. The update of their rows is fenced by the lease, and their
+    results, timings and runs are written with it. On PostgreSQL that is one statement (`_store_statement`); on
+    SQLite it is one transaction, its rows locked first. A job this write already finished (a retry after a lost
+    reply) counts as written. The rest are refused, and nothing of theirs is stored.
     """
     def action() -> list[Stored]:
         now = utcnow()
@@ -174,7 +174,7 @@ def _store(sessions: sessionmaker[Session], writes: list[_Write], now: datetime)
         written = set(conn.execute(_store_statement(), params).scalars())
     if len(written) == len(writes):
         return written
-    with sessions.begin() as session:  # the jobs it did not update: finished by this write's earlier try, or lost
+    with sessions.begin() as session:  # the jobs it did not update were finished before, or lost
         missing = [w.claimed for w in writes if w.claimed.job_id not in written]
         held = session.execute(HELD, {"held": [(c.job_id, c.lease) for c in missing]}).all()
         written |= _written_before(writes, held)
@@ -208,10 +208,11 @@ def _json_columns(table) -> frozenset[str]:
 
 @functools.cache
 def _store_statement() -> Executable:
-    """`store_many` on PostgreSQL as one statement, committed on its own: one round trip for any number of jobs.
-    The rows come as JSON parameters (`finished`, `results`, `timings`); the jobs' fenced update returns the ids
-    it changed, and only their results, timings and runs are written (data-modifying CTEs on its RETURNING).
-    Each row carries every column of its table: a column it left out would be NULL, not its default."""
+    """`store_many` on PostgreSQL as one statement, committed on its own, so one round trip for any number
+    of jobs. The rows come as JSON parameters (`finished`, `results`, `timings`). The jobs' fenced update returns
+    the ids it changed, and only their results, timings and runs are written (data-modifying CTEs on its
+    RETURNING). Each row carries every column of its table, because a column it left out would be NULL, not its
+    default."""
     jobs, runs = JOBS, RUNS
     rows = (func.json_to_recordset(_json_param("finished"))
             .table_valued(column("job", Uuid), column("lease", Uuid), column("new_status", Text),

@@ -30,10 +30,11 @@ def failure_columns(code: ErrorCode, detail: str) -> dict[str, str | None]:
 
 
 def sent_now_columns() -> dict:
-    """The columns of a job going back to `queued` whose writer sends its message itself, at once (a retry's,
-    a stall's) or by returning it to the queue (a shutdown's): published from this moment, so a sweep judges
-    it from when it went back, not from its creation, and sends a second message only once that one is missing.
-    The writer's `publish(..., stamped=True)` takes the stamp back if its message does not go out."""
+    """The columns of a job going back to `queued` whose writer sends its message itself, either at once (a
+    retry's, a stall's) or by returning it to the queue (a shutdown's). The job counts as published from this
+    moment. So a sweep judges it from when it went back, not from its creation, and sends a second message only
+    once that one is missing. The writer's `publish(..., stamped=True)` takes the stamp back if its message does
+    not go out."""
     return dict(published_at=db_now(), message_missing_at=None)
 
 
@@ -57,20 +58,20 @@ def requeue(sessions: sessionmaker[Session], claimed: Claimed, detail: str) -> b
 
 
 def give_back(sessions: sessionmaker[Session], claimed: Claimed, requeued: bool = False) -> bool:
-    """A run its live worker ends without an outcome (it lost the job's lease, or it is shutting down): the job
-    goes back to `queued` uncharged, neither an attempt nor a crash (its worker did not die), unless it moved on
-    meanwhile, in which case the write is refused. `requeued`: the caller returns the job's message to the queue,
+    """A run that its live worker ends without an outcome, because it lost the job's lease or is shutting
+    down. The job goes back to `queued` uncharged, neither an attempt nor a crash (its worker did not die). If it
+    moved on meanwhile, the write is refused. With `requeued`, the caller returns the job's message to the queue,
     so the row says it is published and a sweep sends no second one."""
     values = returned_columns() | (sent_now_columns() if requeued else {})
     return fenced_write(sessions, claimed, values, QUEUED, "hand-back", ended_row("returned"))
 
 
 def lost_run_updates(keep_lease: bool = False, code: ErrorCode = ErrorCode.crashed) -> tuple[Update, Update]:
-    """The fenced statements (`j`: job id, `l`: the run's lease) that end a run its worker can no longer finish
-    (its lease expired, its engine stalled): the job goes back to `queued`, charged `charge` crashes, or fails
-    with `code` (`e`: why, its detail), a crash past the last one. `keep_lease`: the lease stays on the row, so
-    that the writer, retrying after a lost reply, recognises its own hand-back (a stall's, from the worker that
-    holds the run)."""
+    """The fenced statements that end a run its worker can no longer finish, because its lease expired or its
+    engine stalled. Their parameters are `j` (the job id) and `l` (the run's lease). The first sends the job back
+    to `queued`, charged `charge` crashes. The second fails it with `code`, a crash past the last one, with `e`
+    as its detail. With `keep_lease`, the lease stays on the row, so that the writer, retrying after a lost
+    reply, recognises its own hand-back (a stall's, from the worker that holds the run)."""
     jobs = Job.__table__
     fenced = holds(bindparam("j"), bindparam("l"))
     lease = {} if keep_lease else {"lease_id": None}
@@ -86,14 +87,14 @@ STALLED = "stalled"  # how a run ends when its engine stalled with it inside and
 
 def record_stall(sessions: sessionmaker[Session], claims: list[Claimed], max_crashes: int,
                  sends: bool = False) -> dict[uuid.UUID, JobStatus]:
-    """Jobs whose engine stalled with them in it go back to `queued`, neither an attempt (the claim's is
-    refunded) nor a crash: one stall says nothing about which request caused it. A job whose earlier run stalled
-    too is charged a crash (the suspect rules follow from there), and fails if that makes `max_crashes`. A job
-    that ran alone (`mark_alone`: a suspect) is condemned, as a worker's death while it runs alone condemns it:
-    nothing else was in the engine, so it fails, charged the crash, instead of stalling engines until its crashes
-    run out. Each run ends `stalled`. Returns the status each job was left in; the runs that no longer hold their
-    job are refused and left out. `sends`: the caller sends the jobs left queued again itself
-    (`sent_now_columns`), else a sweep does."""
+    """Record that these jobs' engine stalled with them in it. They go back to `queued`, neither an attempt
+    (the claim's is refunded) nor a crash, because one stall says nothing about which request caused it. A job
+    whose earlier run stalled too is charged a crash (the suspect rules follow from there), and fails if that
+    makes `max_crashes`. A job that ran alone (a suspect, `mark_alone`) is condemned, as a worker's death while it
+    runs alone condemns it. Nothing else was in the engine, so it fails, charged the crash, instead of stalling
+    engines until its crashes run out. Each run ends `stalled`. Returns the status each job was left in. The runs
+    that no longer hold their job are refused and left out. With `sends`, the caller sends the jobs left queued
+    again itself (`sent_now_columns`); otherwise a sweep does."""
     jobs, runs = Job.__table__, Run.__table__
     pairs = [(c.job_id, c.lease) for c in claims]
     back, failed = lost_run_updates(keep_lease=True, code=ErrorCode.timeout)

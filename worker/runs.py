@@ -68,7 +68,7 @@ def run_together(ctx: WorkerContext, claims: list[Claimed], alone: bool) -> bool
     for (claimed, outcome), future in zip(done, ctx.store.many(done), strict=True):
         try:
             stored = future.result()
-        except Exception as exc:  # this line's write alone: the others' went through without it
+        except Exception as exc:  # this line's write alone failed, and the others' went through without it
             run_failed(ctx, claimed, exc)
             continue
         if not stored.applied:
@@ -80,8 +80,9 @@ def run_together(ctx: WorkerContext, claims: list[Claimed], alone: bool) -> bool
 
 
 def two_phase(job: JobIn) -> bool:
-    """A job whose run is one round through the engine: a chat with a single answer (`run_chats`). A chat's
-    further choices wait for the first's prompt to be computed, and a summary's levels for the level before."""
+    """Whether a job's run is one round through the engine, as a chat with a single answer is (`run_chats`). A
+    chat's further choices wait for the first's prompt to be computed, and a summary's levels for the level
+    before."""
     return job.kind == "chat" and job.n == 1
 
 
@@ -95,13 +96,13 @@ class Asking:
 
 
 def run_chats(ctx: WorkerContext, claims: list[Claimed]) -> list[RunEnd]:
-    """Single-answer chats of one message, on this thread in two phases: every job's request goes into the engine,
-    which batches them as it would a thread's each, then each job's answer is awaited in turn. A thread per job
-    would cost each job its wake-ups and its hand-offs of the interpreter lock for nothing: the jobs wait on the
-    engine, not on each other. Each job is settled on its own, as `execute` settles it."""
+    """Single-answer chats of one message, on this thread in two phases. Every job's request goes into the
+    engine, which batches them as it would a thread's each, then each job's answer is awaited in turn. A thread
+    per job would cost each job its wake-ups and its hand-offs of the interpreter lock for nothing, since the
+    jobs wait on the engine, not on each other. Each job is settled on its own, as `execute` settles it."""
     def begin(claimed: Claimed) -> Asking:
         ctx.progress.status(str(claimed.job_id), JobStatus.running)
-        with ExitStack() as stack:  # asking failed: the run is left here, before its failure is settled
+        with ExitStack() as stack:  # if asking fails, the run is left here, before its failure is settled
             run = stack.enter_context(opened(ctx, claimed))
             asked = ask(run)
             return Asking(run, asked, stack.pop_all())

@@ -39,7 +39,7 @@ def hand_back_at_shutdown(ctx: WorkerContext, claimed: Claimed) -> RunEnd:
 def hand_back_stalled(ctx: WorkerContext, claimed: Claimed) -> None:
     """A job whose engine stalled with it inside goes back to the queue and is sent again at once
     (`run_ends.record_stall` decides whether it is charged a crash)."""
-    ctx.leases.drop(claimed)  # first: the heartbeat must not take a job on its way back for a lost one
+    ctx.leases.drop(claimed)  # first, so that the heartbeat does not take a job on its way back for a lost one
     status = record_stall(ctx.sessions, [claimed], ctx.settings.max_crashes, sends=True).get(claimed.job_id)
     if status is None:
         ctx.metrics.refused()
@@ -47,7 +47,7 @@ def hand_back_stalled(ctx: WorkerContext, claimed: Claimed) -> None:
     ctx.progress.status(str(claimed.job_id), status)
     if status == JobStatus.queued:
         with ctx.sessions() as session:
-            # to the shared queue: this worker's engine is reloading, with an empty prefix cache
+            # to the shared queue, because this worker's engine is reloading with an empty prefix cache
             publish(ctx.celery, session, [session.get(Job, claimed.job_id)], ctx.settings, stamped=True)
 
 

@@ -49,20 +49,21 @@ class LockLost(RuntimeError):
 
 @contextmanager
 def sweep_lock(sessions: sessionmaker[Session]) -> Iterator[Callable[[], None] | None]:
-    """The right to sweep, held for the whole sweep however long it takes: None if another process has it, else
-    `hold`, which the sweep calls before each chunk.
+    """The right to sweep, held for the whole sweep however long it takes. Yields None if another process has
+    it, else `hold`, which the sweep calls before each chunk.
 
-    A session-level PostgreSQL advisory lock on a connection of its own, idle outside any transaction between
-    chunks. The server ends that session once it has been idle for `LOCK_IDLE_S` (`idle_session_timeout`,
+    It is a session-level PostgreSQL advisory lock on a connection of its own, idle outside any transaction
+    between chunks. The server ends that session once it has been idle for `LOCK_IDLE_S` (`idle_session_timeout`,
     PostgreSQL 14+), and the lock with it, so a sweeper that stops (killed, frozen) gives the lock up within a
     minute. `hold` uses the session, which keeps a working sweeper's lock from ever idling that long, and raises
-    `LockLost` once it has ended: a sweeper back from a freeze finds its lock gone at its next chunk and stops, so
-    at most the chunk it was in overlaps the next sweeper's (each chunk is fenced or idempotent). A lock held by a
-    transaction instead sits idle in that transaction while the sweep works on other connections, and the
-    server ended it after a minute however busy the sweep was: a second sweeper then ran beside the first.
+    `LockLost` once the session has ended. So a sweeper back from a freeze finds its lock gone at its next chunk
+    and stops, and at most the chunk it was in overlaps the next sweeper's (each chunk is fenced or idempotent).
+    A lock held by a transaction instead sits idle in that transaction while the sweep works on other
+    connections. The server ended it after a minute however busy the sweep was, and a second sweeper then ran
+    beside the first.
     """
     engine = sessions.kw["bind"]
-    if engine.dialect.name != "postgresql":  # an embedded database serves one host: nothing to share
+    if engine.dialect.name != "postgresql":  # an embedded database serves one host, so there is nothing to share
         yield lambda: None
         return
     with engine.connect() as conn:
@@ -84,7 +85,7 @@ def sweep_lock(sessions: sessionmaker[Session]) -> Iterator[Callable[[], None] |
         finally:
             # unlocked now (a session's end frees the lock only once the server has noticed it), and the
             # connection closed, not pooled, with its timeout and any lock an unlock that failed left behind
-            with suppress(SQLAlchemyError):  # the session is gone already: so is its lock
+            with suppress(SQLAlchemyError):  # the session is gone already, and its lock with it
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": SWEEP_LOCK})
             conn.invalidate()
 
@@ -126,9 +127,9 @@ class Sweeper:
         self.router = Router(self.settings)
 
     def sweep(self, force: bool = False, hand_back: bool = True) -> dict[str, int] | None:
-        """One sweep if this process gets the lock and the turn (`force`: whenever it gets the lock); None if
-        another worker has it. `hand_back`: whether jobs whose lease expired may be handed back now (not while
-        their workers may be renewing them after an outage: `Reconciler.settled`)."""
+        """One sweep if this process gets the lock and the turn; None if another worker has it. With `force`, it
+        sweeps whenever it gets the lock. `hand_back` says whether jobs whose lease expired may be handed back now.
+        They may not while their workers may be renewing them after an outage (`Reconciler.settled`)."""
         with sweep_lock(self.sessions) as hold:
             if hold is None or not (take_turn(self.sessions, SWEEP, self.settings.sweep_every_s) or force):
                 return None
@@ -141,8 +142,8 @@ class Sweeper:
         s, sessions = self.settings, self.sessions
         broker = BrokerView(s)
         try:
-            # first, and on a read of its own: whatever of the rest fails, what waits in a gone worker's own queues
-            # reaches the shared ones (and counts as live messages below, not as missing ones)
+            # First, and on a read of its own. Whatever of the rest fails, what waits in a gone worker's own queues
+            # reaches the shared ones (and counts as live messages below, not as missing ones).
             rehomed = rehome_gone(sessions, broker, s.dead_after_s)
             verdicts = hand_back_expired(sessions, s.max_crashes, hold) if hand_back else Counter()
             expired = expire_queued(sessions, hold)

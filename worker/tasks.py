@@ -69,10 +69,10 @@ class Worker:
         return sender is not None and sender.app is not self.celery
 
     def start(self, sender=None, **_) -> None:
-        """The preflight, before the worker consumes anything: the model is loaded here, in the process that runs
-        it, and the database reached (the first heartbeat). If either fails the process exits `NOT_STARTED`: a
-        receiver of `worker_init` that raises is only logged by Celery, which would then consume every message it
-        can reach and fail each task for want of this context, acknowledging it: the queue drained into nothing."""
+        """The preflight, before the worker consumes anything. The model is loaded here, in the process that runs
+        it, and the database is reached (the first heartbeat). If either fails, the process exits `NOT_STARTED`.
+        Celery only logs a receiver of `worker_init` that raises, and would then consume every message it can
+        reach and fail each task for want of this context, acknowledging it. The queue would drain into nothing."""
         if self.others(sender):
             return
         try:
@@ -92,11 +92,11 @@ class Worker:
         platform_signals["SIGQUIT"] = self.cold_shutdown
 
     def cold_shutdown(self, *_) -> None:
-        """SIGQUIT: every run stops now and its job goes back (`worker.shutdown`), then the worker stops as at a
+        """SIGQUIT stops every run now, and its job goes back (`worker.shutdown`). Then the worker stops as at a
         warm shutdown, which hands back the rest and closes the engine (`stop`). Celery's own cold shutdown does
-        neither: it waits out a soft shutdown in the signal handler, cannot cancel a thread's task, and ends without
-        `worker_shutdown`, so the jobs waited for their leases and the exit for an engine process that ignores the
-        signals meant for its worker."""
+        neither. It waits out a soft shutdown in the signal handler, cannot cancel a thread's task, and ends
+        without `worker_shutdown`. So the jobs waited for their leases, and the exit waited for an engine process
+        that ignores the signals meant for its worker."""
         with in_sighandler():
             if self.context is not None:
                 self.context.shutdown.begin(cold=True)
@@ -136,13 +136,13 @@ class Worker:
     def run(self, job_ids: list[str], routing_key: str | None = None) -> None:
         """Run the jobs of a message delivered from the queue `routing_key`, claimed in one statement."""
         ctx = self.context
-        if ctx.shutdown.begun.is_set():  # delivered but not started: the next worker takes it now, not after us
+        if ctx.shutdown.begun.is_set():  # delivered but not started, so the next worker takes it now, not after us
             raise Reject(f"jobs {', '.join(job_ids)} not started: the worker is shutting down", requeue=True)
         claims = []
         for job_id, future in zip(job_ids, ctx.claim.many(job_ids), strict=True):
             try:
                 claimed = future.result()
-            except Exception:  # this line alone: its row stays queued, and the sweep sends it again
+            except Exception:  # this line alone stays queued, and the sweep sends it again
                 log.exception("could not claim job %s; the sweep sends it again", job_id)
                 continue
             if claimed is None:
