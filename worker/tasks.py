@@ -52,7 +52,8 @@ def worker_name() -> str:
 
 
 class Worker:
-    """The context a worker process's task runs with, made once the worker starts."""
+    """A worker process's answers to Celery's signals, and the context its tasks run with, made once the worker
+    starts."""
 
     def __init__(self, settings: Settings, celery: Celery, name: str, queues: list[str] | None = None) -> None:
         self.settings = settings
