@@ -14,7 +14,7 @@ from jobs.settings import Settings
 from worker.bridge import Bridge
 from worker.engine_factory import start_engine
 from worker.outcome import Outcome
-from worker.tasks import RUN_BY_KIND
+from worker.runs import RUN_BY_KIND
 
 
 def through_engine(jobs: list[JobIn], settings: Settings, threads: int) -> tuple[float, list[Outcome], float]:

@@ -39,7 +39,8 @@ from jobs.tables import Job, Run, Worker, job_row, utcnow
 from migrations.apply import upgrade
 from store.clock import db_now
 from store.connections import make_db_engine, make_sessions
-from worker.reconciler import Sweeper, beat
+from worker.heartbeat import beat
+from worker.sweep import Sweeper
 
 CHUNK = 5000
 

@@ -144,7 +144,7 @@ def reconcile() -> None:
     those past their deadline, send again queued jobs with no message."""
     from broker.app import create_celery
     from store.connections import make_db_engine, make_sessions
-    from worker.reconciler import Sweeper
+    from worker.sweep import Sweeper
 
     settings = get_settings()
     sweeper = Sweeper(make_sessions(make_db_engine(settings.database_url.get_secret_value())), create_celery(settings), settings)

@@ -24,7 +24,7 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from worker.bridge import Bridge
 from worker.engine_factory import engine_config
-from worker.tasks import RUN_BY_KIND
+from worker.runs import RUN_BY_KIND
 
 MEMORY_CEILING = 0.9
 

@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     # the worker's Celery threads never holds up a step; false runs it as a thread of the worker process.
     engine_process: bool = True
     # An engine whose loop makes no progress for this long while it has work is stalled: its process is killed and
-    # a new one started, its jobs go back to the queue (`worker.results.stalled`); a thread, which cannot be
+    # a new one started, its jobs go back to the queue (`worker.run_ends.record_stall`); a thread, which cannot be
     # killed, ends its worker. A fixed limit, not one fitted to the step cost, because what it must stay clear of
     # is the slowest honest step, which no fit has seen: a full-context prefill or a first-step kernel compile
     # (seconds to tens of seconds). Three minutes is an order of magnitude above those, and small next to what a

@@ -23,7 +23,8 @@ from broker.view import BrokerView
 from jobs.queues import home_queue
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
-from worker.reconciler import Sweeper, beat, hand_back
+from worker.heartbeat import beat, hand_back
+from worker.sweep import Sweeper
 
 
 def settings_for(database: str, broker: str = "redis://127.0.0.1:1/0", **fields) -> Settings:

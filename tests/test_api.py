@@ -160,7 +160,7 @@ def test_an_api_that_dies_between_the_commit_and_the_send_loses_no_job(database,
     from bench.audit import messages_by_job
     from broker.app import create_celery
     from store.connections import make_db_engine, make_sessions
-    from worker.reconciler import Sweeper
+    from worker.sweep import Sweeper
 
     settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=str(tiny_model),
                         unpublished_grace_s=0)

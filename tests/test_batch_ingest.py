@@ -265,7 +265,7 @@ def test_a_deeply_nested_body_is_a_422_naming_it(database, broker, tiny_model):
 # --- smaller -------------------------------------------------------------------------------------------------------
 
 def test_retry_gives_failed_items_a_fresh_run(database, broker, tiny_model):
-    from worker.results import claim_many
+    from worker.claims import claim_many
 
     app = create_app(settings_for(database, broker, tiny_model))
     with TestClient(app) as client:
@@ -418,7 +418,7 @@ def test_a_multipart_null_priority_is_no_priority(database, broker, tiny_model):
 
 def test_lines_whose_publish_failed_are_sent_once_each_by_the_sweep(database, broker, tiny_model, monkeypatch):
     from broker import publish as publishing
-    from worker.reconciler import Sweeper
+    from worker.sweep import Sweeper
 
     settings = settings_for(database, broker, tiny_model, unpublished_grace_s=0, bulk_group=8)
     app = create_app(settings)  # not started: nothing resumes on its own

@@ -33,11 +33,13 @@ from tests.conftest import API_KEY
 from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise
-from worker import results, tasks
+from worker import results, runs
 from worker.bridge import Bridge
 from worker.bulk_gate import bulk_gate
+from worker.claims import claim_many
+from worker.fence import Claimed
 from worker.group_commit import GroupCommit
-from worker.tasks import run_together
+from worker.runs import run_together
 
 
 def sent_messages(broker_url: str) -> list[dict]:
@@ -88,7 +90,7 @@ def test_a_group_is_claimed_in_one_statement_and_a_bad_line_fails_alone(database
     sessions = make_sessions(engine)
     ids = queued_jobs(sessions, 16)
     statements = Statements(engine)
-    writer = GroupCommit(lambda batch: results.claim_many(sessions, batch, "w1", 3), "claims")
+    writer = GroupCommit(lambda batch: claim_many(sessions, batch, "w1", 3), "claims")
     claimed = [f.result() for f in writer.many(ids)]
     assert [str(c.job_id) for c in claimed] == ids and len({c.lease for c in claimed}) == 1
     assert len(statements.take()) == 1  # one statement for the whole group, its runs rows included
@@ -178,7 +180,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.statuses: list[tuple[str, str]] = []
-        self.stored: list[tuple[results.Claimed, object]] = []
+        self.stored: list[tuple[Claimed, object]] = []
         self.pooled: list[str] = []
 
     def status(self, job_id: str, status) -> None:
@@ -204,8 +206,8 @@ def worker_context(bridge: Bridge, recorder: Recorder) -> SimpleNamespace:
         metrics=SimpleNamespace(observe=lambda *_: None, refused=lambda: None))
 
 
-def claimed(job: JobIn) -> results.Claimed:
-    return results.Claimed(uuid.uuid4(), job, utcnow(), uuid.uuid4(), 1, lease=uuid.uuid4())
+def claimed(job: JobIn) -> Claimed:
+    return Claimed(uuid.uuid4(), job, utcnow(), uuid.uuid4(), 1, lease=uuid.uuid4())
 
 
 def test_a_group_of_single_answer_chats_runs_on_its_own_thread_all_in_the_engine_at_once(tiny_model):
@@ -270,12 +272,12 @@ def test_a_group_line_whose_engine_stalls_is_handed_back_alone_and_one_whose_han
     bridge = Bridge(Stalling(EngineThread(make_engine(tiny_model)), {stalled, unsettled}), Settings())
     handed_back = []
 
-    def hand_back_stalled(ctx, claimed: results.Claimed) -> None:
+    def hand_back_stalled(ctx, claimed: Claimed) -> None:
         if str(claimed.job_id) == unsettled:
             raise sa.exc.OperationalError("UPDATE jobs", {}, Exception("the database is away"))
         handed_back.append(str(claimed.job_id))
 
-    monkeypatch.setattr(tasks, "hand_back_stalled", hand_back_stalled)
+    monkeypatch.setattr(runs, "hand_back_stalled", hand_back_stalled)
     recorder = Recorder()
     try:
         assert run_together(worker_context(bridge, recorder), chats, alone=False) is False

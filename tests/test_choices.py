@@ -25,7 +25,7 @@ from tests.conftest import API_KEY
 from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_openai_chat import job_of, sdk
 from worker.bridge import Bridge
-from worker.tasks import reply
+from worker.reply import reply
 
 BLOCK = 16  # the engine's KV block size: the prefix cache shares whole blocks
 # long enough to fill a few blocks, so that what the followers reuse shows

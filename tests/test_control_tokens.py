@@ -23,8 +23,8 @@ from jobs.tool_calls import template_tools
 from tests.test_qwen3_behaviour import END_THINK, IM_END, IM_START, PROMPTS, THINK, ScriptedEngine
 from tests.test_tools import ASK, CALLED, TICKET, WEATHER
 from worker.bridge import Bridge
+from worker.reply import reply
 from worker.summarize import summarize
-from worker.tasks import reply
 
 NAMES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
          "<tool_response>", "</tool_response>"]

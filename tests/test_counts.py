@@ -17,7 +17,9 @@ from jobs.tables import Batch, Job, job_row, status_counts, utcnow
 from store.connections import make_db_engine, make_sessions
 from store.counts import counts, fold
 from worker import results
+from worker.claims import claim_many, end_unrun
 from worker.outcome import Outcome
+from worker.run_ends import fail, requeue
 
 ADMIN = ApiKey(digest="0" * 64, scopes=frozenset({"admin"}), tenant="ops")
 
@@ -58,19 +60,19 @@ def test_counts_follow_every_transition(any_database):
         session.execute(insert(Job.__table__), rows)
     assert kept(sessions) == {"jobs": {"queued": 8}, "batches": {"in_progress": 1}}
 
-    claimed = results.claim_many(sessions, [str(i) for i in ids[:5] + ids[6:]], "w1", 3)
+    claimed = claim_many(sessions, [str(i) for i in ids[:5] + ids[6:]], "w1", 3)
     assert_counts_right(engine, sessions)
     assert kept(sessions)["jobs"] == {"running": 7, "queued": 1}
 
     results.store_many(sessions, [(claimed[0], done(ids[0])), (claimed[1], done(ids[1], "cancelled")),
                                   (claimed[5], done(ids[6])), (claimed[6], done(ids[7]))], "w1")
-    results.fail(sessions, claimed[2], ErrorCode.engine_error, "RuntimeError: boom")
-    assert results.requeue(sessions, claimed[3], "RuntimeError: try again")
+    fail(sessions, claimed[2], ErrorCode.engine_error, "RuntimeError: boom")
+    assert requeue(sessions, claimed[3], "RuntimeError: try again")
     assert_counts_right(engine, sessions)
     assert kept(sessions)["batches"] == {"completed": 1}  # its two items finished: the store settled it
 
     with sessions.begin() as session:  # the reconciler's expiry sweep
-        assert len(results.end_unrun(session, Job.deadline_at <= utcnow())) == 1
+        assert len(end_unrun(session, Job.deadline_at <= utcnow())) == 1
     assert cancel(sessions, None, ids[3], ADMIN).status == "cancelled"  # a producer's cancel of a queued job
     with sessions.begin() as session:  # a write that leaves the status alone counts nothing
         session.execute(update(Job).where(Job.id == ids[4]).values(published_at=utcnow()))

@@ -32,8 +32,9 @@ from tests.test_affinity import settings_for
 from tests.test_deploys import PACED, charged, messages
 from tests.test_faults import wait_for
 from worker.exits import NOT_STARTED
-from worker.reconciler import Sweeper, beat, mark_draining
+from worker.heartbeat import beat, mark_draining
 from worker.shutdown import Shutdown
+from worker.sweep import Sweeper
 
 INTERACTIVE, BULK = "convoq.interactive", "convoq.bulk"
 

@@ -106,8 +106,19 @@ def test_the_liveness_of_workers_is_stated_once():
 
 
 def test_the_fence_of_a_runs_writes_is_stated_once():
-    """A run's write counts only while its job is `running` under the run's lease (`worker.results.holds`)."""
-    assert lines_matching(r"lease_id\s*==.*status\s*==\s*RUNNING") == {"worker/results.py": 1}
+    """A run's write counts only while its job is `running` under the run's lease (`worker.fence.holds`)."""
+    assert lines_matching(r"lease_id\s*==.*status\s*==\s*RUNNING") == {"worker/fence.py": 1}
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_no_worker_module_is_over_400_lines():
+    """A module that long holds more than one concept: split it by what it holds."""
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+             for path in sorted((ROOT / "worker").rglob("*.py"))}
+    assert len(sizes) >= 10 and sum(sizes.values()) > MAX_MODULE_LINES
+    assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
 
 
 def test_migrations_import_no_application_code():

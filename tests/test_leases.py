@@ -27,10 +27,15 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from worker import reconciler, results
+from worker.claims import claim, claim_many, mark_alone
+from worker.crashes import attribute, hand_back_expired
+from worker.heartbeat import beat, hand_back
 from worker.leases import Leases
 from worker.outcome import Outcome
-from worker.reconciler import SWEEP_LOCK, Reconciler, Sweeper, attribute, beat, hand_back_expired
+from worker.reconciler import Reconciler
+from worker.run_ends import fail, give_back, requeue
 from worker.solo import Solo
+from worker.sweep import SWEEP_LOCK, LockLost, Sweeper
 
 
 def new_job(sessions, text: str = "hi", **columns) -> str:
@@ -67,19 +72,19 @@ def runs(engine, job_id: str) -> list[tuple[str, str | None, int]]:
 def test_a_run_that_lost_its_lease_writes_nothing(db):
     engine, sessions = db
     job_id = new_job(sessions)
-    old = results.claim(sessions, job_id, "w1", 3)
+    old = claim(sessions, job_id, "w1", 3)
     expire_leases(engine, job_id)  # w1 froze past its lease
     assert hand_back_expired(sessions, max_crashes=5)["crashed"] == 1
     status, attempts, crashes, *_ = row(engine, job_id)
     assert (status, attempts, crashes) == ("queued", 0, 1)  # a crash is not charged as an attempt
-    new = results.claim(sessions, job_id, "w2", 3)
+    new = claim(sessions, job_id, "w2", 3)
     assert new.lease != old.lease and new.attempt == 1 and new.crashes == 1
 
     # w1 wakes up: every write it tries is refused and counted, none applied
     assert results.store(sessions, old, done(job_id, "stale"), "w1").applied is False
-    assert results.requeue(sessions, old, "late error") is False
-    assert results.fail(sessions, old, ErrorCode.engine_error, "late failure") is False
-    assert results.mark_alone(sessions, old) is False
+    assert requeue(sessions, old, "late error") is False
+    assert fail(sessions, old, ErrorCode.engine_error, "late failure") is False
+    assert mark_alone(sessions, old) is False
     assert row(engine, job_id)[0] == "running"
     assert results.store(sessions, new, done(job_id, "fresh"), "w2").applied
     with engine.connect() as conn:
@@ -92,19 +97,19 @@ def test_a_run_that_lost_its_lease_writes_nothing(db):
 def test_a_live_worker_renews_its_expired_leases_unless_their_jobs_moved_on(db):
     engine, sessions = db
     kept, swept = new_job(sessions), new_job(sessions)
-    claims = results.claim_many(sessions, [kept, swept], "w1", 3)
+    claims = claim_many(sessions, [kept, swept], "w1", 3)
     expire_leases(engine, kept, swept)  # w1 was cut off from the database past its leases, alive
     with engine.begin() as conn:  # a sweep reached `swept` first and another worker took it
         conn.execute(sa.text("UPDATE jobs SET lease_id = NULL, status = 'queued' WHERE id = :i"), {"i": uuid.UUID(swept)})
-    results.claim(sessions, swept, "w2", 3)
+    claim(sessions, swept, "w2", 3)
     assert beat(sessions, "w1", {c.job_id: c.lease for c in claims}, 30, 15).lost == [swept]
     assert row(engine, kept)[:3] == ("running", 1, 0)  # renewed: nobody else had it, nothing is charged
-    assert not results.give_back(sessions, claims[1])  # the run that lost its job writes nothing
+    assert not give_back(sessions, claims[1])  # the run that lost its job writes nothing
     assert row(engine, swept)[0] == "running" and row(engine, swept)[4] == "w2"
     assert runs(engine, swept) == [("w1", None, 1), ("w2", None, 0)]
 
     # w1 shuts down and returns `kept` with its message: uncharged, published, run again by the next worker
-    assert results.give_back(sessions, claims[0], requeued=True)
+    assert give_back(sessions, claims[0], requeued=True)
     assert row(engine, kept)[:3] == ("queued", 0, 0)
     assert runs(engine, kept) == [("w1", "returned", 0)]
     with engine.connect() as conn:
@@ -131,7 +136,7 @@ def test_writes_retried_after_a_lost_reply_recognise_their_own_lease(db):
     engine, sessions = db
     job_id = new_job(sessions)
     lost = LostReply(sessions)
-    claimed = results.claim(sessions, job_id, "w1", 3)
+    claimed = claim(sessions, job_id, "w1", 3)
     assert lost.left == 0  # the first commit's reply was lost
     assert claimed is not None and claimed.attempt == 1  # the retry found the job running under its own lease
     lost = LostReply(sessions)
@@ -141,15 +146,15 @@ def test_writes_retried_after_a_lost_reply_recognise_their_own_lease(db):
     assert runs(engine, job_id) == [("w1", "succeeded", 0)]
 
     retried = new_job(sessions)
-    claimed = results.claim(sessions, retried, "w1", 3)
+    claimed = claim(sessions, retried, "w1", 3)
     LostReply(sessions)
-    assert results.requeue(sessions, claimed, "boom")  # applied, though its first reply was lost
+    assert requeue(sessions, claimed, "boom")  # applied, though its first reply was lost
 
 
 def test_heartbeats_renew_held_leases_only_and_report_lost_and_cancelled_jobs(db):
     engine, sessions = db
     held, orphan, cancelled = (new_job(sessions) for _ in range(3))
-    claims = {i: results.claim(sessions, i, "w1", 3) for i in (held, orphan, cancelled)}
+    claims = {i: claim(sessions, i, "w1", 3) for i in (held, orphan, cancelled)}
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET cancel_requested_at = now() WHERE id = :i"), {"i": uuid.UUID(cancelled)})
     leases = {claims[i].job_id: claims[i].lease for i in (held, cancelled)}  # w1 never learnt it holds `orphan`
@@ -162,7 +167,7 @@ def test_heartbeats_renew_held_leases_only_and_report_lost_and_cancelled_jobs(db
                             {"i": uuid.UUID(orphan)}).scalar_one()
 
     a, b = new_job(sessions), new_job(sessions)
-    mine, theirs = results.claim(sessions, a, "w1", 3), results.claim(sessions, b, "w1", 3)
+    mine, theirs = claim(sessions, a, "w1", 3), claim(sessions, b, "w1", 3)
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET cancel_requested_at = now() WHERE id = :i"), {"i": uuid.UUID(a)})
         conn.execute(sa.text("UPDATE jobs SET lease_expires_at = now() + interval '1 second'"))
@@ -189,7 +194,7 @@ def test_a_heartbeat_stamps_what_its_worker_used_on_its_row(db):
     assert used() == (4.25, 10)
     beat(sessions, "w-usage", {}, 30, 15)
     assert used() == (4.25, 10)
-    reconciler.hand_back(sessions, "w-usage", usage=(5.0, 12))  # a clean stop: what it did since its last beat
+    hand_back(sessions, "w-usage", usage=(5.0, 12))  # a clean stop: what it did since its last beat
     assert used() == (5.0, 12)
 
 
@@ -202,11 +207,11 @@ def test_a_crash_while_a_suspect_runs_alone_condemns_it_and_spares_the_rest(db):
     engine, sessions = db
     poison, bystander = new_job(sessions), new_job(sessions)
     for n in (1, 2):  # two crashes with both in flight: both are suspects now
-        claimed = results.claim_many(sessions, [poison, bystander], f"w{n}", 3)
+        claimed = claim_many(sessions, [poison, bystander], f"w{n}", 3)
         assert [c.crashes for c in claimed] == [n - 1, n - 1]
         assert crash(engine, sessions, poison, bystander) == {"crashed": 2}
-    suspect, _ = results.claim_many(sessions, [poison, bystander], "w3", 3)
-    assert results.mark_alone(sessions, suspect)  # the bystander waits for its turn meanwhile
+    suspect, _ = claim_many(sessions, [poison, bystander], "w3", 3)
+    assert mark_alone(sessions, suspect)  # the bystander waits for its turn meanwhile
     assert crash(engine, sessions, poison, bystander) == {"condemned": 1, "spared": 1}
     status, _, crashes, error, *_ = row(engine, poison)
     assert status == "failed" and crashes == 3 and "while it ran alone" in error
@@ -214,7 +219,7 @@ def test_a_crash_while_a_suspect_runs_alone_condemns_it_and_spares_the_rest(db):
 
     # a lease of w3 that expires later is still blamed on the condemned job, not charged
     late = new_job(sessions)
-    results.claim(sessions, late, "w3", 3)
+    claim(sessions, late, "w3", 3)
     assert crash(engine, sessions, late) == {"spared": 1}
 
 
@@ -222,7 +227,7 @@ def test_crashes_are_bounded_whatever_ran_beside_the_job(db):
     engine, sessions = db
     job_id = new_job(sessions)
     for n in range(5):
-        results.claim(sessions, job_id, f"w{n}", 3)
+        claim(sessions, job_id, f"w{n}", 3)
         verdicts = crash(engine, sessions, job_id)
     assert verdicts == {"exhausted": 1}
     status, _, crashes, error, *_ = row(engine, job_id)
@@ -355,7 +360,7 @@ def test_a_sweep_longer_than_a_lease_never_holds_the_heartbeat_back(db, settings
     engine, sessions = db
     job_id = new_job(sessions)
     leases = Leases()
-    leases.add(results.claim(sessions, job_id, "w1", 3, lease_s=1))
+    leases.add(claim(sessions, job_id, "w1", 3, lease_s=1))
     sweeping = threading.Event()
 
     def long_sweep(self, *args) -> dict:  # a large backlog, or an hour of finished jobs to delete
@@ -378,20 +383,20 @@ def test_a_sweep_longer_than_a_lease_never_holds_the_heartbeat_back(db, settings
 
 def test_the_sweep_lock_lasts_the_whole_sweep_and_a_sweeper_that_lost_it_stops(db, settings, monkeypatch):
     engine, sessions = db
-    monkeypatch.setattr(reconciler, "CHUNK", 2)
+    monkeypatch.setattr("worker.crashes.CHUNK", 2)
     # the server's minute, shortened; still several chunks long, so a sweeper slowed by a busy machine keeps it
-    monkeypatch.setattr(reconciler, "LOCK_IDLE_S", 2.5)
+    monkeypatch.setattr("worker.sweep.LOCK_IDLE_S", 2.5)
     ids = [new_job(sessions) for _ in range(24)]  # 12 chunks, 6 s of sweeping
-    results.claim_many(sessions, ids, "gone", 3)
+    claim_many(sessions, ids, "gone", 3)
     expire_leases(engine, *ids)
-    chunks, attribute_now = [], reconciler.attribute
+    chunks, attribute_now = [], attribute
 
     def slow(*args):
         chunks.append(time.monotonic())
         time.sleep(0.5)
         return attribute_now(*args)
 
-    monkeypatch.setattr(reconciler, "attribute", slow)
+    monkeypatch.setattr("worker.crashes.attribute", slow)
     first, second = (Sweeper(sessions, create_celery(settings), settings) for _ in range(2))
     errors: list[Exception] = []
 
@@ -415,7 +420,7 @@ def test_the_sweep_lock_lasts_the_whole_sweep_and_a_sweeper_that_lost_it_stops(d
     ended = time.monotonic()
     sweeping.join(5)
     assert [t for t in chunks if t > ended] == []  # it stopped before its next chunk: no two sweepers at once
-    assert [type(e) for e in errors] == [reconciler.LockLost]
+    assert [type(e) for e in errors] == [LockLost]
     left = 24 - 2 * len(chunks)
     assert second.sweep(force=True)["handed_back"] == left > 0  # the next sweeper goes on from there
 
@@ -423,7 +428,7 @@ def test_the_sweep_lock_lasts_the_whole_sweep_and_a_sweeper_that_lost_it_stops(d
 def test_after_an_outage_expired_leases_wait_a_lease_for_their_workers(db, settings, monkeypatch):
     engine, sessions = db
     job_id = new_job(sessions)
-    claimed = results.claim(sessions, job_id, "w1", 3)
+    claimed = claim(sessions, job_id, "w1", 3)
     expire_leases(engine, job_id)  # the database was away for longer than a lease; w1 lives on
     short = settings.model_copy(update={"dead_after_s": 1.0, "heartbeat_s": 0.2})
     sweeper = Reconciler(sessions, create_celery(short), short, "w2", Leases(), lambda ids, reason: [])

@@ -28,9 +28,10 @@ from jobs.tables import utcnow
 from store.connections import make_db_engine, make_sessions
 from tests.conftest import API_KEY
 from worker import thread_cpu
+from worker.fence import Claimed
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.outcome import Outcome
-from worker.results import Claimed, Stored, finished_status, timing_row
+from worker.results import Stored, finished_status, timing_row
 from worker.thread_cpu import thread_label
 from worker.usage import cpu_seconds, process_cpu_s, stat_fields
 

@@ -27,9 +27,10 @@ from jobs.tool_calls import template_tools
 from tests.engine_helpers import greedy, make_engine, run_all, sampling_rows, single_thread  # noqa: F401 (autouse)
 from tests.test_tools import ANSWERED, ASK, CALLED, TICKET, WEATHER
 from worker.bridge import Bridge
+from worker.claims import claim
 from worker.outcome import Outcome
+from worker.reply import reply
 from worker.sampling import OURS, sampling_params
-from worker.tasks import reply
 
 THINK, END_THINK, IM_END, IM_START = 151667, 151668, 151645, 151644
 
@@ -365,7 +366,7 @@ def test_stored_reasoning_reaches_the_api_and_batch_output(database):
     job_id = new_job(sessions)
     outcome = Outcome.answered(Completion(job_id, [1, 2, 3], "<think>\nweigh it\n</think>\n\nYes.", 5, "stop"), 1.0,
                                thinking=True)
-    results.store(sessions, results.claim(sessions, job_id, "w", 3), outcome, "w")
+    results.store(sessions, claim(sessions, job_id, "w", 3), outcome, "w")
     out = load(sessions, job_id, ApiKey("0" * 64, frozenset({"admin"}), "operators"))
     assert (out.result.reasoning, out.result.text, out.result.completion_tokens) == ("weigh it", "Yes.", 3)
     with sessions() as session:

@@ -32,8 +32,10 @@ from tests.test_faults import FAST_RECOVERY, wait_for
 from tests.test_leases import done, new_job, row, runs, settings  # noqa: F401 (settings: a fixture)
 from worker import results
 from worker.bridge import Bridge
+from worker.claims import claim, claim_many, mark_alone
 from worker.engine_factory import WorkerSettings, load_backend
-from worker.reconciler import Sweeper
+from worker.run_ends import fail, give_back, record_stall, requeue
+from worker.sweep import Sweeper
 
 QUEUED, FAILED = JobStatus.queued, JobStatus.failed
 
@@ -41,32 +43,32 @@ QUEUED, FAILED = JobStatus.queued, JobStatus.failed
 def test_a_stall_hands_its_jobs_back_uncharged_unless_the_same_job_stalls_again(db):
     engine, sessions = db
     job, beside = new_job(sessions), new_job(sessions)
-    first = results.claim_many(sessions, [job, beside], "w1", 3)
-    assert results.stalled(sessions, first, max_crashes=3) == {c.job_id: QUEUED for c in first}
+    first = claim_many(sessions, [job, beside], "w1", 3)
+    assert record_stall(sessions, first, max_crashes=3) == {c.job_id: QUEUED for c in first}
     assert row(engine, job)[:3] == ("queued", 0, 0)  # neither an attempt nor a crash
     assert runs(engine, job) == [("w1", "stalled", 0)]
 
     # its second stalled run charges it a crash; a job beside it for the first time is not charged
     newcomer = new_job(sessions)
-    second = results.claim_many(sessions, [job, newcomer], "w1", 3)
-    assert results.stalled(sessions, second, max_crashes=3) == {c.job_id: QUEUED for c in second}
+    second = claim_many(sessions, [job, newcomer], "w1", 3)
+    assert record_stall(sessions, second, max_crashes=3) == {c.job_id: QUEUED for c in second}
     assert row(engine, job)[:3] == ("queued", 0, 1) and row(engine, newcomer)[:3] == ("queued", 0, 0)
     # retried after its reply was lost, the write recognises itself and charges nothing twice
-    assert results.stalled(sessions, second, max_crashes=3) == {c.job_id: QUEUED for c in second}
+    assert record_stall(sessions, second, max_crashes=3) == {c.job_id: QUEUED for c in second}
     assert row(engine, job)[2] == 1 and runs(engine, job)[-1] == ("w1", "stalled", 0)
 
     # the crashes feed the suspect rules: at CONVOQ_MAX_CRASHES the job fails
-    third = results.claim(sessions, job, "w1", 3)
-    assert third.crashes == 1 and results.stalled(sessions, [third], 3) == {third.job_id: QUEUED}
-    fourth = results.claim(sessions, job, "w1", 3)
-    assert results.stalled(sessions, [fourth], 3) == {fourth.job_id: FAILED}
+    third = claim(sessions, job, "w1", 3)
+    assert third.crashes == 1 and record_stall(sessions, [third], 3) == {third.job_id: QUEUED}
+    fourth = claim(sessions, job, "w1", 3)
+    assert record_stall(sessions, [fourth], 3) == {fourth.job_id: FAILED}
     status, attempts, crashes, error, *_ = row(engine, job)
     assert (status, attempts, crashes) == ("failed", 1, 3) and "stalled" in error
 
     # a run that lost its job writes nothing
     stale = second[1]
-    results.claim(sessions, newcomer, "w2", 3)
-    assert results.stalled(sessions, [stale], 3) == {}
+    claim(sessions, newcomer, "w2", 3)
+    assert record_stall(sessions, [stale], 3) == {}
     assert row(engine, newcomer)[0] == "running" and runs(engine, newcomer)[0] == ("w1", "stalled", 1)
 
     # every crash charged here is explained by a repeated stall; one nothing explains is counted
@@ -82,18 +84,18 @@ def test_a_job_that_stalls_its_engine_while_it_runs_alone_is_condemned(db):
     stall, charged the crash, instead of stalling engines (a reload each) until its crashes run out."""
     engine, sessions = db
     suspect = new_job(sessions, crashes=1)
-    claimed = results.claim(sessions, suspect, "w1", 3)
-    assert results.mark_alone(sessions, claimed)
-    assert results.stalled(sessions, [claimed], max_crashes=5) == {claimed.job_id: FAILED}
+    claimed = claim(sessions, suspect, "w1", 3)
+    assert mark_alone(sessions, claimed)
+    assert record_stall(sessions, [claimed], max_crashes=5) == {claimed.job_id: FAILED}
     status, attempts, crashes, detail, *_ = row(engine, suspect)
     assert (status, attempts, crashes) == ("failed", 1, 2) and "while it ran alone" in detail
     assert runs(engine, suspect) == [("w1", "stalled", 0)]
-    assert results.stalled(sessions, [claimed], max_crashes=5) == {claimed.job_id: FAILED}  # a retried write
+    assert record_stall(sessions, [claimed], max_crashes=5) == {claimed.job_id: FAILED}  # a retried write
     assert row(engine, suspect)[2] == 2
     # the same suspect beside others (not alone) goes back as any stall's first
     other = new_job(sessions, crashes=1)
-    shared = results.claim(sessions, other, "w1", 3)
-    assert results.stalled(sessions, [shared], max_crashes=5) == {shared.job_id: QUEUED}
+    shared = claim(sessions, other, "w1", 3)
+    assert record_stall(sessions, [shared], max_crashes=5) == {shared.job_id: QUEUED}
     assert row(engine, other)[:3] == ("queued", 0, 1)
     assert audit(engine, [uuid.UUID(suspect)], dead_workers=set())["crashes_uncaused"] == 1  # its earlier crash
     with engine.begin() as conn:
@@ -106,13 +108,13 @@ def test_a_completion_after_its_stall_hand_back_writes_nothing_and_says_so(db):
     failure of the same run finds its job queued under that lease, which is not its own earlier write."""
     engine, sessions = db
     job = new_job(sessions)
-    claimed = results.claim(sessions, job, "w1", 3)
-    assert results.stalled(sessions, [claimed], max_crashes=3) == {claimed.job_id: QUEUED}
+    claimed = claim(sessions, job, "w1", 3)
+    assert record_stall(sessions, [claimed], max_crashes=3) == {claimed.job_id: QUEUED}
     stored = results.store(sessions, claimed, done(job), "w1")
     assert not stored.applied and stored.timing is None
-    assert not results.requeue(sessions, claimed, "late")
-    assert not results.fail(sessions, claimed, ErrorCode.engine_error, "late")
-    assert not results.give_back(sessions, claimed)
+    assert not requeue(sessions, claimed, "late")
+    assert not fail(sessions, claimed, ErrorCode.engine_error, "late")
+    assert not give_back(sessions, claimed)
     assert row(engine, job)[0] == "queued"
     assert runs(engine, job) == [("w1", "stalled", 4)]  # each refused write counted on the run
     with engine.connect() as conn:
@@ -130,9 +132,9 @@ def test_a_sweep_sends_no_second_message_for_a_job_its_worker_just_put_back(db, 
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET created_at = now() - interval '1 hour' WHERE id = ANY(:ids)"),
                      {"ids": ids})
-    retry, stall, _ = results.claim_many(sessions, [retried, stalled_job, expired], "w1", 3)
-    assert results.requeue(sessions, retry, "the engine failed")
-    assert results.stalled(sessions, [stall], max_crashes=3, sends=True) == {stall.job_id: QUEUED}
+    retry, stall, _ = claim_many(sessions, [retried, stalled_job, expired], "w1", 3)
+    assert requeue(sessions, retry, "the engine failed")
+    assert record_stall(sessions, [stall], max_crashes=3, sends=True) == {stall.job_id: QUEUED}
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = :i"),
                      {"i": uuid.UUID(expired)})

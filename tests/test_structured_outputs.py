@@ -35,6 +35,7 @@ from store.connections import make_db_engine, make_sessions
 from tests.conftest import API_KEY
 from worker import results
 from worker.bridge import Bridge
+from worker.claims import claim
 from worker.engine_factory import WorkerSettings
 from worker.logprobs import FLOOR, openai_logprobs
 from worker.outcome import Outcome
@@ -213,7 +214,7 @@ def test_the_worker_stores_logprobs_and_a_requests_failure_as_such(database):
     rows = [job_row(JobIn(messages=HELLO, logprobs=True), utcnow()) for _ in range(2)]
     with sessions.begin() as session:
         session.execute(insert(Job.__table__), rows)
-    answered, refused = (results.claim(sessions, str(row["id"]), "w", 3) for row in rows)
+    answered, refused = (claim(sessions, str(row["id"]), "w", 3) for row in rows)
     nul = [{"token": "\x00", "logprob": -0.5, "bytes": [0], "top_logprobs": []}]  # a byte-level token: JSON holds it
     results.store(sessions, answered, Outcome(Completion("a", [0], "\x00", 3, "stop"), 1.0, logprobs=nul), "w")
     grammar = Completion.empty("r", 3, "error", "grammar: Lookbehind is not supported yet.")  # the engine refused it

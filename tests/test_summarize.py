@@ -73,14 +73,14 @@ def test_short_transcript_is_one_request(bridge, monkeypatch):
 def test_transcript_five_times_the_context_goes_through_map_reduce(bridge, monkeypatch):
     turns = transcript(250)
     whole = len(bridge.prompt_ids(chat_for(job := summary_job(turns, 48)), job, False))
-    assert whole > 5 * bridge.context
+    assert whole > 5 * bridge.max_model_len
     lengths = spy_prompts(bridge, monkeypatch)
     max_new = 48
     outcome = run(summarize, bridge, "long", summary_job(turns, max_new), NOW)
     assert outcome.completion.ok, outcome.completion.error
     assert outcome.chunks >= 5 and outcome.levels >= 2
     assert len(lengths) >= outcome.chunks + 1
-    assert max(lengths) <= bridge.context - max_new  # every prompt left room for its output
+    assert max(lengths) <= bridge.max_model_len - max_new  # every prompt left room for its output
     assert outcome.completion.prompt_tokens == sum(lengths)
     assert len(outcome.completion.token_ids) <= max_new
     # the parts ran side by side: the job's prefill and decode are wall time along its levels, within its run
@@ -143,13 +143,13 @@ def test_a_budget_too_small_to_combine_fails_clearly(bridge):
 
 def test_a_chat_that_cannot_fit_fails_with_the_reason_the_api_gives(bridge, monkeypatch):
     from jobs.chat import problem
-    from worker.tasks import reply
+    from worker.reply import reply
 
     job = JobIn(messages=[{"role": "user", "content": "where is my parcel " * 200}], sampling={"max_new_tokens": 64})
     lengths = spy_prompts(bridge, monkeypatch)
     outcome = run(reply, bridge, "too-long", job, NOW)
     assert outcome.completion.finish_reason == "error" and not outcome.completion.retryable
-    assert outcome.completion.error == problem(job, bridge.tokenizer, bridge.context, False)[1]
+    assert outcome.completion.error == problem(job, bridge.tokenizer, bridge.max_model_len, False)[1]
     assert lengths == []  # refused before the engine saw it
 
 
@@ -157,7 +157,7 @@ def test_the_engine_counts_a_jobs_wait_from_its_creation(bridge, monkeypatch):
     """Time in the broker ages a request like time in the engine: its arrival is the job's creation."""
     import time
 
-    from worker.tasks import reply
+    from worker.reply import reply
 
     spy_prompts(bridge, monkeypatch)
     created = datetime.now(UTC) - timedelta(seconds=30)

@@ -24,8 +24,9 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
-from worker import results, tasks
-from worker.outcome import Outcome
+from worker import results, runs
+from worker.claims import claim
+from worker.outcome import Ending, Outcome, RunEnd
 from worker.progress import ProgressPublisher
 
 SHOP_KEY, ADMIN_KEY = "shop-key-0123456789", "admin-key-0123456789"
@@ -70,15 +71,15 @@ def raising(exc: Exception):
 
 def run_raising(worker, job_id: str, exc: Exception) -> None:
     """Claim the job as worker `HOST` does, and run it into `exc` (its last attempt: it fails)."""
-    claimed = results.claim(worker.sessions, job_id, HOST, worker.settings.max_attempts)
-    assert tasks.guarded(worker, claimed, raising(exc)) is False
+    claimed = claim(worker.sessions, job_id, HOST, worker.settings.max_attempts)
+    assert runs.guarded(worker, claimed, raising(exc)) == RunEnd(Ending.SETTLED)
 
 
 def test_a_run_that_raises_shows_its_tenant_a_stable_message_and_code_and_an_admin_what_raised(
         settings, worker, caplog):
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=bearer(SHOP_KEY)).json()["id"]
-        with caplog.at_level(logging.ERROR, logger="worker.tasks"):
+        with caplog.at_level(logging.ERROR, logger="worker.settling"):
             run_raising(worker, job_id, RuntimeError(WHAT))
         tenant = client.get(f"/v1/jobs/{job_id}", headers=bearer(SHOP_KEY))
         admin = client.get(f"/v1/jobs/{job_id}", headers=bearer(ADMIN_KEY)).json()
@@ -161,7 +162,7 @@ def test_a_job_settled_before_error_codes_shows_its_tenant_no_exception_text(set
 def test_a_tenant_sees_no_engine_step_an_admin_does(settings, sessions):
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=bearer(SHOP_KEY)).json()["id"]
-        claimed = results.claim(sessions, job_id, HOST, 3)
+        claimed = claim(sessions, job_id, HOST, 3)
         timings = Timings(queue_wait_ms=5, ttft_ms=9, prefill_ms=3, decode_ms=4, batch_size=2, first_step=11)
         done = Outcome(Completion(job_id, [1, 2], "It is on its way.", 8, "stop", timings=timings), engine_ms=8)
         assert results.store(sessions, claimed, done, HOST).applied
@@ -186,9 +187,9 @@ def test_a_database_errors_text_holds_no_parameters(settings, sessions, worker, 
         with sessions.begin() as session:
             session.execute(insert(Job.__table__), [{**duplicate, "id": job["id"]}])
 
-    claimed = results.claim(sessions, str(job["id"]), HOST, 1)
-    with caplog.at_level(logging.ERROR, logger="worker.tasks"):
-        assert tasks.guarded(worker, claimed, write_twice) is False
+    claimed = claim(sessions, str(job["id"]), HOST, 1)
+    with caplog.at_level(logging.ERROR, logger="worker.settling"):
+        assert runs.guarded(worker, claimed, write_twice) == RunEnd(Ending.SETTLED)
     with sessions() as session:
         detail = session.get(Job, job["id"]).error_detail
     assert "IntegrityError" in detail and "INSERT INTO jobs" in detail and "IntegrityError" in caplog.text

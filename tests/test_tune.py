@@ -6,8 +6,8 @@ from cli.tune import Trial, recommend, sweep
 from engine.llm_engine import LLMEngine
 from jobs.schemas import JobIn
 from worker.engine_factory import WorkerSettings, engine_config
+from worker.runs import RUN_BY_KIND
 from worker.summarize import summarize
-from worker.tasks import RUN_BY_KIND
 
 
 def test_sweep_measures_every_setting(tiny_model):

@@ -17,7 +17,9 @@ from jobs.schemas import JobIn
 from jobs.tables import Job, Result, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
 from worker import results
+from worker.claims import claim, claim_many
 from worker.outcome import Outcome
+from worker.run_ends import fail, requeue
 
 
 def new_job(sessions, **payload) -> str:
@@ -43,19 +45,19 @@ def test_a_message_delivered_twice_stores_one_result(database):
     engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
-    first = results.claim(sessions, job_id, "w1", 3)
-    assert results.claim(sessions, job_id, "w2", 3) is None  # redelivered while the first still runs
+    first = claim(sessions, job_id, "w1", 3)
+    assert claim(sessions, job_id, "w2", 3) is None  # redelivered while the first still runs
     results.store(sessions, first, outcome(job_id), "w1")
     results.store(sessions, first, outcome(job_id, "other"), "w1")  # the store itself repeated
     assert counts(engine, job_id) == ("succeeded", 1, 1)
-    assert results.claim(sessions, job_id, "w3", 3) is None  # a later delivery finds it finished
+    assert claim(sessions, job_id, "w3", 3) is None  # a later delivery finds it finished
 
 
 def test_nul_in_generated_text_is_stored(database):
     engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
-    results.store(sessions, results.claim(sessions, job_id, "w", 3), outcome(job_id, "a\x00b"), "w")
+    results.store(sessions, claim(sessions, job_id, "w", 3), outcome(job_id, "a\x00b"), "w")
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT text FROM results")).scalar_one() == "a\ufffdb"
     # and everywhere else a result holds model output: its reasoning, its tool calls, its other choices
@@ -63,7 +65,7 @@ def test_nul_in_generated_text_is_stored(database):
     calls = [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": "\x00"}'}}]
     answer = Outcome(Completion(other, [1], "x", 7, "stop"), 1.0, reasoning="r\x00", tool_calls=calls,
                      choices=[outcome(other, "c\x00")])
-    assert results.store(sessions, results.claim(sessions, other, "w", 3), answer, "w").applied
+    assert results.store(sessions, claim(sessions, other, "w", 3), answer, "w").applied
     with make_sessions(engine)() as session:
         stored = session.get(Result, uuid.UUID(other))
     assert stored.reasoning == "r\ufffd" and stored.choices[0]["text"] == "c\ufffd"
@@ -74,7 +76,7 @@ def test_a_crashed_run_marks_the_job_failed(database):
     engine = make_db_engine(database)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
-    results.fail(sessions, results.claim(sessions, job_id, "w", 3), ErrorCode.engine_error, "RuntimeError: boom")
+    fail(sessions, claim(sessions, job_id, "w", 3), ErrorCode.engine_error, "RuntimeError: boom")
     assert counts(engine, job_id) == ("failed", 0, 0)
     with engine.connect() as conn:
         row = conn.execute(sa.text("SELECT error, error_code, error_detail FROM jobs")).one()
@@ -86,10 +88,10 @@ def test_attempts_are_bounded(database):
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
     for attempt in (1, 2):
-        claimed = results.claim(sessions, job_id, "w", 2)
+        claimed = claim(sessions, job_id, "w", 2)
         assert claimed.attempt == attempt
-        assert results.requeue(sessions, claimed, f"boom {attempt}")
-    assert results.claim(sessions, job_id, "w", 2) is None  # the third try is not run
+        assert requeue(sessions, claimed, f"boom {attempt}")
+    assert claim(sessions, job_id, "w", 2) is None  # the third try is not run
     with engine.connect() as conn:
         status, code, detail = conn.execute(sa.text("SELECT status, error_code, error_detail FROM jobs")).one()
     assert status == "failed" and code == "engine_error"
@@ -108,10 +110,10 @@ def test_many_jobs_are_claimed_and_stored_in_one_transaction_each(database):
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET batch_id = :b WHERE id <> :solo"),
                      {"b": batch.id, "solo": uuid.UUID(ids[3])})
-    finished = results.claim(sessions, ids[2], "w0", 3)
+    finished = claim(sessions, ids[2], "w0", 3)
     results.store(sessions, finished, outcome(ids[2]), "w0")
 
-    claimed = results.claim_many(sessions, [ids[0], ids[1], ids[0], ids[2], ids[3]], "w1", 3)
+    claimed = claim_many(sessions, [ids[0], ids[1], ids[0], ids[2], ids[3]], "w1", 3)
     # the repeated id is claimed once, by its first entry; the finished job is not claimed again
     assert [c is not None for c in claimed] == [True, True, False, False, True]
     assert [str(c.job_id) for c in claimed if c] == [ids[0], ids[1], ids[3]]
@@ -134,7 +136,7 @@ def test_a_claim_and_a_store_are_one_statement_each_on_postgresql(database):
     sessions = make_sessions(engine)
     ids = [new_job(sessions) for _ in range(4)]
     statements = Statements(engine)
-    claimed = results.claim_many(sessions, ids, "w1", 3)
+    claimed = claim_many(sessions, ids, "w1", 3)
     assert len(statements.take()) == 1  # the jobs and their runs rows, committed on their own
     with engine.begin() as conn:  # the last job's lease is lost: a sweep handed it to another worker
         conn.execute(sa.text("UPDATE jobs SET lease_id = :l WHERE id = :i"), {"l": uuid.uuid4(), "i": claimed[3].job_id})
@@ -175,7 +177,7 @@ def test_a_claims_text_is_the_same_whatever_its_number_of_jobs_on_postgresql(dat
     for n in (1, 3, 60):
         ids = [new_job(sessions) for _ in range(n)]
         statements.take()
-        assert all(c is not None for c in results.claim_many(sessions, ids, "w1", 3))
+        assert all(c is not None for c in claim_many(sessions, ids, "w1", 3))
         sent = statements.take()
         assert len(sent) == 1
         texts.add(sent[0])
@@ -230,7 +232,7 @@ def test_a_job_whose_payload_is_not_a_job_fails_at_claim(database):
     with sessions.begin() as session:
         job = Job(kind="chat", priority=5, payload={"kind": "chat", "priority": 5, "messages": []}, status="queued")
         session.add(job)
-    assert results.claim(sessions, str(job.id), "w", 3) is None  # never handed to the engine
+    assert claim(sessions, str(job.id), "w", 3) is None  # never handed to the engine
     with engine.connect() as conn:
         status, code, detail = conn.execute(sa.text("SELECT status, error_code, error_detail FROM jobs")).one()
     assert status == "failed" and code == "invalid_prompt"
@@ -248,7 +250,7 @@ def test_a_job_past_its_deadline_is_not_claimed_but_expires(database):
     late, on_time = new_job(sessions, deadline_s=0.001), new_job(sessions, deadline_s=3600)
     with sessions.begin() as session:  # the deadline was set from the creation: now it has passed
         session.execute(sa.update(Job).where(Job.id == uuid.UUID(late)).values(deadline_at=utcnow() - timedelta(seconds=1)))
-    claimed = results.claim_many(sessions, [late, on_time], "w", 3)
+    claimed = claim_many(sessions, [late, on_time], "w", 3)
     assert claimed[0] is None and claimed[1] is not None
     assert claimed[1].deadline_at is not None
     assert job_columns(engine, late) == ("expired", "its deadline passed before it ran")
@@ -260,7 +262,7 @@ def test_a_handed_back_job_whose_cancel_was_asked_for_ends_cancelled_at_claim(da
     job_id = new_job(sessions)
     with sessions.begin() as session:  # running when the cancel came, then its worker died and it was handed back
         session.execute(sa.update(Job).where(Job.id == uuid.UUID(job_id)).values(cancel_requested_at=utcnow()))
-    assert results.claim(sessions, job_id, "w", 3) is None
+    assert claim(sessions, job_id, "w", 3) is None
     assert job_columns(engine, job_id) == ("cancelled", "cancelled before it ran")
 
 
@@ -270,7 +272,7 @@ def test_a_stopped_run_keeps_its_text_and_ends_with_the_reason(database, reason)
     sessions = make_sessions(engine)
     job_id = new_job(sessions)
     stopped = Outcome(Completion(job_id, [1, 2], "half an ans", 7, reason, None, Timings()), 5.0)
-    results.store(sessions, results.claim(sessions, job_id, "w", 3), stopped, "w")
+    results.store(sessions, claim(sessions, job_id, "w", 3), stopped, "w")
     assert counts(engine, job_id) == (reason, 1, 0)  # a result with the text so far; no timings: it did not finish
     with engine.connect() as conn:
         text, finish = conn.execute(sa.text("SELECT text, finish_reason FROM results")).one()

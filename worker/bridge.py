@@ -3,7 +3,7 @@
 
 Many Celery threads run jobs at once; each opens a `JobRun` on the bridge and blocks on its own futures while
 the engine loop batches everything in flight. What a job's prompts are (one chat, or the parts of a
-map-reduce summary) is decided by the task (`worker.tasks`, `worker.summarize`), never here.
+map-reduce summary) is decided by the task (`worker.runs`, `worker.reply`, `worker.summarize`), never here.
 
 A run can be stopped from any thread (`Bridge.stop`: a cancel, or a deadline seen by the reconciler): its
 requests in the engine are stopped before the next step and keep their text so far; requests it submits
@@ -36,7 +36,7 @@ from jobs.tool_calls import template_tools
 from worker.sampling import OURS, sampling_defaults, sampling_params
 
 log = logging.getLogger(__name__)
-# how long a stopped run waits for the engine to stop its requests: a healthy engine does before its next step
+# how long a stopped run waits for the engine to stop its requests (a healthy engine does before its next step)
 STOP_GRACE_S = 3.0
 
 
@@ -75,14 +75,14 @@ class JobRun:
         self.interactive = is_interactive(job.priority, bridge.settings)
         self.sampling = sampling_params(job, bridge.sampling_defaults, self.thinking)
         self.stopped: str | None = None  # "cancelled" or "expired" once stopped
-        self._give_up_at = float("inf")  # once stopped: when to stop waiting for the engine
+        self._give_up_at = float("inf")  # once stopped, when to stop waiting for the engine
         # request id -> (the future handed out, its prompt's length, the tokens seen streaming so far)
         self._pending: dict[str, tuple[Future[Completion], int, list[int]]] = {}
         self._lock = threading.Lock()
 
     @property
-    def context(self) -> int:
-        return self.bridge.context
+    def max_model_len(self) -> int:
+        return self.bridge.max_model_len
 
     @property
     def tokenizer(self) -> object:
@@ -131,16 +131,16 @@ class JobRun:
                 return future
             self._pending[request_id] = (future, len(prompt_ids), [])
         try:
-            # not under the lock: a runner's submit may take its time (an engine thread prepares the request on
-            # the calling thread), and a stop must not wait with it; an engine process that is restarting holds
-            # the request without waiting, and a stop's cancel ends it there
+            # Not under the lock. A runner's submit may take its time (an engine thread prepares the request on
+            # the calling thread), and a stop must not wait with it. An engine process that is restarting holds
+            # the request without waiting, and a stop's cancel ends it there.
             engine_future = self.bridge.runner.submit(request, on_tokens)
         except BaseException:
             with self._lock:
                 self._pending.pop(request_id, None)
             raise
         engine_future.add_done_callback(lambda done: self._settle(request_id, done))
-        if self.stopped is not None:  # stopped while it was handed over: that stop's cancel may have gone first
+        if self.stopped is not None:  # stopped while it was handed over, so that stop's cancel may have gone first
             self.bridge.runner.cancel(request_id, self.stopped)
         return future
 
@@ -193,7 +193,7 @@ class JobRun:
     def _settle(self, request_id: str, done: Future[Completion]) -> None:
         with self._lock:
             entry = self._pending.pop(request_id, None)
-        if entry is None:  # given up on: the engine's late word is dropped
+        if entry is None:  # given up on, so the engine's late word is dropped
             return
         if done.exception() is not None:
             entry[0].set_exception(done.exception())
@@ -216,8 +216,8 @@ class Bridge:
         # then a job's further choices wait for the first's prompt, else they start with it
         self.prefix_cache = settings.backend != "hf" and getattr(settings, "enable_prefix_cache", True)
         # Bulk jobs render and tokenize their prompts one at a time. A batch starts a hundred of them at once,
-        # and that much Python at once would starve everything else in this process of the GIL: an engine
-        # thread here (stalling every step), or the threads that hand interactive work to an engine process.
+        # and that much Python at once would starve everything else in this process of the GIL. That is an
+        # engine thread here (stalling every step), or the threads that hand interactive work to an engine process.
         # Interactive jobs never wait for this.
         self._bulk_prompts = threading.Lock()
         self._runs: dict[str, JobRun] = {}
@@ -238,7 +238,7 @@ class Bridge:
         return self.runner.tokenizer
 
     @property
-    def context(self) -> int:
+    def max_model_len(self) -> int:
         return self.runner.max_model_len
 
     def prompt_ids(self, chat: Chat, thinking: bool, interactive: bool, tools: list[dict] | None = None) -> list[int]:

@@ -37,7 +37,7 @@ def bulk_cap(share: float, concurrency: int) -> int:
 
 class BulkGate(bootsteps.StartStopStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)
-    queues: tuple[str, ...] = ("convoq.bulk",)  # set by `bulk_gate`: the shared bulk queue and the worker's own
+    queues: tuple[str, ...] = ("convoq.bulk",)  # set by `bulk_gate` to the shared bulk queue and the worker's own
     share = 0.75
 
     def __init__(self, c, **kwargs) -> None:
@@ -56,7 +56,7 @@ class BulkGate(bootsteps.StartStopStep):
         if self.gated is None:
             self.gated = [q for q in self.queues if q in c.app.amqp.queues.consume_from]
             log.info("bulk jobs may hold %d of %d threads", self.cap, c.controller.concurrency)
-        # the event loop starts consuming after this: decide on its first turn
+        # the event loop starts consuming after this, so decide on its first turn
         c.call_soon(self._reconcile)
 
     # on the event loop's thread

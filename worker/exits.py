@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import signal
 
-REFUSED = 2  # `convoq worker` refused to start: a check of this machine failed (`cli.doctor`)
-ENGINE_DEAD = 3  # the engine died under the worker: its jobs' leases expire and the sweep hands them back
-NOT_STARTED = 4  # the engine could not be built, or the database not reached: nothing was consumed
+REFUSED = 2  # `convoq worker` refused to start because a check of this machine failed (`cli.doctor`)
+ENGINE_DEAD = 3  # the engine died under the worker; its jobs' leases expire and the sweep hands them back
+NOT_STARTED = 4  # the engine could not be built, or the database not reached; nothing was consumed
 
 WHY = {
     REFUSED: "it refused to start: a check of this machine failed",

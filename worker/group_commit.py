@@ -25,7 +25,7 @@ class GroupCommit(Generic[In, Out]):
         """`flush(items)` writes all `items` in one transaction and returns one output per item, in order."""
         self.flush = flush
         self.max_items = max_items
-        # entries of one or more items each: the items of one entry are flushed together
+        # entries of one or more items each; the items of one entry are flushed together
         self._queue: queue.SimpleQueue[list[tuple[In, Future[Out]]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import uuid
 
-from worker.results import Claimed
+from worker.fence import Claimed
 
 
 class Leases:

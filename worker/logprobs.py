@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from engine.interface import Completion
 
-# what OpenAI writes for a token with no chance at all (one the grammar rules out): JSON has no -Infinity
+# what OpenAI writes for a token with no chance at all (one the grammar rules out), since JSON has no -Infinity
 FLOOR = -9999.0
 
 

@@ -79,8 +79,8 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None,
                  refresh_s: float = Settings.model_fields["metrics_refresh_s"].default) -> None:
         self.registry = registry or CollectorRegistry()
-        # process_cpu_seconds_total over convoq_jobs_finished_total: this worker's CPU per job; and which of its
-        # threads spends it (`worker.thread_cpu`)
+        # process_cpu_seconds_total over convoq_jobs_finished_total is this worker's CPU per job, and the thread
+        # collector says which of its threads spends it (`worker.thread_cpu`)
         self.snapshot = scrape.Snapshot([ProcessCollector(registry=None), ThreadCpuCollector()], refresh_s)
         self.registry.register(self.snapshot)
         self.served_on: int | None = None  # the port `start` serves the registry on

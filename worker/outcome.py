@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from engine.interface import Completion
 from jobs.chat import split_reasoning
@@ -12,7 +13,7 @@ from worker.logprobs import openai_logprobs
 
 # finish reasons of a job stopped before it ended by itself: its text so far is kept as its result
 STOPPED = ("cancelled", "expired")
-# a run stopped because its worker lost the job's lease: it writes nothing of what it did (`results.give_back`)
+# a run stopped because its worker lost the job's lease, so it writes nothing of what it did (`run_ends.give_back`)
 LEASE_LOST = "lease_lost"
 # a run stopped because its worker is shutting down: its job goes back to the queue uncharged (`worker.shutdown`)
 SHUTDOWN = "shutdown"
@@ -24,10 +25,11 @@ class Outcome:
     engine_ms: float  # first request submitted -> last completion back
     chunks: int = 1  # transcript chunks summarized (map-reduce)
     levels: int = 1  # summarization levels, the final combine included
-    reasoning: str | None = None  # with thinking: the reasoning; the completion's text is then the answer
-    logprobs: list[dict] | None = None  # asked for: OpenAI's `logprobs.content` of the answer
+    reasoning: str | None = None  # with thinking, the reasoning (the completion's text is then the answer)
+    logprobs: list[dict] | None = None  # when asked for, OpenAI's `logprobs.content` of the answer
     tool_calls: list[dict] | None = None  # OpenAI's `tool_calls` the answer made; the completion's text is the rest
-    # a job with `n` > 1: choices 1..n-1 (this outcome is choice 0; its timings are the job's, `merged_timings`)
+    # for a job with `n` > 1, choices 1..n-1 (this outcome is choice 0, and its timings are the job's,
+    # `merged_timings`)
     choices: list[Outcome] = field(default_factory=list)
     # a failure found before the engine was asked (`failed`); the engine's own refusals are `invalid_prompt`
     code: ErrorCode | None = None
@@ -67,3 +69,25 @@ class Outcome:
         """A job that cannot run at all (it does not fit the model's context): it fails at once, without a retry,
         `error` telling its tenant why."""
         return cls(Completion.empty(request_id, 0, "error", error), engine_ms, code=ErrorCode.too_long)
+
+
+class Ending(Enum):
+    """How a job's run ended, for the task that ran it."""
+
+    FINISHED = "finished"  # with an outcome, which the task stores
+    # its worker is shutting down, so the job went back uncharged and its message goes back to the queue
+    HANDED_BACK = "handed_back"
+    # nothing to store, because the job was failed, retried or given back already, or it had moved on
+    SETTLED = "settled"
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """What a job's run leaves its task: how it ended, and the outcome to store when it finished."""
+
+    ending: Ending
+    outcome: Outcome | None = None
+
+    @classmethod
+    def finished(cls, outcome: Outcome) -> RunEnd:
+        return cls(Ending.FINISHED, outcome)

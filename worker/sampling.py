@@ -20,7 +20,8 @@ from worker.tool_grammar import tool_grammar
 
 log = logging.getLogger(__name__)
 
-# convoq's defaults, for the fields a job may leave unset (None; a seed left unset is no seed): the engine's own
+# convoq's defaults for the fields a job may leave unset (None, and a seed left unset is no seed) are the
+# engine's own
 OURS = {f.name: f.default for f in fields(SamplingParams)
         if f.name != "seed" and f.name in Sampling.model_fields and Sampling.model_fields[f.name].default is None}
 # what a model's generation_config.json may state (it has no presence penalty)

@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 class Shutdown:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
-        self.begun = threading.Event()  # no new claims: messages go back to the queue
-        self.over = threading.Event()  # the grace is spent: runs are stopped, and new ones stop as they start
-        self._cut = threading.Event()  # a cold shutdown: no grace
+        self.begun = threading.Event()  # no new claims; messages go back to the queue
+        self.over = threading.Event()  # the grace is spent; runs are stopped, and new ones stop as they start
+        self._cut = threading.Event()  # a cold shutdown, with no grace
 
     def start(self, stop_runs: Callable[[str], object], drain: Callable[[], object] = lambda: None) -> None:
         """Watch for the shutdown from now on; `stop_runs(reason)` stops every run in flight with that finish
@@ -49,7 +49,7 @@ class Shutdown:
         if not cold:
             drained(drain)
         self._cut.wait(max(0.0, self.grace_s - (time.monotonic() - began)))
-        self.over.set()  # before the runs are listed: a run that starts after the listing sees it (`tasks`)
+        self.over.set()  # before the runs are listed, so a run that starts later sees it (`worker.runs.opened`)
         stop_runs(SHUTDOWN)
         if cold:
             drained(drain)

@@ -18,7 +18,7 @@ class Solo:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._shared = 0  # runs in progress together
-        self._waiting = 0  # runs waiting to be alone: new shared runs hold back for them
+        self._waiting = 0  # runs waiting to be alone; new shared runs hold back for them
         self._alone = False
 
     @contextmanager

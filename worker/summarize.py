@@ -57,7 +57,7 @@ def plan_chunks(turns: Turns, fits: Callable[[Turns], bool]) -> list[Turns]:
     chunks: list[Turns] = []
     start = 0
     while start < len(pieces):
-        fit, step = start + 1, 1  # pieces[start:fit] fits: a piece on its own always does
+        fit, step = start + 1, 1  # pieces[start:fit] fits, as a piece on its own always does
         while fit + step <= len(pieces) and fits(pieces[start:fit + step]):
             fit += step
             step *= 2
@@ -105,9 +105,9 @@ def summarize(run: JobRun) -> Outcome:
     """The final request (the whole transcript, or the last combine) streams its text; a part that does not
     succeed ends the job with that part's completion (a stop keeps the part's text so far)."""
     job, started = run.job, time.monotonic()
-    if problem := summary_problem(job.sampling.max_new_tokens, run.context):
+    if problem := summary_problem(job.sampling.max_new_tokens, run.max_model_len):
         return _too_long(run.job_id, problem, started)
-    budget = prompt_budget(run.context, job.sampling.max_new_tokens)
+    budget = prompt_budget(run.max_model_len, job.sampling.max_new_tokens)
 
     def fits_with(make_chat: Callable[[Turns], Chat]) -> Callable[[Turns], bool]:
         return lambda turns: len(run.prompt_ids(make_chat(turns))) <= budget
@@ -132,7 +132,7 @@ def summarize(run: JobRun) -> Outcome:
         return Outcome.answered(completion, (time.monotonic() - started) * 1e3, run.thinking, run.tokenizer)
 
     try:
-        # sized with a two-digit part header: the real header is never longer
+        # sized with a two-digit part header, which the real header is never longer than
         chunks = plan_chunks(job.messages, fits_with(lambda ts: part_chat(ts, 99, 99)))
     except TooLong as exc:
         return _too_long(run.job_id, str(exc), started)

@@ -28,8 +28,8 @@ from jobs.tool_calls import offers_tools
 
 MODEL_FORMAT = "qwen_3"  # the Qwen3 family's `<tool_call>` blocks (xgrammar's builtin_structural_tag)
 ANY_OBJECT = {"type": "object"}
-# JSON in a structural tag cannot be compiled without whitespace (the engine's own JSON can): at most one blank
-# in a row, so that a model cannot spend its budget on blanks
+# JSON in a structural tag cannot be compiled without whitespace (the engine's own JSON can). At most one blank
+# in a row is allowed, so that a model cannot spend its budget on blanks.
 MAX_BLANKS = 1
 
 
