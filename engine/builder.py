@@ -21,7 +21,7 @@ from engine.core.kv_cache import KVCache, growth_plan
 from engine.core.output_text import think_ids
 from engine.core.prefix_cache import PrefixCache
 from engine.core.scheduler import Scheduler
-from engine.model.activations import largest_step
+from engine.model.activation_memory import largest_step
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.dense_decode import DenseDecodeKV
 from engine.model.kv_plan import KVPlan, plan_kv

@@ -66,7 +66,7 @@ def test_a_fractional_budget_leaves_the_largest_steps_activations_free(monkeypat
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
 def test_the_profiling_step_runs_the_largest_batch_through_every_pool(tiny_models, preset):
-    from engine.model.activations import largest_step
+    from engine.model.activation_memory import largest_step
     from tests.engine_helpers import make_engine
 
     engine = make_engine(tiny_models[preset], max_num_batched_tokens=300, prefill_chunk_size=128, max_num_seqs=64)

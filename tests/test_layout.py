@@ -285,7 +285,7 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
         ("engine.model.dense_decode", "from ..core.step_rows import step_plan"),
         ("engine.model.kv_plan", "from engine.core.block_manager import BlockManager"),
         ("engine.model.qwen3", "from engine.runtime.engine_thread import EngineThread"),
-        ("engine.model.attention", "import engine.llm_engine"),
+        ("engine.model.attention_batch", "import engine.llm_engine"),
         ("engine.model.loader", "from engine.builder import build"),
         ("engine.model.cuda_graphs", "from engine.hf_backend import HFEngine"),
         ("engine.runtime.engine_thread", "from engine.core.sequence import Sequence"),

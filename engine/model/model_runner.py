@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.core.kv_cache import KVCache
-from engine.model.attention import AttentionBatch, BatchPart, LayerSlot
+from engine.model.attention_batch import AttentionBatch, BatchPart, LayerSlot
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.dense_decode import DenseDecodeKV
 from engine.model.qwen3 import Qwen3ForCausalLM

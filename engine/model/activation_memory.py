@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCache
-from engine.model.attention import AttentionBatch, BatchPart
+from engine.model.attention_batch import AttentionBatch, BatchPart
 from engine.model.kv_plan import KVPlan
 from engine.model.qwen3 import Qwen3ForCausalLM
 from kernels.dispatch import Ops
