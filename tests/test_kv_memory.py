@@ -57,11 +57,11 @@ def test_growth_is_geometric_up_to_half_the_budget_then_one_step_to_what_the_cop
 
 
 def test_a_fractional_budget_leaves_the_largest_steps_activations_free(monkeypatch):
-    from engine.model import memory
+    from engine.model import memory_fit
 
-    monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
-    assert memory.kv_budget(0.5, torch.device("cpu"), reserved=100) == 400
-    assert memory.kv_budget(4096, torch.device("cpu"), reserved=100) == 4096  # bytes given: taken as they are
+    monkeypatch.setattr(memory_fit, "free_memory", lambda device: 1000)
+    assert memory_fit.kv_budget(0.5, torch.device("cpu"), reserved=100) == 400
+    assert memory_fit.kv_budget(4096, torch.device("cpu"), reserved=100) == 4096  # bytes given: taken as they are
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
