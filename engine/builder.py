@@ -27,9 +27,9 @@ from engine.model.dense_decode import DenseDecodeKV
 from engine.model.kv_plan import KVPlan, lay_out_kv
 from engine.model.loader import load_model, read_eos_ids, read_shape
 from engine.model.memory_fit import fit_kv, holds_back_activations
-from engine.model.model_runner import ModelRunner
 from engine.model.parallel import ALONE, Split
 from engine.model.qwen3 import Qwen3ForCausalLM, rank_shape
+from engine.model.step_executor import StepExecutor
 from kernels.dispatch import Ops, select_ops
 
 
@@ -44,7 +44,7 @@ class EngineParts:
     activation_bytes: int  # held back from a budget given as a fraction (CUDA only)
     blocks: BlockManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: StepExecutor
 
 
 def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -74,9 +74,9 @@ def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | No
     blocks = BlockManager(pools, kv_plan.windows, config.block_size)
     graphs = decode_graphs(model, ops, caches, kv_plan, config, max_model_len, pieces)
     dense = dense_decode(ops, caches, kv_plan, config, max_model_len)
-    runner = ModelRunner(model, caches, kv_plan.layer_slots, ops, config.block_size, graphs, pieces, dense)
+    executor = StepExecutor(model, caches, kv_plan.layer_slots, ops, config.block_size, graphs, pieces, dense)
     return EngineParts(tokenizer, model, max_model_len, read_eos_ids(config.model), think_ids(tokenizer), kv_plan,
-                       activation_bytes, blocks, Scheduler(config, blocks), runner)
+                       activation_bytes, blocks, Scheduler(config, blocks), executor)
 
 
 def piece_graphs(model: Qwen3ForCausalLM, config: EngineConfig, device: torch.device) -> PieceGraphs | None:

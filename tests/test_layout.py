@@ -268,7 +268,7 @@ def engine_rule_breaks(modules: dict[str, ast.AST]) -> dict[str, list[str]]:
 
 def test_the_engines_rooms_import_only_what_their_rules_allow():
     modules = engine_modules()
-    assert {"engine.core.scheduler", "engine.model.model_runner", "engine.runtime.engine_thread",
+    assert {"engine.core.scheduler", "engine.model.step_executor", "engine.runtime.engine_thread",
             "engine.step"} <= modules.keys()
     assert engine_rule_breaks(modules) == {}
 
@@ -280,7 +280,7 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
         ("engine.core.block_manager", "from engine import llm_engine"),
         ("engine.core.step_cost", "from engine.builder import build"),
         ("engine.core.kv_cache", "from engine.hf_backend import HFEngine"),
-        ("engine.model.model_runner", "from engine.core.sequence import Sequence"),
+        ("engine.model.step_executor", "from engine.core.sequence import Sequence"),
         ("engine.model.sampler", "from engine.core import scheduler"),
         ("engine.model.dense_decode", "from ..core.step_rows import step_plan"),
         ("engine.model.kv_plan", "from engine.core.block_manager import BlockManager"),
@@ -297,7 +297,7 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
     missed = [(name, source) for name, source in breaking if not engine_rule_breaks({name: ast.parse(source)})]
     assert missed == []
     allowed = [("engine.core.scheduler", "from engine.step import StepPlan"),
-               ("engine.model.model_runner", "from engine.core.kv_cache import KVCache"),
+               ("engine.model.step_executor", "from engine.core.kv_cache import KVCache"),
                ("engine.runtime.engine_process", "from .engine_thread import EngineThread")]
     assert [name for name, source in allowed if engine_rule_breaks({name: ast.parse(source)})] == []
 
