@@ -302,6 +302,21 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
     assert [name for name, source in allowed if engine_rule_breaks({name: ast.parse(source)})] == []
 
 
+MAX_MODULE_LINES = 400  # past this a module holds more than one concept
+
+
+def long_modules(package: str, limit: int) -> dict[str, int]:
+    """Module of `package` -> its number of lines, for each one longer than `limit`."""
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+               for path in sorted((ROOT / package).rglob("*.py"))}
+    return {name: n for name, n in lengths.items() if n > limit}
+
+
+def test_no_engine_module_is_over_400_lines():
+    assert long_modules("engine", 100)  # the count sees the engine's modules
+    assert long_modules("engine", MAX_MODULE_LINES) == {}
+
+
 def interactive_comparisons(tree: ast.AST) -> list[int]:
     """Lines that compare against the interactive threshold, or compare a priority with a number."""
     def names(node: ast.AST) -> set[str]:
