@@ -10,7 +10,7 @@ The model is the `0.6b` preset of `cli.tiny_model` (Qwen3-0.6B's shapes, random 
    left-padded `generate` batch; the engine takes them all at once, as in service.
 2. Teacher-forced logits: each prompt plus the fp32 reference's continuation, one forward per model, logits at
    every position. The engine only computes logits where it samples, so its final hidden states are caught
-   from `ModelRunner.forward` and put through its own `compute_logits`; its prefix cache is off so that the
+   from `StepExecutor.forward` and put through its own `compute_logits`; its prefix cache is off so that the
    forward covers every position (the prompts are distinct, so generation would not hit it anyway).
 
 For each pair: the fraction of prompts whose whole continuation is identical, the mean fraction of tokens
@@ -37,7 +37,7 @@ from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.model.model_runner import PackedStep
+from engine.model.step_executor import PackedStep
 
 # label -> (first side, second side)
 PAIRS = {"ours_vs_hf16": ("ours_bf16", "hf_bf16"), "ours_vs_hf32": ("ours_bf16", "hf_fp32"),

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import engine.core.scheduler as scheduler_module
-import engine.model.model_runner as model_runner
+import engine.model.step_executor as step_executor
 from bench.common import report, tiny_model
 from engine.config import EngineConfig
 from engine.interface import Request, SamplingParams
@@ -65,18 +65,18 @@ def stubbed(engine: LLMEngine, vocab: int, timers: Timers):
     hidden = torch.zeros(rows, engine.model.shape.hidden_size, device=device)
     logits = torch.randn(engine.config.max_num_seqs, vocab, generator=torch.Generator().manual_seed(0)).to(device)
     runner, model, scheduler = engine.runner, engine.model, engine.scheduler
-    saved = (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample,
+    saved = (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, step_executor.sample,
              scheduler_module.step_plan)
     runner.forward = timers.wrap("stub", lambda step: hidden[:len(step.input_ids)])
     model.compute_logits = timers.wrap("stub_logits", lambda h: logits[:h.shape[0]].clone())
     runner.pack = timers.wrap("pack", runner.pack)
     scheduler.schedule = timers.wrap("schedule_and_plan", scheduler.schedule)
     scheduler_module.step_plan = timers.wrap("plan", scheduler_module.step_plan)
-    model_runner.sample = timers.wrap("sample", model_runner.sample)
+    step_executor.sample = timers.wrap("sample", step_executor.sample)
     try:
         yield
     finally:
-        (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, model_runner.sample,
+        (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, step_executor.sample,
          scheduler_module.step_plan) = saved
 
 

@@ -1,15 +1,15 @@
 """An `LLMEngine`'s parts, built from an `EngineConfig` in the order their memory needs.
 
 The largest step's activations are measured and the piece graphs captured before the KV pool is sized, so a
-budget given as a fraction of free memory leaves them room. Each optional part (prefix and host caches,
-piece and decode graphs, dense decode rows) is built by a function of its own that says when it exists, and
-takes what it shares with another part as an argument.
+budget given as a fraction of free memory leaves them room (the rule is `engine.model.memory_fit`). Each
+optional part (prefix and host caches, piece and decode graphs, dense decode rows) is built by a function of
+its own that says when it exists, and takes what it shares with another part as an argument.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -21,14 +21,15 @@ from engine.core.kv_cache import KVCache, growth_plan
 from engine.core.output_text import think_ids
 from engine.core.prefix_cache import PrefixCache
 from engine.core.scheduler import Scheduler
-from engine.model.activations import largest_step
+from engine.model.activation_memory import largest_step
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.dense_decode import DenseDecodeKV
-from engine.model.kv_plan import KVPlan, plan_kv
+from engine.model.kv_plan import KVPlan, lay_out_kv
 from engine.model.loader import load_model, read_eos_ids, read_shape
-from engine.model.model_runner import ModelRunner
-from engine.model.parallel import ALONE, Split, agree_min
+from engine.model.memory_fit import fit_kv, holds_back_activations
+from engine.model.parallel import ALONE, Split
 from engine.model.qwen3 import Qwen3ForCausalLM, rank_shape
+from engine.model.step_executor import StepExecutor
 from kernels.dispatch import Ops, select_ops
 
 
@@ -43,7 +44,7 @@ class EngineParts:
     activation_bytes: int  # held back from a budget given as a fraction (CUDA only)
     blocks: BlockManager
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: StepExecutor
 
 
 def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -58,15 +59,11 @@ def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | No
     ops = select_ops(config.attention_backend, device, shape.head_dim, scaled_kv=cache_dtype.itemsize == 1)
     model = load_model(config.model, device, config.torch_dtype, ops, weights, split)
     max_model_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
-    kv_plan = plan_kv(shape, config, max_model_len, cache_dtype, device)
-    # a budget that is a fraction of free memory leaves room for the largest step's activations
-    fraction = device.type == "cuda" and config.kv_cache_memory <= 1
-    activation_bytes = largest_step(model, ops, kv_plan, config, cache_dtype) if fraction else 0
+    layout = lay_out_kv(shape, config, cache_dtype)
+    held_back = holds_back_activations(config, device)
+    activation_bytes = largest_step(model, ops, layout, config, cache_dtype) if held_back else 0
     pieces = piece_graphs(model, config, device)
-    if fraction:  # sized again now that the activations and the graphs hold their memory
-        kv_plan = plan_kv(shape, config, max_model_len, cache_dtype, device, activation_bytes)
-    if split.parallel:
-        kv_plan = replace(kv_plan, max_blocks=agree_min(kv_plan.max_blocks, device, split))
+    kv_plan = fit_kv(layout, config, max_model_len, device, activation_bytes, split)  # once the graphs hold theirs
     # each pool's K and V per layer are its segments: growth copies one at a time (engine.core.kv_cache)
     sizes = [growth_plan(min(config.initial_blocks, m), m, 2 * n)
              for n, m in zip(kv_plan.layers, kv_plan.max_blocks, strict=True)]
@@ -77,9 +74,9 @@ def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | No
     blocks = BlockManager(pools, kv_plan.windows, config.block_size)
     graphs = decode_graphs(model, ops, caches, kv_plan, config, max_model_len, pieces)
     dense = dense_decode(ops, caches, kv_plan, config, max_model_len)
-    runner = ModelRunner(model, caches, kv_plan.layer_slots, ops, config.block_size, graphs, pieces, dense)
+    executor = StepExecutor(model, caches, kv_plan.layer_slots, ops, config.block_size, graphs, pieces, dense)
     return EngineParts(tokenizer, model, max_model_len, read_eos_ids(config.model), think_ids(tokenizer), kv_plan,
-                       activation_bytes, blocks, Scheduler(config, blocks), runner)
+                       activation_bytes, blocks, Scheduler(config, blocks), executor)
 
 
 def piece_graphs(model: Qwen3ForCausalLM, config: EngineConfig, device: torch.device) -> PieceGraphs | None:

@@ -19,8 +19,8 @@ from engine.core.output_text import finish_text, stops_hit
 from engine.core.sequence import Sequence
 from engine.core.step_cost import work_of
 from engine.interface import Completion, Request, RequestError, token_limit
-from engine.model.memory import weights_bytes
 from engine.model.parallel import ALONE
+from engine.model.weight_memory import weights_bytes
 from engine.step import StepPlan, StepResult, TokenMasks
 from engine.tensor_parallel import Ranks
 

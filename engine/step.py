@@ -1,6 +1,6 @@
 """One engine step as it travels: the contract between the scheduler (`engine.core`) and the model (`engine.model`).
 
-The scheduler plans a step as a `StepPlan`; `ModelRunner.run(plan)` reads nothing else and returns a
+The scheduler plans a step as a `StepPlan`; `StepExecutor.run(plan)` reads nothing else and returns a
 `StepResult`, which `LLMEngine` applies to its sequences. A plan is plain data (lists, numpy arrays, frozen
 sampling parameters), never a scheduler object, so that a step can be planned while the one before it runs
 and tensor-parallel ranks can all be handed the same plan.

@@ -139,7 +139,7 @@ def test_the_engine_thread_measures_gaps_only_between_back_to_back_steps(tiny_mo
 
 
 def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
-    from engine.model.model_runner import split_copy
+    from engine.model.step_executor import split_copy
 
     tensors = [torch.tensor([5, 6, 7]), torch.arange(4).view(2, 2), torch.tensor([[1, -1], [2, 3]], dtype=torch.int32),
                torch.empty(0, dtype=torch.int64), torch.tensor([2**40])]

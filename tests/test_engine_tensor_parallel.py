@@ -199,14 +199,14 @@ def run_script(script: str, env: dict | None = None) -> subprocess.CompletedProc
 POISONED_RANK = """
 import sys
 if "engine.tensor_parallel" in sys.orig_argv:
-    from engine.model.model_runner import ModelRunner
-    logits = ModelRunner.logits
+    from engine.model.step_executor import StepExecutor
+    logits = StepExecutor.logits
     def poisoned(self, plan):
         out = logits(self, plan)
         if "poison" in plan.request_ids:
             raise ValueError("rank 1 cannot run this request")
         return out
-    ModelRunner.logits = poisoned
+    StepExecutor.logits = poisoned
 """
 
 

@@ -57,16 +57,16 @@ def test_growth_is_geometric_up_to_half_the_budget_then_one_step_to_what_the_cop
 
 
 def test_a_fractional_budget_leaves_the_largest_steps_activations_free(monkeypatch):
-    from engine.model import memory
+    from engine.model import memory_fit
 
-    monkeypatch.setattr(memory, "free_memory", lambda device: 1000)
-    assert memory.kv_budget(0.5, torch.device("cpu"), reserved=100) == 400
-    assert memory.kv_budget(4096, torch.device("cpu"), reserved=100) == 4096  # bytes given: taken as they are
+    monkeypatch.setattr(memory_fit, "free_memory", lambda device: 1000)
+    assert memory_fit.kv_budget(0.5, torch.device("cpu"), reserved=100) == 400
+    assert memory_fit.kv_budget(4096, torch.device("cpu"), reserved=100) == 4096  # bytes given: taken as they are
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
 def test_the_profiling_step_runs_the_largest_batch_through_every_pool(tiny_models, preset):
-    from engine.model.activations import largest_step
+    from engine.model.activation_memory import largest_step
     from tests.engine_helpers import make_engine
 
     engine = make_engine(tiny_models[preset], max_num_batched_tokens=300, prefill_chunk_size=128, max_num_seqs=64)

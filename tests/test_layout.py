@@ -279,7 +279,7 @@ def engine_rule_breaks(modules: dict[str, ast.AST]) -> dict[str, list[str]]:
 
 def test_the_engines_rooms_import_only_what_their_rules_allow():
     modules = engine_modules()
-    assert {"engine.core.scheduler", "engine.model.model_runner", "engine.runtime.engine_thread",
+    assert {"engine.core.scheduler", "engine.model.step_executor", "engine.runtime.engine_thread",
             "engine.step"} <= modules.keys()
     assert engine_rule_breaks(modules) == {}
 
@@ -291,12 +291,12 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
         ("engine.core.block_manager", "from engine import llm_engine"),
         ("engine.core.step_cost", "from engine.builder import build"),
         ("engine.core.kv_cache", "from engine.hf_backend import HFEngine"),
-        ("engine.model.model_runner", "from engine.core.sequence import Sequence"),
+        ("engine.model.step_executor", "from engine.core.sequence import Sequence"),
         ("engine.model.sampler", "from engine.core import scheduler"),
         ("engine.model.dense_decode", "from ..core.step_rows import step_plan"),
         ("engine.model.kv_plan", "from engine.core.block_manager import BlockManager"),
         ("engine.model.qwen3", "from engine.runtime.engine_thread import EngineThread"),
-        ("engine.model.attention", "import engine.llm_engine"),
+        ("engine.model.attention_batch", "import engine.llm_engine"),
         ("engine.model.loader", "from engine.builder import build"),
         ("engine.model.cuda_graphs", "from engine.hf_backend import HFEngine"),
         ("engine.runtime.engine_thread", "from engine.core.sequence import Sequence"),
@@ -308,9 +308,24 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
     missed = [(name, source) for name, source in breaking if not engine_rule_breaks({name: ast.parse(source)})]
     assert missed == []
     allowed = [("engine.core.scheduler", "from engine.step import StepPlan"),
-               ("engine.model.model_runner", "from engine.core.kv_cache import KVCache"),
+               ("engine.model.step_executor", "from engine.core.kv_cache import KVCache"),
                ("engine.runtime.engine_process", "from .engine_thread import EngineThread")]
     assert [name for name, source in allowed if engine_rule_breaks({name: ast.parse(source)})] == []
+
+
+MAX_MODULE_LINES = 400  # past this a module holds more than one concept
+
+
+def long_modules(package: str, limit: int) -> dict[str, int]:
+    """Module of `package` -> its number of lines, for each one longer than `limit`."""
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+               for path in sorted((ROOT / package).rglob("*.py"))}
+    return {name: n for name, n in lengths.items() if n > limit}
+
+
+def test_no_engine_module_is_over_400_lines():
+    assert long_modules("engine", 100)  # the count sees the engine's modules
+    assert long_modules("engine", MAX_MODULE_LINES) == {}
 
 
 def interactive_comparisons(tree: ast.AST) -> list[int]:

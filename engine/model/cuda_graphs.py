@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.kv_cache import KVCache
-from engine.model.attention import AttentionBatch, BatchPart, LayerSlot
+from engine.model.attention_batch import AttentionBatch, BatchPart, LayerSlot
 from engine.model.qwen3 import Qwen3ForCausalLM, Rope
 from kernels.dispatch import Ops
 

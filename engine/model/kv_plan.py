@@ -1,27 +1,26 @@
 """Which KV pools a model needs, which layer keeps its K/V where, and how many blocks each pool may hold.
 
-One pool per attention kind: full attention (window 0) and each ring-recycled sliding window in use. The
-budget (`kv_cache_memory`) is shared among the pools in proportion to their layers, after each sliding-window
-pool took what its rings can ever use.
+One pool per attention kind: full attention (window 0) and each ring-recycled sliding window in use. A
+`KVLayout` is the pools before any memory is counted; a `KVPlan` adds each pool's ceiling, which the
+memory-fit rule (`engine.model.memory_fit`) works out.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from engine.config import EngineConfig
-from engine.model.attention import LayerSlot
+from engine.model.attention_batch import LayerSlot
 from engine.model.attention_policy import layer_policies, parse_policy, ring_window
-from engine.model.memory import kv_budget, split_budget
 from engine.model.qwen3 import ModelShape
 from kernels.sparse import AttentionPolicy
 
 
 @dataclass(frozen=True)
-class KVPlan:
+class KVLayout:
     policies: list[AttentionPolicy]  # per model layer
     windows: list[int]  # per pool: 0 for full attention, else the ring's window
     layers: list[int]  # per pool: how many model layers keep their K/V there
@@ -29,8 +28,6 @@ class KVPlan:
     kv_bytes_per_token: int  # all layers
     block_bytes: list[int]  # per pool
     chunk: int  # the most prompt tokens of one sequence computed in a step
-    budget_bytes: int
-    max_blocks: list[int]  # per pool: its ceiling within the budget
 
     def blocks_per_seq(self, block_size: int, num_tokens: int) -> list[int]:
         """The most blocks of each pool one sequence of `num_tokens` tokens holds."""
@@ -42,9 +39,18 @@ class KVPlan:
         return all(p.window == 0 for p in self.policies)
 
 
-def plan_kv(shape: ModelShape, config: EngineConfig, max_model_len: int, cache_dtype: torch.dtype,
-            device: torch.device, reserved: int = 0) -> KVPlan:
-    """`reserved`: bytes of free memory a budget given as a fraction leaves to activations."""
+@dataclass(frozen=True)
+class KVPlan(KVLayout):
+    budget_bytes: int
+    max_blocks: list[int]  # per pool: its ceiling within the budget
+
+    @classmethod
+    def within(cls, layout: KVLayout, budget_bytes: int, max_blocks: list[int]) -> KVPlan:
+        return cls(**{f.name: getattr(layout, f.name) for f in fields(KVLayout)}, budget_bytes=budget_bytes,
+                   max_blocks=max_blocks)
+
+
+def lay_out_kv(shape: ModelShape, config: EngineConfig, cache_dtype: torch.dtype) -> KVLayout:
     policies = layer_policies(shape.windows, parse_policy(config.attention_policy))
     rings = [ring_window(p) for p in policies]
     windows = sorted(set(rings))
@@ -54,12 +60,7 @@ def plan_kv(shape: ModelShape, config: EngineConfig, max_model_len: int, cache_d
     kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * cache_dtype.itemsize
     block_bytes = [n * kv_bytes_per_token // shape.num_layers * config.block_size for n in layers]
     chunk = min(config.prefill_chunk_size, config.max_num_batched_tokens)
-    per_seq = blocks_per_seq(windows, config.block_size, max_model_len, chunk)
-    budget = kv_budget(config.kv_cache_memory, device, reserved)
-    max_blocks = split_budget(budget, layers, block_bytes, [b * config.max_num_seqs for b in per_seq])
-    if min(max_blocks) < 2:
-        raise ValueError(f"a KV budget of {budget} bytes does not hold even two blocks per pool")
-    return KVPlan(policies, windows, layers, layer_slots, kv_bytes_per_token, block_bytes, chunk, budget, max_blocks)
+    return KVLayout(policies, windows, layers, layer_slots, kv_bytes_per_token, block_bytes, chunk)
 
 
 def blocks_per_seq(windows: list[int], block_size: int, num_tokens: int, chunk: int) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import AttentionBatch
+from engine.model.attention_batch import AttentionBatch
 from engine.model.parallel import ALONE, Split, all_reduce, check_split, gather_columns, kv_heads_per_rank
 from kernels.dispatch import Ops
 from kernels.qk_norm_rope import Yarn, rope_tables

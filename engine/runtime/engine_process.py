@@ -1,113 +1,48 @@
-"""The engine in a process of its own, behind the same face as `EngineThread`.
+"""The engine in a process of its own, behind the same face as `EngineThread`: the worker's handle on it.
 
 A worker's Celery threads share one interpreter lock; with the engine among them every step waits for it and
 a GPU idles as long. So the model and its loop (an `EngineThread`) live in a spawned process that runs nothing
-else; on each side a reader thread takes lists of messages off the pipe and an `Outbox` thread sends what
-queued since its last write as one list. Messages are small dataclasses; each side has one table from message
-type to handler:
+else (`engine.runtime.engine_child`), talking to this side over a pipe (`engine.runtime.pipe_protocol`).
 
-    parent -> child   Submit(request, streams)  Cancel(request_id, reason)  StatsQuery(number)  Close()
-    child -> parent   Ready(max_model_len)  Failed(traceback)  Done(completion)  Tokens(request_id, new_tokens)
-                      StatsReply(number, stats)  Dead(error)  Beat(turns, busy)
-
-`arrival` and `deadline` are `time.monotonic()` readings, a clock both processes share. When the child dies the
-pipe closes and pending futures fail with `EngineDead`. A child that stalls (no beat, or beats with the same
-count of loop turns, for `stall_s` while requests wait on it) is killed: its pending futures fail with
-`EngineStalled` and a new child takes its place. What is submitted while the new one loads (minutes, for a
-large model) waits here and goes in once it is up; a cancel ends such a request at once, so a job's cancel or
-deadline never waits for a reload. The child ignores SIGINT and SIGTERM, which reach a whole process group: it
-stops when its parent says so or is gone.
+When the child dies the pipe closes and pending futures fail with `EngineDead`. A child that stalls (no beat,
+or beats with the same count of loop turns, for `stall_s` while requests wait on it) is killed: its pending
+futures fail with `EngineStalled` and a new child takes its place. What is submitted while the new one loads
+(minutes, for a large model) waits here and goes in once it is up; a cancel ends such a request at once, so a
+job's cancel or deadline never waits for a reload.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import logging
 import multiprocessing
-import os
-import queue
-import signal
 import threading
-import time
-import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from engine.interface import Completion, Request, StepEngine, TokensCallback
-from engine.runtime.engine_thread import EngineDead, EngineStalled, EngineThread
+from engine.runtime.engine_child import serve
+from engine.runtime.engine_thread import EngineDead, EngineStalled
+from engine.runtime.pipe_protocol import (
+    Beat,
+    Cancel,
+    Close,
+    Dead,
+    Done,
+    Failed,
+    Message,
+    Outbox,
+    StatsQuery,
+    StatsReply,
+    Submit,
+    Tokens,
+)
 from engine.runtime.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-class Message:
-    """What goes over the pipe: one of the dataclasses below."""
-
-
-@dataclass
-class Submit(Message):
-    request: Request
-    streams: bool  # send its tokens as they come
-
-
-@dataclass
-class Cancel(Message):
-    request_id: str
-    reason: str
-
-
-@dataclass
-class StatsQuery(Message):
-    number: int  # the reply's `StatsReply.number`
-
-
-@dataclass
-class Close(Message):
-    pass
-
-
-@dataclass
-class Ready(Message):
-    max_model_len: int
-
-
-@dataclass
-class Failed(Message):
-    traceback: str  # the engine could not be built
-
-
-@dataclass
-class Done(Message):
-    completion: Completion
-
-
-@dataclass
-class Tokens(Message):
-    request_id: str
-    new_tokens: list[int]  # added since the request's last report
-
-
-@dataclass
-class StatsReply(Message):
-    number: int
-    stats: dict[str, float]
-
-
-@dataclass
-class Dead(Message):
-    error: str  # the engine thread died of it
-
-
-@dataclass
-class Beat(Message):
-    turns: int  # passes of the engine loop so far (`EngineThread.progress`)
-    busy: bool  # it has work
 
 
 class Spawned:
@@ -388,173 +323,3 @@ class EngineProcess:
             log.critical("%s", error)
             if self.on_death is not None:
                 self.on_death(error)
-
-
-def serve(factory: Callable[[], StepEngine], conn: Connection, log_level: int, beat_s: float = 1.0) -> None:
-    """The child's main: load the engine, run its loop on an `EngineThread`, beat every `beat_s`, and serve the
-    pipe until the parent says close or goes away."""
-    for meant_for_the_worker in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):  # its shutdowns end this too
-        signal.signal(meant_for_the_worker, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="[%(asctime)s: %(levelname)s/engine-process] %(message)s")
-    try:
-        engine = factory()
-    except BaseException:
-        conn.send([Failed(traceback.format_exc())])
-        return
-    # The model and the libraries live as long as this process: the collector's periodic walks of its oldest
-    # generation would stop the step loop for each (370,000 objects, half a second for the tiny model on two
-    # cores) and never find garbage there.
-    gc.collect()
-    gc.freeze()
-    child = Child(EngineThread(engine), Outbox(conn))
-    threading.Thread(target=child.watch, name="engine-watch", daemon=True).start()
-    child.outbox.put(Ready(engine.max_model_len))
-    threading.Thread(target=child.beat, args=(beat_s,), name="engine-beat", daemon=True).start()
-    try:
-        while not child.closing:
-            for message in conn.recv():
-                child.handlers[type(message)](message)
-    except EOFError:  # the parent is gone
-        pass
-    except EngineDead as exc:  # a submit after the engine thread died
-        child.die(exc)
-    finally:
-        child.grammar_submits.shutdown(wait=False, cancel_futures=True)
-        child.thread.close()
-        child.outbox.close()
-
-
-GRAMMAR_SUBMITTERS = 8  # requests with a grammar being submitted at once; each mostly waits on its compile
-
-
-class Child:
-    """The child's side of the pipe: the parent's messages handled, the engine thread's results sent back.
-
-    A request with a grammar is submitted from a thread of `grammar_submits`, not the thread that reads the pipe:
-    submitting compiles its grammar (`engine.grammar`, seconds for a large schema), and the submits and cancels
-    behind it must not wait for that. One cancelled while it is being submitted ends at once, `cancelled`
-    (whatever its compile still does), and is never run."""
-
-    def __init__(self, thread: EngineThread, outbox: Outbox) -> None:
-        self.thread = thread
-        self.outbox = outbox
-        self.closing = False
-        self.handlers: dict[type[Message], Callable] = {Submit: self.submit, Cancel: self.cancel,
-                                                        StatsQuery: self.stats, Close: self.close}
-        self.grammar_submits = ThreadPoolExecutor(GRAMMAR_SUBMITTERS, thread_name_prefix="engine-grammar")
-        self._submitting: dict[str, Request] = {}  # requests with a grammar on their way into the engine thread
-        self._lock = threading.Lock()
-
-    def submit(self, message: Submit) -> None:
-        if message.request.sampling.grammar is None:
-            self._submit(message)
-            return
-        with self._lock:
-            self._submitting[message.request.request_id] = message.request
-        self.grammar_submits.submit(self._submit_with_grammar, message)
-
-    def _submit(self, message: Submit) -> None:
-        request = message.request
-        on_tokens = _delta_sender(self.outbox, request.request_id) if message.streams else None
-        self.thread.submit(request, on_tokens).add_done_callback(self._finished)
-
-    def _submit_with_grammar(self, message: Submit) -> None:
-        request_id = message.request.request_id
-        with self._lock:
-            if request_id not in self._submitting:  # cancelled while it waited for this thread
-                return
-        on_tokens = _delta_sender(self.outbox, request_id) if message.streams else None
-        try:
-            future = self.thread.submit(message.request, on_tokens)  # compiles its grammar
-        except EngineDead as exc:
-            self.die(exc)
-        with self._lock:
-            live = self._submitting.pop(request_id, None) is not None
-        if live:
-            future.add_done_callback(self._finished)
-        else:  # cancelled while its grammar compiled: its completion was sent
-            self.thread.cancel(request_id)
-
-    def cancel(self, message: Cancel) -> None:
-        with self._lock:
-            submitting = self._submitting.pop(message.request_id, None)
-        if submitting is None:
-            self.thread.cancel(message.request_id, message.reason)
-        else:
-            self.outbox.put(Done(Completion.empty(message.request_id, len(submitting.prompt_ids), message.reason)))
-
-    def stats(self, message: StatsQuery) -> None:
-        self.outbox.put(StatsReply(message.number, self.thread.stats()))
-
-    def close(self, message: Close) -> None:
-        self.closing = True
-
-    def _finished(self, future: Future[Completion]) -> None:
-        if future.exception() is None:  # else the engine thread died: `watch` ends this process
-            self.outbox.put(Done(future.result()))
-
-    def beat(self, every_s: float) -> None:
-        """Tell the parent how far the engine loop has got, from a thread that is not the loop: a loop stuck in
-        a step still beats, with the same count; a frozen process does not beat at all."""
-        while True:
-            time.sleep(every_s)
-            self.outbox.put(Beat(*self.thread.progress()))
-
-    def watch(self) -> None:
-        self.thread.join()
-        if self.thread.error is not None:
-            self.die(self.thread.error)
-
-    def die(self, error: BaseException) -> None:
-        """The engine thread died: its state is unknown. Say why, and go: the parent sees the pipe close."""
-        self.outbox.put(Dead(repr(error)))
-        self.outbox.close()
-        os._exit(3)
-
-
-class Outbox:
-    """One side's messages to the other, sent by a thread of their own; whatever queued up while a message was
-    being sent goes in the next single write. In the child, the step loop only queues its completions and
-    progress, so pickling and writing them overlap the next step (the forward releases the interpreter lock)
-    instead of adding to the gap before it; in the parent, no caller ever blocks on a pipe that a frozen child
-    has stopped reading (the heartbeat sending a cancel, say)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
-        self._thread.start()
-
-    def put(self, message: Message) -> None:
-        self._queue.put(message)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then stop."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while batch[-1] is not None and not self._queue.empty():  # one reader: not empty means a get won't wait
-                batch.append(self._queue.get())
-            closing = batch[-1] is None
-            if closing:
-                batch.pop()
-            if batch:
-                with contextlib.suppress(OSError):  # the parent is gone; the main thread sees the pipe close too
-                    self._conn.send(batch)
-            if closing:
-                return
-
-
-def _delta_sender(outbox: Outbox, request_id: str) -> TokensCallback:
-    """An `on_tokens` for the child's engine thread that sends only the tokens added since its last call."""
-    sent = 0
-
-    def on_tokens(tokens: list[int]) -> None:
-        nonlocal sent
-        outbox.put(Tokens(request_id, tokens[sent:]))
-        sent = len(tokens)
-
-    return on_tokens

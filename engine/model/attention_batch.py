@@ -1,4 +1,4 @@
-"""What the attention layers of one step need to reach the paged KV cache.
+"""A step's attention batch: what its attention layers need to reach the paged KV cache, and the calls that attend.
 
 Kernels follow the layout of `kernels.attention_ref` (its docstring is the contract). A step's sequences are
 laid out decodes first, then prefill chunks; each run goes to the backend in its own call, so decodes take the

@@ -15,13 +15,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCache
-from engine.model.attention import AttentionBatch, BatchPart
-from engine.model.kv_plan import KVPlan
+from engine.model.attention_batch import AttentionBatch, BatchPart
+from engine.model.kv_plan import KVLayout
 from engine.model.qwen3 import Qwen3ForCausalLM
 from kernels.dispatch import Ops
 
 
-def largest_step(model: Qwen3ForCausalLM, ops: Ops, plan: KVPlan, config: EngineConfig,
+def largest_step(model: Qwen3ForCausalLM, ops: Ops, layout: KVLayout, config: EngineConfig,
                  cache_dtype: torch.dtype) -> int:
     """Bytes a forward over the largest step allocates at its peak beyond its inputs and KV blocks (0 unless
     on CUDA, where the allocator can tell)."""
@@ -32,7 +32,7 @@ def largest_step(model: Qwen3ForCausalLM, ops: Ops, plan: KVPlan, config: Engine
     counts = [min(config.prefill_chunk_size, total - start) for start in range(0, total, config.prefill_chunk_size)]
     widths = [math.ceil(n / size) for n in counts]
     caches = [KVCache(n, sum(widths) + 1, size, shape.num_kv_heads, shape.head_dim, cache_dtype, device)
-              for n in plan.layers]
+              for n in layout.layers]
     starts = [sum(widths[:i]) for i in range(len(widths))]
     tables = torch.full((len(counts), max(widths)), -1, dtype=torch.int32)
     for row, (start, width) in enumerate(zip(starts, widths, strict=True)):
@@ -44,7 +44,7 @@ def largest_step(model: Qwen3ForCausalLM, ops: Ops, plan: KVPlan, config: Engine
     slots = (tables[row, positions // size].long() * size + positions % size).to(device)
     ids = torch.randint(0, shape.vocab_size, (total,), device=device)
     part = BatchPart(0, total, cu_seqlens.to(device), counts_t.to(device), [tables.to(device)] * len(caches))
-    attn = AttentionBatch(ops, caches, plan.layer_slots, [slots] * len(caches), [part])
+    attn = AttentionBatch(ops, caches, layout.layer_slots, [slots] * len(caches), [part])
     if measured:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.core.kv_cache import KVCache
-from engine.model.attention import AttentionBatch, BatchPart, LayerSlot
+from engine.model.attention_batch import AttentionBatch, BatchPart, LayerSlot
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.dense_decode import DenseDecodeKV
 from engine.model.qwen3 import Qwen3ForCausalLM
@@ -40,7 +40,9 @@ class PackedStep:
         return self.cu_seqlens.numpy()[1:][rows] - 1
 
 
-class ModelRunner:
+class StepExecutor:
+    """Runs each `StepPlan` on the model and its KV caches (`engine.builder` makes one per engine)."""
+
     def __init__(self, model: Qwen3ForCausalLM, caches: list[KVCache], layer_slots: list[LayerSlot],
                  ops: Ops, block_size: int, graphs: DecodeGraphs | None, pieces: PieceGraphs | None,
                  dense: DenseDecodeKV | None) -> None:
