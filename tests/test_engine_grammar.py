@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.structured import BUDGET, SCHEMAS
-from engine.interface import GrammarKind, GrammarSpec, Request, RequestError, SamplingParams
+from engine.interface import GrammarKind, GrammarSpec, Request, RequestError, SamplingParams, ToolSchema
 from engine.model.sampler import mask
 from engine.step import StepResult, TokenMasks
 from tests.engine_helpers import json_grammar, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401
@@ -56,6 +56,9 @@ def test_a_schema_the_compiler_cannot_take_is_refused_by_name_and_a_known_one_is
     engine = make_engine(tiny_model)
     with pytest.raises(RequestError, match=r'grammar: .*"objectx"'):
         engine.add_request(Request("bad", [1, 2], constrained(8, {"type": "objectx"})))
+    no_json = GrammarSpec(GrammarKind.FORCED_CALL, tools=(ToolSchema("f", '{"type": '),))
+    with pytest.raises(RequestError, match=r"grammar: .*Failed to parse JSON"):
+        engine.add_request(Request("bad", [1, 2], SamplingParams(max_new_tokens=8, grammar=no_json)))
     grammars = engine._grammar_compiler()
     assert grammars.compiled(json_grammar(SCHEMAS[1])) is grammars.compiled(json_grammar(SCHEMAS[1]))
 
