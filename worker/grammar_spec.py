@@ -27,19 +27,20 @@ from jobs.tool_calls import offers_tools
 
 def grammar_spec(job: JobIn) -> GrammarSpec | None:
     """The grammar of `job`'s answer; None where nothing constrains it (see the module's doc)."""
-    answer = _answer_schema(job.response_format)
     if not offers_tools(job.tools, job.tool_choice):
+        answer = _answer_schema(job.response_format)
         return None if answer is None else GrammarSpec(GrammarKind.JSON_SCHEMA, schema=answer)
     choice = job.tool_choice or "auto"
     if isinstance(choice, NamedToolChoice):
         named = next(tool for tool in job.tools if tool.function.name == choice.function.name)
         return GrammarSpec(GrammarKind.FORCED_CALL, tools=(_tool_schema(named),))
-    tools = tuple(_tool_schema(tool) for tool in job.tools)
     if choice == "required":
-        return GrammarSpec(GrammarKind.CALLS, tools=tools, parallel_calls=job.parallel_tool_calls)
-    if answer is None:  # `auto` without a format
+        return GrammarSpec(GrammarKind.CALLS, tools=_tool_schemas(job), parallel_calls=job.parallel_tool_calls)
+    answer = _answer_schema(job.response_format)  # `auto`: free, or a call or the answer in its format
+    if answer is None:
         return None
-    return GrammarSpec(GrammarKind.CALLS_OR_JSON, schema=answer, tools=tools, parallel_calls=job.parallel_tool_calls)
+    return GrammarSpec(GrammarKind.CALLS_OR_JSON, schema=answer, tools=_tool_schemas(job),
+                       parallel_calls=job.parallel_tool_calls)
 
 
 def _answer_schema(response_format: ResponseFormat | None) -> str | None:
@@ -49,6 +50,10 @@ def _answer_schema(response_format: ResponseFormat | None) -> str | None:
     if response_format.type == "json_object":
         return ANY_OBJECT
     return _text(response_format.json_schema.schema_)
+
+
+def _tool_schemas(job: JobIn) -> tuple[ToolSchema, ...]:
+    return tuple(_tool_schema(tool) for tool in job.tools)
 
 
 def _tool_schema(tool: Tool) -> ToolSchema:
