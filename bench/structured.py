@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from bench.common import qwen3_vocabulary_model, report, tiny_model
 from engine.config import EngineConfig
-from engine.interface import Request, SamplingParams
+from engine.interface import GrammarKind, GrammarSpec, Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.runtime.engine_process import EngineProcess
 from engine.runtime.engine_thread import EngineThread
@@ -86,8 +86,8 @@ SCHEMAS = [
 ]
 
 
-def grammar(schema: dict) -> str:
-    return json.dumps({"type": "json_schema", "schema": schema}, sort_keys=True)
+def grammar(schema: dict) -> GrammarSpec:
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
 
 
 def prompt(i: int) -> list[int]:

@@ -1,12 +1,5 @@
-"""Constrained decoding with xgrammar: a request's grammar becomes a matcher that masks the tokens it forbids.
-
-A grammar spec is JSON text, one of
-- `{"type": "json_schema", "schema": {...}}`: an output that parses and validates against the schema;
-- `{"type": "json_object"}`: any JSON object;
-- `{"type": "structural_tag", "structural_tag": {...}}`: xgrammar's structural tag (tool calls; see
-  `xgrammar.get_model_structural_tag`).
-JSON is compiled without free whitespace (one space after `:` and `,`, none elsewhere): a model may not spend
-its budget on blanks, so an output of a bounded schema completes within a modest budget.
+"""Constrained decoding with xgrammar: a request's grammar (`engine.interface.GrammarSpec`, made a grammar by
+`engine.grammar_build`) becomes a matcher that masks the tokens it forbids.
 
 Compiling happens on the compiler's own thread, which the submitting thread (`LLMEngine.prepare`) waits on for at
 most `compile_s`: a grammar that takes longer, or whose compiling fails in any way (out of memory included), is
@@ -21,7 +14,6 @@ before penalties; rows without a grammar pay nothing.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -32,44 +24,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 import xgrammar as xgr
 
-from engine.interface import RequestError
+from engine.grammar_build import grammar_of
+from engine.interface import GrammarSpec, RequestError
 from engine.step import TokenMasks
-
-JSON_SEPARATORS = (", ", ": ")
-# xgrammar 0.2.9 draws a JSON string's characters as `[^"\\\r\n]` (strings with a length bound: raw control
-# characters allowed) or `[^\0-\x1f"\\\r\n]`, and either takes the UTF-8 bytes of a surrogate (U+D800..U+DFFF),
-# which no UTF-8 decoder does (json.loads refuses the first, and a byte-level tokenizer's output would decode to
-# U+FFFD). Each becomes JSON's own class of plain characters, without surrogates.
-LOOSE_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-JSON_STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 
 
 def _message(e: Exception) -> str:
     """xgrammar's error without its source location (`[time] path.cc:line: message`)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
-
-
-def grammar_of(spec: str) -> xgr.Grammar:
-    """The grammar a spec describes; raises ValueError (or xgrammar's RuntimeError) for one it cannot be."""
-    parsed = json.loads(spec)
-    kind = parsed.get("type") if isinstance(parsed, dict) else None
-    if kind == "json_schema":
-        grammar = xgr.Grammar.from_json_schema(json.dumps(parsed["schema"]), any_whitespace=False,
-                                               separators=JSON_SEPARATORS)
-    elif kind == "json_object":
-        grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
-                                               separators=JSON_SEPARATORS)
-    elif kind == "structural_tag":
-        grammar = xgr.Grammar.from_structural_tag(json.dumps(parsed["structural_tag"]))
-    else:
-        raise ValueError(f"unknown grammar type {kind!r}")
-    text = str(grammar)
-    if not any(loose in text for loose in LOOSE_STRING_CHARS):
-        return grammar
-    for loose in LOOSE_STRING_CHARS:
-        text = text.replace(loose, JSON_STRING_CHAR)
-    return xgr.Grammar.from_ebnf(text)
 
 
 def _background() -> None:
@@ -90,9 +53,9 @@ class Grammars:
         self.words = xgr.get_bitmask_shape(1, self.info.vocab_size)[1]
         self.compile_s = compile_s
         self.cache_bytes = cache_bytes
-        self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._cached_bytes = 0
-        self._compiling: dict[str, Future[xgr.CompiledGrammar]] = {}
+        self._compiling: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
         self._lock = threading.Lock()  # requests are prepared on any submitting thread
         # one compile at a time, on one thread at the lowest priority: compiling is background work, which gets
         # the CPU the step loop leaves (with two threads at the loop's priority, chats beside a compile of a
@@ -100,7 +63,7 @@ class Grammars:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile",
                                             initializer=_background)
 
-    def compiled(self, spec: str) -> xgr.CompiledGrammar:
+    def compiled(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """`spec` compiled, from the cache when it was seen before; raises `RequestError` naming the problem,
         or saying it was not compiled within `compile_s`."""
         with self._lock:
@@ -117,7 +80,7 @@ class Grammars:
             raise RequestError(f"grammar: not compiled within {self.compile_s:g}s (CONVOQ_GRAMMAR_COMPILE_S); a "
                                "smaller schema compiles sooner") from None
 
-    def _compile(self, spec: str) -> xgr.CompiledGrammar:
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """On the compiler's thread: `spec` compiled and cached, or a `RequestError`."""
         error: RequestError | None = None
         try:
@@ -134,7 +97,7 @@ class Grammars:
             raise error
         return compiled
 
-    def _keep(self, spec: str, compiled: xgr.CompiledGrammar) -> None:
+    def _keep(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
         """Cache `compiled`, the least recently used going first past `cache_bytes` (one larger than all of
         it is not kept). Under the lock."""
         size = compiled.memory_size_bytes
@@ -150,7 +113,7 @@ class Grammars:
     def cached_bytes(self) -> int:
         return self._cached_bytes
 
-    def matcher(self, spec: str) -> xgr.GrammarMatcher:
+    def matcher(self, spec: GrammarSpec) -> xgr.GrammarMatcher:
         """A fresh matcher for `spec`."""
         return xgr.GrammarMatcher(self.compiled(spec))
 

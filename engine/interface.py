@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 # A temperature below this samples as its limit, greedy (vLLM draws the same line): logits divided by a smaller
@@ -32,9 +33,9 @@ class SamplingParams:
     max_thinking_tokens: int | None = None
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks generate exactly max_new_tokens
-    # the output is constrained by this grammar, an `engine.grammar` spec (JSON text: a JSON schema, any JSON
-    # object, or a structural tag for tool calls), compiled on the submitting thread; None: free text
-    grammar: str | None = None
+    # the output is constrained by this grammar (`GrammarSpec`: a JSON schema, or tool calls), compiled on the
+    # submitting thread; None: free text
+    grammar: GrammarSpec | None = None
     # with a grammar: the model reasons first, free, and the grammar starts after its `</think>`
     grammar_after_think: bool = False
     # None: no log-probabilities; k (0..20): each output token's own and its k most likely alternatives'
@@ -164,3 +165,37 @@ class EngineRunner(Protocol):
     def stats(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
+
+
+# --- structured outputs: the grammar a request's output follows -------------------------------------------------
+
+# the arguments of a tool without a schema, and the answer of a `json_object` format: any JSON object
+ANY_OBJECT = '{"type":"object"}'
+
+
+class GrammarKind(Enum):
+    JSON_SCHEMA = "json_schema"  # JSON that validates against `schema`
+    FORCED_CALL = "forced_call"  # exactly one call of the one tool in `tools`
+    CALLS = "calls"  # one or more calls of `tools` and nothing else (one at most without `parallel_calls`)
+    CALLS_OR_JSON = "calls_or_json"  # calls as under CALLS, or JSON that validates against `schema`
+
+
+@dataclass(frozen=True)
+class ToolSchema:
+    """A tool as the grammar needs it: its name and its arguments' JSON schema, as JSON text."""
+
+    name: str
+    parameters: str
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must be, built once from its job and compiled by the engine (`engine.grammar`).
+
+    Every schema is JSON text written once, compact and in the client's key order (the grammar emits an object's
+    properties in the schema's order). Specs that are equal are one compiled grammar in the engine's cache."""
+
+    kind: GrammarKind
+    schema: str = ANY_OBJECT  # for JSON_SCHEMA and CALLS_OR_JSON
+    tools: tuple[ToolSchema, ...] = ()  # for the kinds with calls
+    parallel_calls: bool = True

@@ -169,7 +169,7 @@ class JsonSchemaResponseFormat(Strict):
     json_schema: JsonSchemaFormat
 
 
-# OpenAI's `response_format`; `jobs.structured.grammar_spec` makes it the engine's grammar
+# OpenAI's `response_format`; `worker.grammar_spec` makes it the engine's grammar
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 

@@ -1,9 +1,10 @@
-"""Structured outputs: the check of a `response_format`'s JSON schema, and the grammar spec the engine constrains
-the answer with (`engine.grammar`: JSON text, `{"type": "json_schema", "schema": ...}` or `{"type": "json_object"}`).
+"""Structured outputs: the check of the JSON schemas a request holds (its `response_format`'s, its tools'
+`parameters`), which the worker then makes the engine's grammar (`worker.grammar_spec`).
 
 The API checks a schema against JSON Schema's meta-schema (its own `$schema`'s, else draft 2020-12) before
-anything is stored: the API process must not import xgrammar (it loads torch). A schema that is valid but uses
-what the grammar compiler cannot take fails its job alone, with the compiler's message (`grammar: ...`).
+anything is stored, and refuses the keywords the engine's grammar cannot enforce: the API process must not import
+the engine or xgrammar (it loads torch). A schema that is valid but uses what the grammar compiler cannot take
+fails its job alone, with the compiler's message (`grammar: ...`).
 
 What a grammar costs to compile grows with its schema (a thousand optional properties take seconds), so the API
 also bounds a schema's size, its count of values and its nesting (`SchemaBounds`, from the settings) before it
@@ -24,12 +25,12 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 if TYPE_CHECKING:
-    from jobs.schemas import ResponseFormat
     from jobs.settings import Settings
 
 
-# keywords the grammar compiler (xgrammar 0.2.9) passes over without enforcing them: an answer could break them,
-# so a schema that uses one is refused rather than half kept
+# keywords the engine's grammar compiler (xgrammar 0.2.9) passes over without enforcing them: an answer could break
+# them, so a schema that uses one is refused rather than half kept. Listed here, not in the engine, because the API
+# refuses them and must not import the engine.
 UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas", "if",
               "then", "else", "unevaluatedProperties", "unevaluatedItems")
 # where a schema holds further schemas: one, a list of them, or a map of names to them
@@ -165,16 +166,3 @@ def _subschemas(schema: dict, path: str) -> list[tuple[str, object]]:
             subschemas += [(f"{path}/{key}/{name}", sub) for name, sub in value.items()]
     return subschemas
 
-
-def grammar_spec(response_format: ResponseFormat | None) -> str | None:
-    """The engine's grammar spec for a job's `response_format`; None (free text) for `text` or none.
-
-    Compact, so that one schema sent twice is one spec (the engine caches compiled grammars by spec). Keys are
-    not sorted: the grammar emits an object's properties in the schema's order, which the client chose (a
-    `reasoning` property before its `answer`)."""
-    if response_format is None or response_format.type == "text":
-        return None
-    spec: dict[str, Any] = {"type": response_format.type}
-    if response_format.type == "json_schema":
-        spec["schema"] = response_format.json_schema.schema_
-    return json.dumps(spec, separators=(",", ":"), ensure_ascii=False)

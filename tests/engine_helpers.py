@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
-from engine.interface import Completion, Request, SamplingParams
+from engine.interface import Completion, GrammarKind, GrammarSpec, Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.step import SamplingInputs
 
@@ -101,3 +101,8 @@ class FakeCost:
     def coefficients(self) -> dict[str, float]:
         return {"step_fixed_s": self.fixed, "step_per_token_s": self.per_token, "step_per_row_s": self.per_row,
                 "step_per_context_s": self.per_context}
+
+
+def json_grammar(schema: dict) -> GrammarSpec:
+    """The grammar of JSON that validates against `schema`."""
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))

@@ -8,15 +8,15 @@ import time
 from pathlib import Path
 
 from engine import grammar
-from engine.interface import StepEngine
+from engine.interface import GrammarSpec, StepEngine
 from worker.engine_factory import WorkerSettings, load_backend
 
 GATE = "gate:"
 
 
 def gated(compile_spec):
-    def wait_then_compile(spec: str):
-        title = str(json.loads(spec).get("schema", {}).get("title", ""))
+    def wait_then_compile(spec: GrammarSpec):
+        title = str(json.loads(spec.schema).get("title", ""))
         if title.startswith(GATE):
             gate, deadline = Path(title.removeprefix(GATE)), time.monotonic() + 60
             while not gate.exists() and time.monotonic() < deadline:

@@ -14,6 +14,7 @@ from engine.runtime.engine_thread import EngineThread
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,
+    json_grammar,
     kv_block_bytes,
     make_engine,
     prompts,
@@ -62,7 +63,7 @@ def test_greedy_matches_transformers_beside_constrained_requests(tiny_models, hf
                           prefill_chunk_size=64, max_num_seqs=32) if pressure else make_engine(path))
     schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
               "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
-    grammar = json.dumps({"type": "json_schema", "schema": schema})
+    grammar = json_grammar(schema)
     requests = []
     for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True)):
         requests.append(Request(str(i), ids, greedy(n, ignore_eos=False)))

@@ -11,18 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.structured import BUDGET, SCHEMAS
-from engine.interface import Request, RequestError, SamplingParams
+from engine.interface import GrammarKind, GrammarSpec, Request, RequestError, SamplingParams, ToolSchema
 from engine.model.sampler import mask
 from engine.step import StepResult, TokenMasks
-from tests.engine_helpers import kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401
-
-
-def spec(schema: dict) -> str:
-    return json.dumps({"type": "json_schema", "schema": schema})
+from tests.engine_helpers import json_grammar, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401
 
 
 def constrained(max_new_tokens: int, schema: dict, **kw) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens, grammar=spec(schema), **kw)
+    return SamplingParams(max_new_tokens=max_new_tokens, grammar=json_grammar(schema), **kw)
 
 
 def test_every_output_parses_and_validates_sampled_or_greedy(tiny_model):
@@ -39,7 +35,7 @@ def test_every_output_parses_and_validates_sampled_or_greedy(tiny_model):
 
 def test_json_object_and_a_budget_that_runs_out_mid_object(tiny_model):
     engine = make_engine(tiny_model)
-    any_object = SamplingParams(max_new_tokens=200, temperature=1.0, seed=3, grammar='{"type": "json_object"}')
+    any_object = SamplingParams(max_new_tokens=200, temperature=1.0, seed=3, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA))
     short = constrained(4, SCHEMAS[0])
     done = run_all(engine, [Request("any", prompts(1, 8, 8)[0], any_object), Request("short", [5, 6, 7], short)])
     assert done["short"].finish_reason == "length" and '{"category": "'.startswith(done["short"].text)
@@ -60,10 +56,11 @@ def test_a_schema_the_compiler_cannot_take_is_refused_by_name_and_a_known_one_is
     engine = make_engine(tiny_model)
     with pytest.raises(RequestError, match=r'grammar: .*"objectx"'):
         engine.add_request(Request("bad", [1, 2], constrained(8, {"type": "objectx"})))
-    with pytest.raises(RequestError, match="grammar: unknown grammar type 'regex'"):
-        engine.add_request(Request("bad", [1, 2], SamplingParams(max_new_tokens=8, grammar='{"type": "regex"}')))
+    no_json = GrammarSpec(GrammarKind.FORCED_CALL, tools=(ToolSchema("f", '{"type": '),))
+    with pytest.raises(RequestError, match=r"grammar: .*Failed to parse JSON"):
+        engine.add_request(Request("bad", [1, 2], SamplingParams(max_new_tokens=8, grammar=no_json)))
     grammars = engine._grammar_compiler()
-    assert grammars.compiled(spec(SCHEMAS[1])) is grammars.compiled(spec(SCHEMAS[1]))
+    assert grammars.compiled(json_grammar(SCHEMAS[1])) is grammars.compiled(json_grammar(SCHEMAS[1]))
 
 
 def test_grammars_follow_their_sequences_through_preemption_and_cancels(tiny_model):
@@ -159,7 +156,7 @@ def test_json_strings_hold_only_what_json_and_utf8_allow(tiny_model, string):
     schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
 
     def inside_string():
-        matcher = grammars.matcher(spec(schema))
+        matcher = grammars.matcher(json_grammar(schema))
         assert matcher.accept_string('{"s": "a')
         return matcher
 

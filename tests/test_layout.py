@@ -384,3 +384,22 @@ def test_the_contract_holds_no_wire_model_of_the_api():
              if (models := plain_models(ast.parse(path.read_text(), str(path))))}
     assert found == {"jobs/schemas.py": ["Strict"]}
     assert plain_models(ast.parse("class BatchOut(BaseModel):\n    id: int")) == ["BatchOut"]
+
+
+# xgrammar's specifics (its grammars, structural tags, compiler and matchers) live beside the engine's grammar
+# code; the sampler applies the masks its matchers fill
+XGRAMMAR_ROOMS = r"engine/grammar\w*\.py|engine/model/sampler\.py"
+
+
+def xgrammar_importers(modules: dict[str, ast.AST]) -> set[str]:
+    return {name for name, tree in modules.items()
+            if any(m.split(".")[0] == "xgrammar" for m in imported_modules(tree, name.split("/")[0]))}
+
+
+def test_only_the_engines_grammar_code_imports_xgrammar():
+    modules = {str(path.relative_to(ROOT)): ast.parse(path.read_text(), str(path))
+               for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+    found = xgrammar_importers(modules)
+    assert "engine/grammar.py" in found
+    assert {name for name in found if not re.fullmatch(XGRAMMAR_ROOMS, name)} == set()
+    assert xgrammar_importers({"worker/bridge.py": ast.parse("from xgrammar.structural_tag import OrFormat")})

@@ -26,10 +26,10 @@ from api.app import create_app
 from api.http.client import Client
 from api.schemas.results import ResultOut
 from cli.stack import Stack
-from engine.interface import Completion
+from engine.grammar import Grammars
+from engine.interface import ANY_OBJECT, Completion, GrammarKind, GrammarSpec
 from jobs.schemas import JobIn
 from jobs.settings import Settings
-from jobs.structured import grammar_spec
 from jobs.tables import Job, Result, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
 from tests.conftest import API_KEY
@@ -37,6 +37,7 @@ from worker import results
 from worker.bridge import Bridge
 from worker.claims import claim
 from worker.engine_factory import WorkerSettings
+from worker.grammar_spec import grammar_spec
 from worker.logprobs import FLOOR, openai_logprobs
 from worker.outcome import Outcome
 from worker.sampling import sampling_params
@@ -72,16 +73,16 @@ def fmt(schema: dict) -> dict:
 
 def test_a_response_format_becomes_a_compact_spec_keeping_the_schemas_order():
     job = JobIn(messages=HELLO, response_format=TICKET_FORMAT)
-    spec = grammar_spec(job.response_format)
-    assert ", " not in spec and ": " not in spec  # compact: one schema sent twice is one spec
-    assert json.loads(spec) == {"type": "json_schema", "schema": TICKET}
+    spec = grammar_spec(job)
+    assert spec.kind is GrammarKind.JSON_SCHEMA and json.loads(spec.schema) == TICKET
+    assert ", " not in spec.schema and ": " not in spec.schema  # compact: one schema sent twice is one spec
     # the grammar emits properties in the schema's order: sorting the keys would reorder the answer
-    assert list(json.loads(spec)["schema"]["properties"]) == list(TICKET["properties"])
+    assert list(json.loads(spec.schema)["properties"]) == list(TICKET["properties"])
     assert JobIn.model_validate(job.model_dump(mode="json")) == job  # the stored payload reads back the same
-    assert grammar_spec(JobIn(messages=HELLO, response_format={"type": "json_object"}).response_format) == \
-        '{"type":"json_object"}'
-    assert grammar_spec(JobIn(messages=HELLO, response_format={"type": "text"}).response_format) is None
-    assert grammar_spec(None) is None
+    assert grammar_spec(JobIn(messages=HELLO, response_format={"type": "json_object"})) == \
+        GrammarSpec(GrammarKind.JSON_SCHEMA, ANY_OBJECT)
+    assert grammar_spec(JobIn(messages=HELLO, response_format={"type": "text"})) is None
+    assert grammar_spec(JobIn(messages=HELLO)) is None
 
 
 @pytest.mark.parametrize(("fields", "says"), [
@@ -121,11 +122,34 @@ def test_the_engines_sampling_carries_the_grammar_and_the_logprobs():
     plain = sampling_params(JobIn(messages=HELLO))
     assert (plain.grammar, plain.grammar_after_think, plain.logprobs) == (None, False, None)
     job = JobIn(messages=HELLO, response_format=TICKET_FORMAT, logprobs=True, top_logprobs=5)
-    assert json.loads(sampling_params(job).grammar)["schema"] == TICKET
+    assert json.loads(sampling_params(job).grammar.schema) == TICKET
     assert (sampling_params(job).logprobs, sampling_params(job).grammar_after_think) == (5, False)
     assert sampling_params(job, thinking=True).grammar_after_think  # the reasoning runs free
     assert sampling_params(JobIn(messages=HELLO, logprobs=True)).logprobs == 0  # the tokens' own, no alternatives
     assert not sampling_params(JobIn(messages=HELLO, logprobs=True), thinking=True).grammar_after_think
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["format", "calls-or-format"])
+def test_a_schema_is_parsed_once_from_the_jobs_payload_to_its_compiled_grammar(tiny_model, monkeypatch, tools):
+    """Reading the stored payload back is the one parse; each schema is then written as text once, and that text
+    is what the compiler gets."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    payload = json.dumps({"messages": HELLO, "response_format": TICKET_FORMAT, "tools": tools})
+    JobIn.model_validate(json.loads(payload))  # what validating loads once per process (meta-schemas) is loaded
+    parsed, written = [], []
+    decode, dumps = json.JSONDecoder.decode, json.dumps
+    monkeypatch.setattr(json.JSONDecoder, "decode", lambda self, text, **kw: parsed.append(text) or decode(self, text))
+    monkeypatch.setattr(json, "dumps", lambda value, *args, **kw: (
+        written.append(value) if isinstance(value, dict) else None) or dumps(value, *args, **kw))
+    spec = grammar_spec(JobIn.model_validate(json.loads(payload)))
+    assert grammars.compiled(spec) is not None
+    assert parsed == [payload]
+    assert written == [TICKET] + [tool["function"]["parameters"] for tool in tools or ()]
 
 
 class Instant:
@@ -169,7 +193,7 @@ def test_a_long_transcripts_parts_run_free_and_only_its_final_summary_is_constra
     assert outcome.completion.ok and outcome.chunks > 1
     *parts, final = runner.requests
     assert parts and all(r.sampling.grammar is None and r.sampling.logprobs is None for r in parts)
-    assert json.loads(final.sampling.grammar)["schema"] == TICKET and final.sampling.logprobs == 0
+    assert json.loads(final.sampling.grammar.schema) == TICKET and final.sampling.logprobs == 0
     assert len(outcome.logprobs) == 2  # the final summary's
 
 

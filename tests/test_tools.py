@@ -19,15 +19,16 @@ from api.service.batch_input import OpenAIBody, ParsedLine, openai_job, parse_ba
 from api.service.batch_output import completion
 from api.streams.events import settled
 from cli.tiny_model import build_tokenizer, copy_qwen3_tokenizer
-from engine.interface import Completion
+from engine.grammar_build import grammar_of
+from engine.interface import ANY_OBJECT, Completion, GrammarKind, GrammarSpec
 from jobs.chat import chat_for, encode_chat, problem
 from jobs.schemas import MAX_TOOLS, JobIn
 from jobs.tables import Job, Result, utcnow
 from jobs.tool_calls import ToolUse, finish_reason, parse, stream_stops, template_tools, tool_use
 from tests.conftest import API_KEY, QWEN3_TOKENIZER
+from worker.grammar_spec import grammar_spec
 from worker.outcome import Outcome
 from worker.sampling import sampling_params
-from worker.tool_grammar import tool_grammar
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
@@ -211,17 +212,17 @@ def compiler():
     return xgr.GrammarCompiler(info), info.stop_token_ids[0]
 
 
-def accepts(compiler, spec: str, text: str) -> bool:
+def accepts(compiler, spec: GrammarSpec, text: str) -> bool:
     """Whether the grammar of `spec` takes `text` whole, ending there."""
     grammars, stop = compiler
-    matcher = xgr.GrammarMatcher(grammars.compile_structural_tag(json.dumps(json.loads(spec)["structural_tag"])))
+    matcher = xgr.GrammarMatcher(grammars.compile_grammar(grammar_of(spec)))
     return matcher.accept_string(text) and matcher.accept_token(stop)
 
 
 def test_required_is_one_or_more_calls_and_nothing_else(compiler):
-    spec = tool_grammar(job(tool_choice="required"))
+    spec = grammar_spec(job(tool_choice="required"))
     assert accepts(compiler, spec, CALL_TEXT) and accepts(compiler, spec, f"{CALL_TEXT}\n{TICKET_TEXT}")
-    one = tool_grammar(job(tool_choice="required", parallel_tool_calls=False))
+    one = grammar_spec(job(tool_choice="required", parallel_tool_calls=False))
     assert accepts(compiler, one, TICKET_TEXT) and not accepts(compiler, one, f"{CALL_TEXT}\n{TICKET_TEXT}")
     assert not accepts(compiler, spec, "It is cold in Oslo.")
     assert not accepts(compiler, spec, "")
@@ -230,7 +231,7 @@ def test_required_is_one_or_more_calls_and_nothing_else(compiler):
 
 
 def test_a_named_function_is_exactly_one_call_of_it(compiler):
-    spec = tool_grammar(job(tool_choice=NAMED))
+    spec = grammar_spec(job(tool_choice=NAMED))
     assert accepts(compiler, spec, CALL_TEXT)
     assert not accepts(compiler, spec, TICKET_TEXT)
     assert not accepts(compiler, spec, f"{CALL_TEXT}\n{CALL_TEXT}")
@@ -239,18 +240,17 @@ def test_a_named_function_is_exactly_one_call_of_it(compiler):
 
 
 def test_auto_is_free_unless_the_answer_has_a_format(compiler):
-    assert tool_grammar(job()) is None and tool_grammar(job(tool_choice="auto")) is None
+    assert grammar_spec(job()) is None and grammar_spec(job(tool_choice="auto")) is None
     assert sampling_params(job()).grammar is None
     json_object = {"type": "json_object"}
-    spec = tool_grammar(job(response_format=json_object))  # a call, or the answer in its format
+    spec = grammar_spec(job(response_format=json_object))  # a call, or the answer in its format
     assert accepts(compiler, spec, CALL_TEXT) and accepts(compiler, spec, '{"answer": "cold"}')
     assert not accepts(compiler, spec, "It is cold.")
     # `none`: the format alone; `required`: the call alone
-    assert tool_grammar(job(tool_choice="none", response_format=json_object)) is None
-    assert json.loads(sampling_params(job(tool_choice="none", response_format=json_object)).grammar)["type"] \
-        == "json_object"
-    assert tool_grammar(job(tool_choice="required", response_format=json_object)) \
-        == tool_grammar(job(tool_choice="required"))
+    assert sampling_params(job(tool_choice="none", response_format=json_object)).grammar \
+        == GrammarSpec(GrammarKind.JSON_SCHEMA, ANY_OBJECT)
+    assert grammar_spec(job(tool_choice="required", response_format=json_object)) \
+        == grammar_spec(job(tool_choice="required"))
 
 
 # --- the service ----------------------------------------------------------------------------------------------

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from engine.interface import SamplingParams
 from jobs.schemas import JobIn, Sampling
-from jobs.structured import grammar_spec
-from worker.tool_grammar import tool_grammar
+from worker.grammar_spec import grammar_spec
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +56,7 @@ def sampling_params(job: JobIn, defaults: Mapping[str, float] = OURS, thinking: 
     `response_format` or its `tool_choice` (after the reasoning, with thinking), with log-probabilities if it asked for them."""
     given = job.sampling.model_dump(exclude_none=True)  # every field the job set, by the schema's names
     given["stop"] = tuple(given["stop"])
-    # a tool choice's grammar takes the response_format in where both apply (`worker.tool_grammar`)
-    grammar = tool_grammar(job) or grammar_spec(job.response_format)
+    grammar = grammar_spec(job)
     return SamplingParams(**(OURS | dict(defaults) | given), max_thinking_tokens=job.max_thinking_tokens,
                           grammar=grammar, grammar_after_think=thinking and grammar is not None,
                           logprobs=(job.top_logprobs or 0) if job.logprobs else None)
