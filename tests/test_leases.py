@@ -22,6 +22,7 @@ from bench.faults import lose_replies_of
 from broker.app import create_celery
 from broker.publish import publish
 from engine.interface import Completion, Timings
+from engine.runtime.engine_thread import EngineDead
 from jobs.error_codes import ErrorCode
 from jobs.schemas import JobIn
 from jobs.settings import Settings
@@ -31,9 +32,10 @@ from worker.claims import claim, claim_many, mark_alone
 from worker.crashes import attribute, hand_back_expired
 from worker.heartbeat import beat, hand_back
 from worker.leases import Leases
-from worker.outcome import Outcome
+from worker.outcome import Ending, Outcome, RunEnd
 from worker.reconciler import Reconciler
 from worker.run_ends import fail, give_back, requeue
+from worker.runs import guarded
 from worker.solo import Solo
 from worker.sweep import SWEEP_LOCK, LockLost, Sweeper
 
@@ -463,3 +465,25 @@ def test_after_an_outage_expired_leases_wait_a_lease_for_their_workers(db, setti
     assert not sweeper.settled()  # back, and counting a lease from here
     beats(1.2)
     assert sweeper.settled()
+
+
+def test_a_run_whose_engine_closed_at_shutdown_ends_handed_back_and_its_job_goes_back_uncharged(db):
+    """The engine closed under a run while its worker shuts down: no crash of the job's doing. The job goes back
+    uncharged, and the run ends `HANDED_BACK`, which returns its message to the queue. A job that moved on
+    meanwhile is settled with nothing to send back."""
+    engine, sessions = db
+    job_id = new_job(sessions)
+    claimed = claim(sessions, job_id, "w1", 3)
+    begun = threading.Event()
+    begun.set()
+    ctx = SimpleNamespace(sessions=sessions, leases=Leases(), shutdown=SimpleNamespace(begun=begun),
+                          progress=SimpleNamespace(status=lambda *_: None),
+                          metrics=SimpleNamespace(refused=lambda: None))
+
+    def closed() -> None:
+        raise EngineDead("the engine was closed at shutdown")
+
+    assert guarded(ctx, claimed, closed) == RunEnd(Ending.HANDED_BACK)
+    assert row(engine, job_id)[:3] == ("queued", 0, 0)
+    assert claim(sessions, job_id, "w2", 3) is not None  # taken by the next worker
+    assert guarded(ctx, claimed, closed) == RunEnd(Ending.SETTLED)

@@ -1,14 +1,14 @@
-"""The worker's side of the engine: prompts in, completions out, through the one loop that owns the engine (an
-`EngineRunner`: a process of its own, or a thread of the worker's).
+"""The worker's side of the engine. Prompts go in and completions come out, through the one loop that owns the
+engine (an `EngineRunner`, which is a process of its own or a thread of the worker's).
 
 Many Celery threads run jobs at once; each opens a `JobRun` on the bridge and blocks on its own futures while
 the engine loop batches everything in flight. What a job's prompts are (one chat, or the parts of a
 map-reduce summary) is decided by the task (`worker.runs`, `worker.reply`, `worker.summarize`), never here.
 
-A run can be stopped from any thread (`Bridge.stop`: a cancel, or a deadline seen by the reconciler): its
-requests in the engine are stopped before the next step and keep their text so far; requests it submits
+A run can be stopped from any thread (`Bridge.stop`), by a cancel or by a deadline the reconciler saw. Its
+requests in the engine are stopped before the next step and keep their text so far. Requests it submits
 afterwards end at once with the same reason. An engine that does not answer a stop within `stop_grace_s` (it is
-stuck, and its watchdog has not acted yet) is not waited for: the run's requests end with the reason and the text
+stuck, and its watchdog has not acted yet) is not waited for. The run's requests end with the reason and the text
 the run has seen stream in, and whatever the engine says about them later is dropped. A run past its deadline by
 as much is stopped the same way (`expired`), so a stuck engine never holds a cancel or a deadline back.
 """

@@ -1,14 +1,14 @@
-"""Room for urgent messages: a worker stops fetching bulk messages while bulk jobs hold their share of it.
+"""Room for urgent messages. A worker stops fetching bulk messages while bulk jobs hold their share of it.
 
 Every Celery thread of a worker blocks on its job until the engine finishes it, and Redis has no per-queue
 prefetch. Without a limit, a bulk batch fills every thread (and every prefetch slot), and an urgent message
 then waits in Redis until some bulk job ends. This consumer bootstep counts the bulk jobs the worker holds
-(received, not finished: a grouped message counts its lines, which run side by side) and stops consuming the
+(received, not finished; a grouped message counts its lines, which run side by side) and stops consuming the
 bulk queues (the shared one and the worker's own) when they reach `share` of the worker's threads, starting again
 below it; interactive messages are then fetched within one broker round trip. A group received just below the
 limit overshoots it by less than a group (`CONVOQ_BULK_GROUP`), in an engine that batches far more.
 
-All state lives on the consumer's event-loop thread: the count goes up in `task_received` (sent there, from
+All state lives on the consumer's event-loop thread. The count goes up in `task_received` (sent there, from
 inside the read that delivered the message, before the next fetch is issued, so the cancel lands before
 another bulk message can), and task threads hand their `task_postrun` to it with `call_soon`. A message id
 may be delivered again while its first copy still runs (after a reconnect), so deliveries are counted, not

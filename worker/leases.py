@@ -1,7 +1,7 @@
-"""The leases one worker process holds (job id -> lease id): its heartbeat renews exactly these.
+"""The leases one worker process holds (job id -> lease id). Its heartbeat renews exactly these.
 
 A job the worker does not hold in memory is not renewed, even if its row names this worker (a claim whose
-reply was lost, say): its lease expires and the reconciler hands it back.
+reply was lost, say). Its lease expires and the reconciler hands it back.
 """
 
 from __future__ import annotations

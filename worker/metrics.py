@@ -3,7 +3,7 @@
 Job metrics carry the same numbers as the job's timings row, observed once that row is committed. Engine
 gauges (`EngineThread.stats()`, a round trip to the engine's process), the process's CPU and memory and each
 thread's CPU are collected at most every `CONVOQ_METRICS_REFRESH_S` by one thread (`process.scrape.Snapshot`), not
-at each scrape: a flood of scrapes asks the engine nothing. Each process serves its own registry on
+at each scrape, so a flood of scrapes asks the engine nothing. Each process serves its own registry on
 `CONVOQ_WORKER_METRICS_PORT` or, when another process on the host holds that, the next free port above it.
 """
 

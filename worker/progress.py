@@ -1,13 +1,13 @@
 """Progress of the jobs a worker runs, published on Redis pub/sub for `GET /v1/jobs/{id}/events`.
 
-Events are published only for jobs someone is subscribed to (one PUBSUB NUMSUB per flush asks): most jobs, a
+Events are published only for jobs someone is subscribed to (one PUBSUB NUMSUB per flush asks). Most jobs, a
 batch's lines above all, are followed by nobody, and a publish each would cost the worker and Redis for nothing.
-Nothing is stored either: a subscriber reads the job's row once subscribed, and a status is queued here only
+Nothing is stored either. A subscriber reads the job's row once subscribed, and a status is queued here only
 once the row says so, so it misses nothing. Status changes go out as they happen; text at most once per
 `interval` per job, and always as the whole text so far, so a subscriber that connects late is up to date with
-its first text event. Each text event names its run (the lease of the claim that produced it): a job handed
-back and run again samples a new text, and the API must tell it from the old one's. Publishing is best-effort:
-a Redis error loses progress events, never a job.
+its first text event. Each text event names its run (the lease of the claim that produced it), because a job
+handed back and run again samples a new text, and the API must tell it from the old one's. Publishing is
+best-effort, so a Redis error loses progress events, never a job.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 A transcript whose prompt fits (context minus the output budget) is summarized in one request. A longer
 one is split on turn boundaries into chunks that fit (a single turn too long for a chunk is split on
 word boundaries, or between characters where it has no spaces), each chunk is summarized, and the partial summaries are combined, again in chunks if
-they do not fit together, until one summary remains. Nothing is truncated: a transcript that cannot be
+they do not fit together, until one summary remains. Nothing is truncated. A transcript that cannot be
 reduced within the budget fails with a clear error instead. A job's `response_format` and logprobs are its
-answer's: the parts and the combines before the last run free, and only the final summary (the one request,
+answer's. The parts and the combines before the last run free, and only the final summary (the one request,
 or the last combine) is constrained.
 """
 
