@@ -17,12 +17,12 @@ from datetime import UTC, datetime
 
 from tqdm import tqdm
 
-from engine.llm_engine import LLMEngine
-from engine.runtime.engine_thread import EngineThread
+from engine import builder
+from jobs.model_source import resolve_model
 from jobs.schemas import DEFAULT_BATCH_PRIORITY, JobIn
 from jobs.settings import Settings
 from worker.bridge import Bridge
-from worker.engine_factory import engine_config
+from worker.engine_factory import engine_options
 from worker.tasks import RUN_BY_KIND
 
 MEMORY_CEILING = 0.9
@@ -43,8 +43,9 @@ class Trial:
 
 
 def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> Trial:
-    engine = LLMEngine(engine_config(settings, max_num_seqs=seqs, max_num_batched_tokens=tokens))
-    bridge = Bridge.for_settings(EngineThread(engine), settings)
+    knobs = {**engine_options(settings), "max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+    bridge = Bridge.for_settings(builder.start_runner("engine", settings.model, knobs, resolve_model, own_process=False),
+                                 settings)
     start = time.monotonic()
 
     created = datetime.now(UTC)

@@ -8,7 +8,7 @@ or `engine.runtime.engine_process.EngineProcess` (a process of its own).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -117,6 +117,20 @@ class Completion:
 
 class RequestError(ValueError):
     """A request that can never run (e.g. its prompt exceeds the model's context): fails alone."""
+
+
+class EngineDead(RuntimeError):
+    """The engine's loop is gone: what was submitted and what is submitted now fails with it."""
+
+
+class EngineStalled(EngineDead):
+    """The engine loop made no progress for its stall limit while it had work: what it held was given up on."""
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string, and whether one was found (the stop itself is dropped)."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
 
 
 class StepEngine(Protocol):

@@ -1,6 +1,6 @@
 """Our engine: a Qwen3 model, paged KV pools and a continuous-batching scheduler behind `StepEngine`.
 
-`engine.builder` wires the parts; this class holds the requests' sequences and runs the steps: the scheduler
+`engine.parts` wires the parts; this class holds the requests' sequences and runs the steps: the scheduler
 plans one (`engine.step.StepPlan`), the model runner runs it, and the `StepResult` is applied here.
 """
 
@@ -12,7 +12,6 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.builder import build
 from engine.config import EngineConfig
 from engine.core.block_key import extend_keys
 from engine.core.output_text import finish_text, stops_hit
@@ -21,6 +20,7 @@ from engine.core.step_cost import work_of
 from engine.interface import Completion, Request, RequestError, token_limit
 from engine.model.memory import weights_bytes
 from engine.model.parallel import ALONE
+from engine.parts import build
 from engine.step import StepPlan, StepResult, TokenMasks
 from engine.tensor_parallel import Ranks
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.attention_policy import parse_policy
 from engine.interface import Request
-from engine.model.attention_policy import parse_policy
 from kernels.sparse import AttentionPolicy
 from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (autouse)
 

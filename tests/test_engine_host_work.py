@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.core.output_text import cut_at_stop, finish_text, stop_ends, stop_window, stops_hit
-from engine.interface import Request, SamplingParams
+from engine.core.output_text import finish_text, stop_ends, stop_window, stops_hit
+from engine.interface import Request, SamplingParams, cut_at_stop
 from engine.model.sampler import penalize, sample, seeded_uniforms
 from engine.step import StepResult
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)

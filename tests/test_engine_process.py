@@ -13,9 +13,9 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from engine.interface import Request, SamplingParams
+from engine.interface import EngineDead, Request, SamplingParams
 from engine.runtime.engine_process import EngineProcess
-from engine.runtime.engine_thread import EngineDead, EngineThread
+from engine.runtime.engine_thread import EngineThread
 from worker.engine_factory import WorkerSettings, load_backend
 
 

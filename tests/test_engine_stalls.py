@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.interface import Completion, Request, SamplingParams
+from engine.interface import Completion, EngineStalled, Request, SamplingParams
 from engine.runtime.engine_process import EngineProcess
-from engine.runtime.engine_thread import EngineStalled, EngineThread
+from engine.runtime.engine_thread import EngineThread
 from tests.test_engine_process import _alive
 
 HANG, POISON = 1, 2  # a step holding a request whose prompt starts with HANG never ends; with POISON, it raises

@@ -246,8 +246,8 @@ def test_a_step_that_meets_a_dead_rank_is_the_engines_death_not_a_requests_error
 import os, signal, time
 import engine.tensor_parallel as tp
 tp.WATCH_EVERY_S = 3600
-from engine.interface import Request
-from engine.runtime.engine_thread import EngineDead, EngineThread
+from engine.interface import EngineDead, Request
+from engine.runtime.engine_thread import EngineThread
 from tests.engine_helpers import greedy, make_engine
 engine = make_engine({str(tiny_model)!r}, tensor_parallel=2)
 [rank] = engine.ranks.processes

@@ -68,8 +68,9 @@ def test_the_celery_pool_threads_share_one_result_backend():
 def test_the_worker_reads_every_engine_knob_once_with_the_engines_defaults_and_checks(monkeypatch, tmp_path):
     from dataclasses import fields
 
+    from engine import builder
     from engine.config import EngineConfig
-    from worker.engine_factory import WorkerSettings, engine_config
+    from worker.engine_factory import WorkerSettings, engine_options
 
     engine_fields = {f.name for f in fields(EngineConfig)}
     # declared once: the service's settings hold none of the engine's knobs, the worker's hold all of them
@@ -82,8 +83,7 @@ def test_the_worker_reads_every_engine_knob_once_with_the_engines_defaults_and_c
     options = {f.name: getattr(settings, f.name) for f in fields(EngineConfig) if f.name != "model"}
     assert options == {**{f.name: f.default for f in fields(EngineConfig) if f.name != "model"},
                        "max_num_seqs": 12, "interactive_tpot_ms": 40.0, "block_size": 32}
-    assert engine_config(settings, max_num_seqs=4).max_num_seqs == 4  # overrides win (`convoq tune`)
-    assert engine_config(settings).max_num_seqs == 12
+    assert builder.engine_config(settings.model, engine_options(settings)).max_num_seqs == 12
     # what the engine refuses stops the worker at start, with the engine's reason (never silently clamped)
     monkeypatch.setenv("CONVOQ_MAX_NUM_BATCHED_TOKENS", "8")
     with pytest.raises(ValidationError, match="max_num_batched_tokens must be >= max_num_seqs"):

@@ -24,8 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import datetime
 
-from engine.core.output_text import cut_at_stop
-from engine.interface import Completion, EngineRunner, Request, SamplingParams, TokensCallback
+from engine.interface import Completion, EngineRunner, Request, SamplingParams, TokensCallback, cut_at_stop
 from jobs.chat import Chat, encode_chat, thinking_of
 from jobs.model_source import resolve_model
 from jobs.queues import is_interactive

@@ -41,8 +41,7 @@ from broker.affinity import Advert, Router, by_name, own_queues
 from broker.app import CANCEL_COMMAND, create_celery
 from broker.publish import publish
 from broker.view import BrokerView
-from engine.interface import Completion
-from engine.runtime.engine_thread import EngineDead, EngineStalled
+from engine.interface import Completion, EngineDead, EngineStalled
 from jobs.chat import chat_for, chat_problem
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
 from jobs.schemas import ErrorCode, JobIn, JobStatus

@@ -39,8 +39,8 @@ from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from engine.interface import Completion, Request, StepEngine, TokensCallback
-from engine.runtime.engine_thread import EngineDead, EngineStalled, EngineThread
+from engine.interface import Completion, EngineDead, EngineStalled, Request, StepEngine, TokensCallback
+from engine.runtime.engine_thread import EngineThread
 from engine.runtime.watchdog import Watchdog
 
 log = logging.getLogger(__name__)

@@ -24,19 +24,19 @@ from dataclasses import replace
 
 import torch
 
-from engine.interface import Completion, Request, RequestError, StepEngine, TokensCallback
+from engine.interface import (
+    Completion,
+    EngineDead,
+    EngineStalled,
+    Request,
+    RequestError,
+    StepEngine,
+    TokensCallback,
+)
 from engine.runtime.loop_gaps import LoopGaps
 from engine.runtime.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-class EngineDead(RuntimeError):
-    pass
-
-
-class EngineStalled(EngineDead):
-    """The engine loop made no progress for its stall limit while it had work: what it held was given up on."""
 
 
 def is_fatal(exc: BaseException) -> bool:
