@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from engine.config import model_dtype
 from engine.core.output_text import finish_text, think_ids
-from engine.interface import Completion, Request, RequestError, Timings, token_limit
+from engine.interface import Completion, FinishReason, Request, RequestError, Timings, token_limit
 
 
 class _Clock(LogitsProcessor):
@@ -94,7 +94,7 @@ class HFEngine:
             if request.request_id == request_id:
                 self._waiting.pop(i)
                 heapq.heapify(self._waiting)
-                return Completion.empty(request_id, len(request.prompt_ids), "cancelled")
+                return Completion.empty(request_id, len(request.prompt_ids), FinishReason.cancelled)
         return None
 
     def partial(self, request_id: str, at_least: int) -> list[int] | None:
@@ -161,7 +161,7 @@ class HFEngine:
                 first_step=self._batches,
             )
             completions.append(Completion(r.request_id, ids, text, len(r.prompt_ids),
-                                          "stop" if ended else "length", None, timings))
+                                          FinishReason.stop if ended else FinishReason.length, None, timings))
         return completions
 
     def _take_batch(self) -> list[Request]:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 # A temperature below this samples as its limit, greedy (vLLM draws the same line): logits divided by a smaller
@@ -92,13 +93,29 @@ class Timings:
     preemptions: int = 0
 
 
+class FinishReason(StrEnum):
+    """Why a request's output ended."""
+
+    stop = "stop"  # EOS, a stop string, or the end of its grammar
+    length = "length"  # `max_new_tokens`, or the model's context
+    error = "error"  # it could not run (`Completion.error` says why)
+    # stopped from outside (`EngineRunner.cancel`), its text so far kept
+    cancelled = "cancelled"
+    expired = "expired"  # its deadline passed
+    shutdown = "shutdown"  # its worker is shutting down: its job goes back to the queue uncharged
+    lease_lost = "lease_lost"  # its worker lost the job's lease: what it did is not its to write
+
+
+FINISHED = (FinishReason.stop, FinishReason.length)  # an output that ended by itself
+
+
 @dataclass
 class Completion:
     request_id: str
     token_ids: list[int]
     text: str
     prompt_tokens: int
-    finish_reason: str  # "stop" | "length" | "cancelled" | "expired" | "error"
+    finish_reason: FinishReason
     error: str | None = None
     timings: Timings = field(default_factory=Timings)
     retryable: bool = False  # the failure came from the engine, not from the request itself
@@ -106,10 +123,10 @@ class Completion:
 
     @property
     def ok(self) -> bool:
-        return self.finish_reason in ("stop", "length")
+        return self.finish_reason in FINISHED
 
     @classmethod
-    def empty(cls, request_id: str, prompt_tokens: int, finish_reason: str, error: str | None = None,
+    def empty(cls, request_id: str, prompt_tokens: int, finish_reason: FinishReason, error: str | None = None,
               retryable: bool = False) -> Completion:
         """A request that ended without generating anything (refused, expired or stopped before it ran)."""
         return cls(request_id, [], "", prompt_tokens, finish_reason, error, Timings(), retryable)
@@ -173,7 +190,7 @@ class EngineRunner(Protocol):
         """Queue a request; its future resolves with its completion, or fails with `EngineDead`. `on_tokens`
         is handed the output so far as it grows."""
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None: ...
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.cancelled) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
 

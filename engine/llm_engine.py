@@ -17,7 +17,7 @@ from engine.core.block_key import extend_keys
 from engine.core.output_text import finish_text, stops_hit
 from engine.core.sequence import Sequence
 from engine.core.step_cost import work_of
-from engine.interface import Completion, Request, RequestError, token_limit
+from engine.interface import Completion, FinishReason, Request, RequestError, token_limit
 from engine.model.memory import weights_bytes
 from engine.model.parallel import ALONE
 from engine.parts import build
@@ -112,7 +112,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq)
-        return self._completion(seq, "cancelled")
+        return self._completion(seq, FinishReason.cancelled)
 
     def partial(self, request_id: str, at_least: int) -> list[int] | None:
         seq = self._seqs.get(request_id)
@@ -198,18 +198,18 @@ class LLMEngine:
                 seq.first_token = end
                 seq.timings.ttft_ms = (end - seq.request.arrival) * 1e3
             if ended or (token in eos_ids and not seq.params.ignore_eos):
-                self._finish(seq, "stop", done)
+                self._finish(seq, FinishReason.stop, done)
             elif seq.stop_ends and not seq.stop_ends.isdisjoint(self._token_text(token)):
                 stopping.append(seq)  # decoded together below
             elif len(seq.token_ids) >= seq.token_limit:
-                self._finish(seq, "length", done)
+                self._finish(seq, FinishReason.length, done)
         self._tokens_generated += len(result.token_ids)
         if stopping:
             outputs = [(seq.output_tail(seq.stop_window), seq.params.stop) for seq in stopping]
             hits = stops_hit(self.tokenizer, outputs)
             for seq, hit in zip(stopping, hits, strict=True):
                 if hit or len(seq.token_ids) >= seq.token_limit:
-                    self._finish(seq, "stop" if hit else "length", done)
+                    self._finish(seq, FinishReason.stop if hit else FinishReason.length, done)
         return done
 
     def _follow_grammar(self, seq: Sequence, token: int) -> bool:
@@ -243,12 +243,12 @@ class LLMEngine:
             text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=True)
         return text
 
-    def _finish(self, seq: Sequence, reason: str, done: list[Completion]) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, done: list[Completion]) -> None:
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         done.append(self._completion(seq, reason))
 
-    def _completion(self, seq: Sequence, reason: str) -> Completion:
+    def _completion(self, seq: Sequence, reason: FinishReason) -> Completion:
         if seq.matcher is not None:
             self._constrained.pop(seq.request_id, None)
             seq.matcher = None

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from broker.affinity import Advert, Router, homes_open, shared_queues
 from broker.publish import mark_published, publish
 from broker.view import BrokerView
+from engine.interface import FinishReason
 from jobs.queues import home_tag
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
@@ -43,7 +44,6 @@ from store.retention import prune, retention_period
 from store.workers import alive
 from store.writes import insert_ignore
 from worker.leases import Leases
-from worker.outcome import LEASE_LOST
 from worker.results import end_runs, end_unrun, lost_run_updates, retrying, returned, settle
 
 log = logging.getLogger(__name__)
@@ -424,7 +424,7 @@ class Reconciler:
     back: the leases of the sweeper's own jobs would expire under it, and charge them a crash."""
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
-                 leases: Leases, stop_jobs: Callable[[list[str], str], list[str]],
+                 leases: Leases, stop_jobs: Callable[[list[str], FinishReason], list[str]],
                  usage: Callable[[], tuple[float, int]] | None = None, advert: Advert | None = None) -> None:
         """`usage`: the worker's CPU seconds and jobs finished so far, stamped on its row at every beat, with its
         `advert` (what it consumes, for the router)."""
@@ -470,10 +470,10 @@ class Reconciler:
         # since (a stalled engine's job, sent again at once) runs under a new lease: only runs still going are lost
         still = self.leases.held()
         lost = [i for i in result.lost if still.get(uuid.UUID(i)) == held[uuid.UUID(i)]]
-        if lost := self.stop_jobs(lost, LEASE_LOST):
+        if lost := self.stop_jobs(lost, FinishReason.lease_lost):
             log.warning("lost the lease of %d running jobs (handed to another worker meanwhile): stopped", len(lost))
         if result.cancelled:
-            self.stop_jobs(result.cancelled, "cancelled")
+            self.stop_jobs(result.cancelled, FinishReason.cancelled)
         if result.sweep_due:
             self._sweep_due.set()
         return result

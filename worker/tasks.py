@@ -41,7 +41,7 @@ from broker.affinity import Advert, Router, by_name, own_queues
 from broker.app import CANCEL_COMMAND, create_celery
 from broker.publish import publish
 from broker.view import BrokerView
-from engine.interface import Completion, EngineDead, EngineStalled
+from engine.interface import Completion, EngineDead, EngineStalled, FinishReason
 from jobs.chat import chat_for, chat_problem
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB, home_tag
 from jobs.schemas import ErrorCode, JobIn, JobStatus
@@ -58,7 +58,7 @@ from worker.exits import NOT_STARTED
 from worker.group_commit import GroupCommit
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
-from worker.outcome import LEASE_LOST, SHUTDOWN, Outcome
+from worker.outcome import Outcome
 from worker.progress import ProgressPublisher
 from worker.reconciler import Reconciler, hand_back, mark_draining
 from worker.shutdown import Shutdown
@@ -345,10 +345,10 @@ def worker_app(settings: Settings, name: str, queues: list[str] | None = None) -
 
     @control_command(name=CANCEL_COMMAND, args=[("job_ids", list), ("reason", str)],
                      signature="<job_ids> [reason]")
-    def cancel(state, job_ids: list[str], reason: str = "cancelled") -> dict:
+    def cancel(state, job_ids: list[str], reason: str = FinishReason.cancelled) -> dict:
         """Stop these jobs if this worker runs them (they end with their text so far)."""
         ctx = worker.context
-        return {"stopped": ctx.bridge.stop(job_ids, reason) if ctx is not None else []}
+        return {"stopped": ctx.bridge.stop(job_ids, FinishReason(reason)) if ctx is not None else []}
 
     return celery
 
@@ -467,7 +467,7 @@ def opened(ctx: WorkerContext, claimed: results.Claimed) -> Iterator[JobRun]:
                         on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease),
                         tenant=claimed.tenant) as run:
         if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
-            run.stop(SHUTDOWN)
+            run.stop(FinishReason.shutdown)
         yield run
 
 
@@ -476,9 +476,9 @@ def judged(ctx: WorkerContext, claimed: results.Claimed, outcome: Outcome) -> Ou
     shutdown, or its lease lost), the job settled here (`execute`'s answer). A failure the engine may not fail
     again raises, for `guarded` to retry the job."""
     verdict = outcome.verdict
-    if verdict.finish_reason == SHUTDOWN:
+    if verdict.finish_reason == FinishReason.shutdown:
         return hand_back_at_shutdown(ctx, claimed)
-    if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
+    if verdict.finish_reason == FinishReason.lease_lost:  # what it did is not this run's to write
         if not results.give_back(ctx.sessions, claimed):
             ctx.metrics.refused()
         return False

@@ -39,7 +39,15 @@ from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from engine.interface import Completion, EngineDead, EngineStalled, Request, StepEngine, TokensCallback
+from engine.interface import (
+    Completion,
+    EngineDead,
+    EngineStalled,
+    FinishReason,
+    Request,
+    StepEngine,
+    TokensCallback,
+)
 from engine.runtime.engine_thread import EngineThread
 from engine.runtime.watchdog import Watchdog
 
@@ -59,7 +67,7 @@ class Submit(Message):
 @dataclass
 class Cancel(Message):
     request_id: str
-    reason: str
+    reason: FinishReason
 
 
 @dataclass
@@ -184,7 +192,7 @@ class EngineProcess:
         child.outbox.put(message)
         return future
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.cancelled) -> None:
         """Stop a request before its next step; its completion's finish reason is `reason`. Never waits on the
         engine: a request held for an engine that is restarting ends at once, and a cancel meant for an engine
         that is gone has nothing left to stop."""
