@@ -62,9 +62,9 @@ def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> 
         stats = bridge.stats()
     finally:
         bridge.close()
-    return Trial(seqs, tokens, stats["tokens_generated"] / elapsed, statistics.median(latencies),
+    return Trial(seqs, tokens, stats.tokens_generated / elapsed, statistics.median(latencies),
                  latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-                 stats["kv_blocks_peak"] / stats["kv_blocks_max"])
+                 stats.kv_blocks_peak / stats.kv_blocks_max)
 
 
 def sweep(settings: Settings, jobs: list[JobIn], seqs: list[int], tokens: list[int]) -> list[Trial]:

@@ -1,7 +1,8 @@
 """An engine from its knobs: knobs -> `EngineConfig` -> backend -> a runner that drives it.
 
 This and `engine.interface` are all a service needs of the engine. The knobs are `EngineConfig`'s fields but
-`model`; the service declares one setting for each (`knobs()`) and hands their values back here.
+those the service fills in itself (`SERVICE_FIELDS`); the service declares one setting for each knob (`knobs()`)
+and hands their values back here, with its own fields'.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from engine.interface import EngineDead, EngineRunner, EngineStalled, StepEngine
 from engine.runtime.engine_process import EngineProcess
 from engine.runtime.engine_thread import EngineThread
 
+# the model's folder, and the service's own bound on log-probabilities (its contract's): not settings of their own
+SERVICE_FIELDS = ("model", "max_logprobs")
 # a model name -> its local folder; `weights=False` needs only the config and tokenizer files
 Resolve = Callable[..., Path | str]
 
 
 def knobs() -> dict[str, tuple[Any, Any]]:
-    """Each knob's type and default: every `EngineConfig` field but `model`."""
+    """Each knob's type and default: every `EngineConfig` field but `SERVICE_FIELDS`."""
     hints = get_type_hints(EngineConfig)
-    return {f.name: (hints[f.name], f.default) for f in fields(EngineConfig) if f.name != "model"}
+    return {f.name: (hints[f.name], f.default) for f in fields(EngineConfig) if f.name not in SERVICE_FIELDS}
 
 
 def check_knobs(values: Mapping[str, Any]) -> None:

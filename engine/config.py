@@ -89,6 +89,9 @@ class EngineConfig:
     grammar_compile_s: float = 30.0
     # compiled grammars kept for reuse, in bytes (a grammar is a few KB to tens of MB for a 150k vocabulary)
     grammar_cache_bytes: int = 1 << 30
+    # The most alternatives a request may ask the log-probabilities of (`SamplingParams.logprobs`); None: up to
+    # the vocabulary. Not a knob: the service passes its contract's bound.
+    max_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -38,7 +38,8 @@ class SamplingParams:
     grammar: str | None = None
     # with a grammar: the model reasons first, free, and the grammar starts after its `</think>`
     grammar_after_think: bool = False
-    # None: no log-probabilities; k (0..20): each output token's own and its k most likely alternatives'
+    # None: no log-probabilities; k (0..`EngineConfig.max_logprobs`): each output token's own and its k most
+    # likely alternatives'
     logprobs: int | None = None
 
     @property
@@ -51,6 +52,12 @@ class SamplingParams:
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 TokensCallback = Callable[[list[int]], None]  # handed a request's output so far as it grows
+
+
+def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
+    """Whether a request fits the model's context: its prompt and all of its output together (the rule the
+    service checks prompts by, `jobs.chat.chat_problem`)."""
+    return prompt_tokens + max_new_tokens <= max_model_len
 
 
 def token_limit(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> int:
@@ -132,8 +139,58 @@ class Completion:
         return cls(request_id, [], "", prompt_tokens, finish_reason, error, Timings(), retryable)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's counters (since it started) and gauges (now), for metrics; what a backend does not have is 0."""
+
+    running: int = 0
+    waiting: int = 0
+    interactive_running: int = 0
+    interactive_waiting: int = 0
+    kv_blocks_total: int = 0  # allocated in the pools so far
+    kv_blocks_used: int = 0
+    kv_blocks_peak: int = 0  # most in use after any step's scheduling
+    kv_blocks_max: int = 0  # what the memory budget allows
+    kv_usage: float = 0.0  # of the memory budget, not of what is allocated so far
+    kv_window_blocks_used: int = 0  # of those in use, the sliding-window layers'
+    preemptions: int = 0
+    preemptions_spared: int = 0
+    bulk_rows_deferred: int = 0
+    limited_steps: int = 0
+    # the step cost model's current fit, in seconds (engine.core.step_cost)
+    step_fixed_s: float = 0.0
+    step_per_token_s: float = 0.0
+    step_per_row_s: float = 0.0
+    step_per_context_s: float = 0.0
+    steps: int = 0
+    tokens_generated: int = 0
+    tokens_computed: int = 0
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # host hits included
+    prefix_cache_hit_rate: float = 0.0
+    host_hit_tokens: int = 0
+    host_prefetch_hit_rate: float = 0.0  # of the blocks copied back from the host tier, those a request then used
+    prefix_cached_blocks: int = 0
+    evictions: int = 0
+    host_evictions: int = 0
+    # the runner's own: its loop's idle gaps between back-to-back steps, and restarts of a stalled engine
+    loop_gap_p50_ms: float = 0.0
+    loop_gap_p95_ms: float = 0.0
+    loop_gaps: int = 0
+    restarts: int = 0
+
+
 class RequestError(ValueError):
     """A request that can never run (e.g. its prompt exceeds the model's context): fails alone."""
+
+
+def check_prompt(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> None:
+    """Raises `RequestError` for a prompt that is empty or does not fit the model's context (`fits`)."""
+    if prompt_tokens == 0:
+        raise RequestError("the prompt is empty")
+    if not fits(prompt_tokens, max_new_tokens, max_model_len):
+        raise RequestError(f"the prompt has {prompt_tokens} tokens; with max_new_tokens {max_new_tokens} it exceeds "
+                           f"the model's context of {max_model_len} tokens")
 
 
 class EngineDead(RuntimeError):
@@ -173,8 +230,8 @@ class StepEngine(Protocol):
     def step(self) -> list[Completion]:
         """Run one scheduling step; returns the requests that finished in it."""
 
-    def stats(self) -> dict[str, float]:
-        """Counters and gauges for metrics (running, waiting, kv usage, ...)."""
+    def stats(self) -> EngineStats:
+        """Counters and gauges for metrics; a runner adds its loop's own."""
 
 
 class EngineRunner(Protocol):
@@ -192,6 +249,6 @@ class EngineRunner(Protocol):
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.cancelled) -> None: ...
 
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...

@@ -40,7 +40,7 @@ def test_sliding_policy_recycles_blocks(tiny_model):
     ring = -(-(window - 1 + 128) // block) + 1
 
     def bounded(engine):
-        assert engine.stats()["kv_window_blocks_used"] <= ring * len(PROMPTS)
+        assert engine.stats().kv_window_blocks_used <= ring * len(PROMPTS)
 
     sliding = generate(tiny_model, f"sliding:{window}", bounded)
     assert sliding != generate(tiny_model, "dense")

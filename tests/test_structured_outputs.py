@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from api.app import create_app
 from api.client import Client
 from cli.stack import Stack
-from engine.interface import Completion
+from engine.interface import Completion, EngineStats
 from jobs.schemas import JobIn, ResultOut
 from jobs.settings import Settings
 from jobs.structured import grammar_spec
@@ -144,8 +144,8 @@ class Instant:
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         pass
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def close(self) -> None:
         pass

@@ -27,6 +27,7 @@ from datetime import datetime
 from engine.interface import (
     Completion,
     EngineRunner,
+    EngineStats,
     FinishReason,
     Request,
     SamplingParams,
@@ -280,7 +281,7 @@ class Bridge:
             run.stop(reason)
         return [run.job_id for run in runs]
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         return self.runner.stats()
 
     @property

@@ -17,6 +17,7 @@ from pydantic import create_model, model_validator
 from engine import builder
 from engine.interface import EngineDead, EngineRunner, EngineStalled, StepEngine
 from jobs.model_source import resolve_model
+from jobs.schemas import MAX_TOP_LOGPROBS
 from jobs.settings import Settings
 
 ENGINE_FIELDS = tuple(builder.knobs())
@@ -35,8 +36,10 @@ WorkerSettings = create_model("WorkerSettings", __base__=_CheckedByTheEngine, __
 
 
 def engine_options(settings: Settings) -> dict[str, Any]:
-    """The engine knobs `settings` set (a `WorkerSettings` sets them all)."""
-    return {name: getattr(settings, name) for name in ENGINE_FIELDS if hasattr(settings, name)}
+    """What the worker gives the engine's config: the knobs `settings` set (a `WorkerSettings` sets them all),
+    and the contract's bound on the log-probabilities a job may ask for."""
+    knobs = {name: getattr(settings, name) for name in ENGINE_FIELDS if hasattr(settings, name)}
+    return {**knobs, "max_logprobs": MAX_TOP_LOGPROBS}
 
 
 def load_backend(settings: Settings) -> StepEngine:

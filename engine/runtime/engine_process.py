@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -43,6 +43,7 @@ from engine.interface import (
     Completion,
     EngineDead,
     EngineStalled,
+    EngineStats,
     FinishReason,
     Request,
     StepEngine,
@@ -104,7 +105,7 @@ class Tokens(Message):
 @dataclass
 class StatsReply(Message):
     number: int
-    stats: dict[str, float]
+    stats: EngineStats
 
 
 @dataclass
@@ -157,7 +158,7 @@ class EngineProcess:
         self._lock = threading.Condition()  # also signals the end of a restart
         self._futures: dict[str, Future[Completion]] = {}
         self._watched: dict[str, tuple[TokensCallback, list[int]]] = {}  # request id -> (callback, tokens so far)
-        self._stats: dict[int, Future[dict[str, float]]] = {}
+        self._stats: dict[int, Future[EngineStats]] = {}
         self._stats_numbers = itertools.count()
         self._closing = False
         self._restarting = False
@@ -207,10 +208,10 @@ class EngineProcess:
         message, future = held
         future.set_result(Completion.empty(request_id, len(message.request.prompt_ids), reason))
 
-    def stats(self, timeout: float = 10.0) -> dict[str, float]:
+    def stats(self, timeout: float = 10.0) -> EngineStats:
         """The engine's counters and the loop's gaps, as the child has them now, and the restarts of the child."""
         number = next(self._stats_numbers)
-        future: Future[dict[str, float]] = Future()
+        future: Future[EngineStats] = Future()
         with self._lock:
             if not self.alive or self._restarting:
                 raise EngineDead(f"engine process is dead or restarting: {self.error!r}")
@@ -218,7 +219,7 @@ class EngineProcess:
             child = self._child
         child.outbox.put(StatsQuery(number))
         try:
-            return {**future.result(timeout), "restarts": self.restarts}
+            return replace(future.result(timeout), restarts=self.restarts)
         finally:
             with self._lock:
                 self._stats.pop(number, None)

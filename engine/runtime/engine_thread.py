@@ -28,6 +28,7 @@ from engine.interface import (
     Completion,
     EngineDead,
     EngineStalled,
+    EngineStats,
     FinishReason,
     Request,
     RequestError,
@@ -117,10 +118,10 @@ class EngineThread:
             self._cancels.append((request_id, reason))
             self._cv.notify()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         # a thread is never restarted: its stall ends its worker (`EngineProcess` counts its restarts)
-        return {**self.engine.stats(), "loop_gap_p50_ms": 1e3 * self.gaps.percentile(0.5),
-                "loop_gap_p95_ms": 1e3 * self.gaps.percentile(0.95), "loop_gaps": self.gaps.total, "restarts": 0}
+        return replace(self.engine.stats(), loop_gap_p50_ms=1e3 * self.gaps.percentile(0.5),
+                       loop_gap_p95_ms=1e3 * self.gaps.percentile(0.95), loop_gaps=self.gaps.total, restarts=0)
 
     def progress(self) -> tuple[int, bool]:
         """The loop's turns so far, and whether it has work (anything but waiting idle for a request)."""
