@@ -35,7 +35,7 @@ def through_engine(jobs: list[JobIn], settings: Settings, threads: int) -> tuple
                 outcomes.append(outcome)
                 bar.update()
         elapsed = time.monotonic() - start
-        gap_ms = bridge.stats()["loop_gap_p95_ms"]
+        gap_ms = bridge.stats().loop_gap_p95_ms
     finally:
         bridge.close()
     if not all(o.completion.ok for o in outcomes):

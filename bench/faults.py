@@ -20,8 +20,9 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from engine import builder
 from engine.llm_engine import LLMEngine
-from worker.engine_factory import WorkerSettings, engine_config
+from worker.engine_factory import WorkerSettings, engine_options
 
 log = logging.getLogger(__name__)
 
@@ -69,4 +70,4 @@ def lose_replies_of(sessions: type[Session] | sessionmaker, engine: type[Engine]
 
 def lost_replies(model: str, device: str, dtype: str) -> LLMEngine:
     lose_replies(int(os.environ.get("CONVOQ_LOST_REPLY_EVERY", "5")))
-    return LLMEngine(engine_config(WorkerSettings(model=model, device=device, dtype=dtype)))
+    return LLMEngine(builder.engine_config(model, engine_options(WorkerSettings(model=model, device=device, dtype=dtype))))

@@ -189,7 +189,7 @@ def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[in
         if waiting:
             engine.add_request(waiting.pop(0))
         done.update((c.request_id, c.token_ids) for c in engine.step())
-    steps = {"steps": engine.stats()["steps"],
+    steps = {"steps": engine.stats().steps,
              "decode_graph_steps": runner.graphs.steps if runner.graphs is not None else 0,
              "piece_graph_steps": runner.pieces.steps if runner.pieces is not None else 0}
     del engine, runner

@@ -216,8 +216,8 @@ def drive(llm: LLMEngine, prompts: list[list[int]], max_new_tokens: int, tag: st
         step_ms = (time.perf_counter() - step_start) * 1e3
         now = time.monotonic()
         after = llm.stats()
-        computed = after["tokens_computed"] - before["tokens_computed"]
-        generated = after["tokens_generated"] - before["tokens_generated"]
+        computed = after.tokens_computed - before.tokens_computed
+        generated = after.tokens_generated - before.tokens_generated
         if computed == generated == len(requests):
             full_steps.append(step_ms)
         for c in done:
@@ -311,7 +311,7 @@ def run(checkpoint: Path | None) -> dict:
         "floor_ms_per_token": floor_ms,
         "decode": decode,
         "chat": chat,
-        "stats": llm.stats(),
+        "stats": asdict(llm.stats()),
     }
 
 

@@ -142,8 +142,8 @@ def run_engine(chats: int, chat_rate: float, bulk: int, repeat: int, seed: int, 
         **chat_comparison(idle, mixed),
         "bulk_tok_s_alone": [round(x, 1) for x in alone_rates], "bulk_tok_s_mixed": [round(x, 1) for x in mixed_rates],
         "bulk_keep": round(statistics.median(keeps), 3), "bulk_keep_each": [round(k, 3) for k in keeps],
-        "preemptions": stats["preemptions"], "preemptions_spared": stats["preemptions_spared"],
-        "bulk_rows_deferred": stats["bulk_rows_deferred"], "limited_steps": stats["limited_steps"],
+        "preemptions": stats.preemptions, "preemptions_spared": stats.preemptions_spared,
+        "bulk_rows_deferred": stats.bulk_rows_deferred, "limited_steps": stats.limited_steps,
         **{k: round(v * 1e3, 5) for k, v in stats.items() if k.startswith("step_") and k.endswith("_s")},
     }
 

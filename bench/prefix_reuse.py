@@ -106,12 +106,12 @@ def main() -> None:
     (plain, _, plain_prefill, _), (cached, reused_frac, cached_prefill, stats) = results[False], results[True]
     report({
         "reused_frac": round(reused_frac, 3),
-        "host_prefetch_hit_rate": round(stats["host_prefetch_hit_rate"], 3),
+        "host_prefetch_hit_rate": round(stats.host_prefetch_hit_rate, 3),
         "prefill_time_ratio": round(cached_prefill / plain_prefill, 3),
         "outputs_identical": cached == plain,
-        "host_hit_tokens": stats["host_hit_tokens"],
-        "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
-        "evictions": stats["evictions"],
+        "host_hit_tokens": stats.host_hit_tokens,
+        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+        "evictions": stats.evictions,
         "pool_blocks": chat.pool_blocks(),
     }, args.json)
 

@@ -174,7 +174,7 @@ def loop_gaps(path: Path, bulk: int, arrivals: int) -> dict:
                 time.sleep(0.02)
             for future in futures:
                 future.result()
-            return thread.stats()["loop_gap_p95_ms"]
+            return thread.stats().loop_gap_p95_ms
         finally:
             thread.close()
 

@@ -98,25 +98,11 @@ def check_compiler(kernels_compiled: bool, which: Callable[[str], str | None] = 
     return Check("compiler", True, found)
 
 
-def kernel_probe() -> None:
-    """One Triton kernel against its PyTorch reference (run in a process of its own by `check_kernel`)."""
-    import torch
-
-    from kernels.rms_norm import rms_norm, rms_norm_ref
-
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    x = torch.randn(8, 256, device=device)
-    weight = torch.randn(256, device=device)
-    error = (rms_norm(x, weight, 1e-6) - rms_norm_ref(x, weight, 1e-6)).abs().max().item()
-    print(f"rms_norm on {device}: max error {error:.2e} against its reference")
-    sys.exit(0 if error < 1e-3 else 1)
-
-
 def check_kernel(settings: Settings) -> Check:
     cpu = device_kind(settings) == "cpu"
     env = {**os.environ, "TRITON_INTERPRET": "1"} if cpu else dict(os.environ)
     try:
-        out = subprocess.run([sys.executable, "-c", "from cli.doctor import kernel_probe; kernel_probe()"],
+        out = subprocess.run([sys.executable, "-m", "engine.kernel_probe"],
                              capture_output=True, text=True, env=env, timeout=KERNEL_TIMEOUT_S,
                              cwd=Path(__file__).resolve().parent.parent)
     except subprocess.TimeoutExpired:

@@ -17,13 +17,13 @@ from datetime import UTC, datetime
 
 from tqdm import tqdm
 
-from engine.llm_engine import LLMEngine
-from engine.runtime.engine_thread import EngineThread
+from engine import builder
+from jobs.model_source import resolve_model
 from jobs.priority import DEFAULT_BATCH_PRIORITY
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from worker.bridge import Bridge
-from worker.engine_factory import engine_config
+from worker.engine_factory import engine_options
 from worker.runs import RUN_BY_KIND
 
 MEMORY_CEILING = 0.9
@@ -44,8 +44,9 @@ class Trial:
 
 
 def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> Trial:
-    engine = LLMEngine(engine_config(settings, max_num_seqs=seqs, max_num_batched_tokens=tokens))
-    bridge = Bridge.for_settings(EngineThread(engine), settings)
+    knobs = {**engine_options(settings), "max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+    bridge = Bridge.for_settings(builder.start_runner("engine", settings.model, knobs, resolve_model, own_process=False),
+                                 settings)
     start = time.monotonic()
 
     created = datetime.now(UTC)
@@ -62,9 +63,9 @@ def run_trial(settings: Settings, jobs: list[JobIn], seqs: int, tokens: int) -> 
         stats = bridge.stats()
     finally:
         bridge.close()
-    return Trial(seqs, tokens, stats["tokens_generated"] / elapsed, statistics.median(latencies),
+    return Trial(seqs, tokens, stats.tokens_generated / elapsed, statistics.median(latencies),
                  latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-                 stats["kv_blocks_peak"] / stats["kv_blocks_max"])
+                 stats.kv_blocks_peak / stats.kv_blocks_max)
 
 
 def sweep(settings: Settings, jobs: list[JobIn], seqs: list[int], tokens: list[int]) -> list[Trial]:

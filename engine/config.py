@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.attention_policy import parse_policy
+from engine.attention_policy import parse_policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -78,7 +78,7 @@ class EngineConfig:
     # each layer's first K/V (see engine.core.kv_cache)
     kv_cache_dtype: str = "auto"
     # which keys full-attention layers see: "dense" | "sliding:W" | "streaming:W:S" | "strided:L:S"
-    # (see engine.model.attention_policy)
+    # (see engine.attention_policy)
     attention_policy: str = "dense"
     # ranks the model is split over (engine.tensor_parallel): its heads, MLP and vocabulary, one device each;
     # it must divide the attention heads, the MLP width and the vocabulary, and the KV heads (or be a multiple)
@@ -89,6 +89,9 @@ class EngineConfig:
     grammar_compile_s: float = 30.0
     # compiled grammars kept for reuse, in bytes (a grammar is a few KB to tens of MB for a 150k vocabulary)
     grammar_cache_bytes: int = 1 << 30
+    # The most alternatives a request may ask the log-probabilities of (`SamplingParams.logprobs`); None: up to
+    # the vocabulary. Not a knob: the service passes its contract's bound.
+    max_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -16,7 +16,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, L
 
 from engine.config import model_dtype
 from engine.core.output_text import finish_text, think_ids
-from engine.interface import Completion, Request, RequestError, Timings, token_limit
+from engine.interface import (
+    Completion,
+    EngineStats,
+    FinishReason,
+    Request,
+    RequestError,
+    Timings,
+    check_prompt,
+    token_limit,
+)
 
 
 class _Clock(LogitsProcessor):
@@ -79,11 +88,7 @@ class HFEngine:
         self._batches = 0
 
     def add_request(self, request: Request) -> None:
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise RequestError(f"prompt has {n} tokens; the model's context is {self.max_model_len}")
+        check_prompt(len(request.prompt_ids), request.sampling.max_new_tokens, self.max_model_len)
         if request.sampling.grammar is not None or request.sampling.logprobs is not None:
             raise RequestError("the hf reference backend has no grammars and no log-probabilities; "
                                "run our own (CONVOQ_BACKEND=engine)")
@@ -94,7 +99,7 @@ class HFEngine:
             if request.request_id == request_id:
                 self._waiting.pop(i)
                 heapq.heapify(self._waiting)
-                return Completion.empty(request_id, len(request.prompt_ids), "cancelled")
+                return Completion.empty(request_id, len(request.prompt_ids), FinishReason.cancelled)
         return None
 
     def partial(self, request_id: str, at_least: int) -> list[int] | None:
@@ -103,8 +108,8 @@ class HFEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting)
 
-    def stats(self) -> dict[str, float]:
-        return {"waiting": len(self._waiting), "running": 0, "batches": self._batches}
+    def stats(self) -> EngineStats:
+        return EngineStats(waiting=len(self._waiting), steps=self._batches)  # a step is one `generate` call
 
     def step(self) -> list[Completion]:
         batch = self._take_batch()
@@ -161,7 +166,7 @@ class HFEngine:
                 first_step=self._batches,
             )
             completions.append(Completion(r.request_id, ids, text, len(r.prompt_ids),
-                                          "stop" if ended else "length", None, timings))
+                                          FinishReason.stop if ended else FinishReason.length, None, timings))
         return completions
 
     def _take_batch(self) -> list[Request]:

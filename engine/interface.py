@@ -8,10 +8,10 @@ or `engine.runtime.engine_process.EngineProcess` (a process of its own).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Protocol
 
 # A temperature below this samples as its limit, greedy (vLLM draws the same line): logits divided by a smaller
@@ -38,7 +38,8 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
     # with a grammar: the model reasons first, free, and the grammar starts after its `</think>`
     grammar_after_think: bool = False
-    # None: no log-probabilities; k (0..20): each output token's own and its k most likely alternatives'
+    # None: no log-probabilities; k (0..`EngineConfig.max_logprobs`): each output token's own and its k most
+    # likely alternatives'
     logprobs: int | None = None
 
     @property
@@ -51,6 +52,12 @@ class SamplingParams:
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 TokensCallback = Callable[[list[int]], None]  # handed a request's output so far as it grows
+
+
+def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
+    """Whether a request fits the model's context: its prompt and all of its output together (the rule the
+    service checks prompts by, `jobs.chat.chat_problem`)."""
+    return prompt_tokens + max_new_tokens <= max_model_len
 
 
 def token_limit(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> int:
@@ -93,13 +100,29 @@ class Timings:
     preemptions: int = 0
 
 
+class FinishReason(StrEnum):
+    """Why a request's output ended."""
+
+    stop = "stop"  # EOS, a stop string, or the end of its grammar
+    length = "length"  # `max_new_tokens`, or the model's context
+    error = "error"  # it could not run (`Completion.error` says why)
+    # stopped from outside (`EngineRunner.cancel`), its text so far kept
+    cancelled = "cancelled"
+    expired = "expired"  # its deadline passed
+    shutdown = "shutdown"  # its worker is shutting down: its job goes back to the queue uncharged
+    lease_lost = "lease_lost"  # its worker lost the job's lease: what it did is not its to write
+
+
+FINISHED = (FinishReason.stop, FinishReason.length)  # an output that ended by itself
+
+
 @dataclass
 class Completion:
     request_id: str
     token_ids: list[int]
     text: str
     prompt_tokens: int
-    finish_reason: str  # "stop" | "length" | "cancelled" | "expired" | "error"
+    finish_reason: FinishReason
     error: str | None = None
     timings: Timings = field(default_factory=Timings)
     retryable: bool = False  # the failure came from the engine, not from the request itself
@@ -107,17 +130,81 @@ class Completion:
 
     @property
     def ok(self) -> bool:
-        return self.finish_reason in ("stop", "length")
+        return self.finish_reason in FINISHED
 
     @classmethod
-    def empty(cls, request_id: str, prompt_tokens: int, finish_reason: str, error: str | None = None,
+    def empty(cls, request_id: str, prompt_tokens: int, finish_reason: FinishReason, error: str | None = None,
               retryable: bool = False) -> Completion:
         """A request that ended without generating anything (refused, expired or stopped before it ran)."""
         return cls(request_id, [], "", prompt_tokens, finish_reason, error, Timings(), retryable)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's counters (since it started) and gauges (now), for metrics; what a backend does not have is 0."""
+
+    running: int = 0
+    waiting: int = 0
+    interactive_running: int = 0
+    interactive_waiting: int = 0
+    kv_blocks_total: int = 0  # allocated in the pools so far
+    kv_blocks_used: int = 0
+    kv_blocks_peak: int = 0  # most in use after any step's scheduling
+    kv_blocks_max: int = 0  # what the memory budget allows
+    kv_usage: float = 0.0  # of the memory budget, not of what is allocated so far
+    kv_window_blocks_used: int = 0  # of those in use, the sliding-window layers'
+    preemptions: int = 0
+    preemptions_spared: int = 0
+    bulk_rows_deferred: int = 0
+    limited_steps: int = 0
+    # the step cost model's current fit, in seconds (engine.core.step_cost)
+    step_fixed_s: float = 0.0
+    step_per_token_s: float = 0.0
+    step_per_row_s: float = 0.0
+    step_per_context_s: float = 0.0
+    steps: int = 0
+    tokens_generated: int = 0
+    tokens_computed: int = 0
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # host hits included
+    prefix_cache_hit_rate: float = 0.0
+    host_hit_tokens: int = 0
+    host_prefetch_hit_rate: float = 0.0  # of the blocks copied back from the host tier, those a request then used
+    prefix_cached_blocks: int = 0
+    evictions: int = 0
+    host_evictions: int = 0
+    # the runner's own: its loop's idle gaps between back-to-back steps, and restarts of a stalled engine
+    loop_gap_p50_ms: float = 0.0
+    loop_gap_p95_ms: float = 0.0
+    loop_gaps: int = 0
+    restarts: int = 0
+
+
 class RequestError(ValueError):
     """A request that can never run (e.g. its prompt exceeds the model's context): fails alone."""
+
+
+def check_prompt(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> None:
+    """Raises `RequestError` for a prompt that is empty or does not fit the model's context (`fits`)."""
+    if prompt_tokens == 0:
+        raise RequestError("the prompt is empty")
+    if not fits(prompt_tokens, max_new_tokens, max_model_len):
+        raise RequestError(f"the prompt has {prompt_tokens} tokens; with max_new_tokens {max_new_tokens} it exceeds "
+                           f"the model's context of {max_model_len} tokens")
+
+
+class EngineDead(RuntimeError):
+    """The engine's loop is gone: what was submitted and what is submitted now fails with it."""
+
+
+class EngineStalled(EngineDead):
+    """The engine loop made no progress for its stall limit while it had work: what it held was given up on."""
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string, and whether one was found (the stop itself is dropped)."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
 
 
 class StepEngine(Protocol):
@@ -143,8 +230,8 @@ class StepEngine(Protocol):
     def step(self) -> list[Completion]:
         """Run one scheduling step; returns the requests that finished in it."""
 
-    def stats(self) -> dict[str, float]:
-        """Counters and gauges for metrics (running, waiting, kv usage, ...)."""
+    def stats(self) -> EngineStats:
+        """Counters and gauges for metrics; a runner adds its loop's own."""
 
 
 class EngineRunner(Protocol):
@@ -160,9 +247,9 @@ class EngineRunner(Protocol):
         """Queue a request; its future resolves with its completion, or fails with `EngineDead`. `on_tokens`
         is handed the output so far as it grows."""
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None: ...
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.cancelled) -> None: ...
 
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...
 

@@ -1,6 +1,6 @@
 """Our engine: a Qwen3 model, paged KV pools and a continuous-batching scheduler behind `StepEngine`.
 
-`engine.builder` wires the parts; this class holds the requests' sequences and runs the steps: the scheduler
+`engine.parts` wires the parts; this class holds the requests' sequences and runs the steps: the scheduler
 plans one (`engine.step.StepPlan`), the model runner runs it, and the `StepResult` is applied here.
 """
 
@@ -12,19 +12,25 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.builder import build
 from engine.config import EngineConfig
 from engine.core.block_key import extend_keys
 from engine.core.output_text import finish_text, stops_hit
 from engine.core.sequence import Sequence
 from engine.core.step_cost import work_of
-from engine.interface import Completion, Request, RequestError, token_limit
+from engine.interface import (
+    Completion,
+    EngineStats,
+    FinishReason,
+    Request,
+    RequestError,
+    check_prompt,
+    token_limit,
+)
 from engine.model.parallel import ALONE
 from engine.model.weight_memory import weights_bytes
+from engine.parts import build
 from engine.step import StepPlan, StepResult, TokenMasks
 from engine.tensor_parallel import Ranks
-
-MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 class LLMEngine:
@@ -70,19 +76,15 @@ class LLMEngine:
     def prepare(self, request: Request) -> Sequence:
         """Check `request` and build its sequence, with the content keys of its prompt's blocks: work that reads
         nothing a step changes, so the engine's runner does it on the submitting thread, where it never widens
-        the gap between two steps. Raises `RequestError` for a request that can never run."""
+        the gap between two steps. Raises `RequestError` for a request that can never run. The sampling values'
+        own bounds are the service's to check (`jobs.schemas.Sampling`); only what this engine knows is here."""
         n, p = len(request.prompt_ids), request.sampling
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise RequestError(f"prompt has {n} tokens; the model's context is {self.max_model_len}")
-        if (p.max_new_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p < 1
-                or p.repetition_penalty <= 0):
-            raise RequestError(f"invalid sampling parameters {p}")
+        check_prompt(n, p.max_new_tokens, self.max_model_len)
         if p.max_thinking_tokens is not None and self.think_ids is None:
             raise RequestError("max_thinking_tokens needs a thinking model; this tokenizer has no <think> tokens")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"logprobs must be 0..{MAX_LOGPROBS}, not {p.logprobs}")
+        most = self.model.shape.vocab_size if self.config.max_logprobs is None else self.config.max_logprobs
+        if p.logprobs is not None and not 0 <= p.logprobs <= most:
+            raise RequestError(f"logprobs must be 0..{most}, not {p.logprobs}")
         longest = token_limit(n, p.max_new_tokens, self.max_model_len)
         needed = self.kv_plan.blocks_per_seq(self.config.block_size, longest)
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
@@ -112,7 +114,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq)
-        return self._completion(seq, "cancelled")
+        return self._completion(seq, FinishReason.cancelled)
 
     def partial(self, request_id: str, at_least: int) -> list[int] | None:
         seq = self._seqs.get(request_id)
@@ -198,18 +200,18 @@ class LLMEngine:
                 seq.first_token = end
                 seq.timings.ttft_ms = (end - seq.request.arrival) * 1e3
             if ended or (token in eos_ids and not seq.params.ignore_eos):
-                self._finish(seq, "stop", done)
+                self._finish(seq, FinishReason.stop, done)
             elif seq.stop_ends and not seq.stop_ends.isdisjoint(self._token_text(token)):
                 stopping.append(seq)  # decoded together below
             elif len(seq.token_ids) >= seq.token_limit:
-                self._finish(seq, "length", done)
+                self._finish(seq, FinishReason.length, done)
         self._tokens_generated += len(result.token_ids)
         if stopping:
             outputs = [(seq.output_tail(seq.stop_window), seq.params.stop) for seq in stopping]
             hits = stops_hit(self.tokenizer, outputs)
             for seq, hit in zip(stopping, hits, strict=True):
                 if hit or len(seq.token_ids) >= seq.token_limit:
-                    self._finish(seq, "stop" if hit else "length", done)
+                    self._finish(seq, FinishReason.stop if hit else FinishReason.length, done)
         return done
 
     def _follow_grammar(self, seq: Sequence, token: int) -> bool:
@@ -243,12 +245,12 @@ class LLMEngine:
             text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=True)
         return text
 
-    def _finish(self, seq: Sequence, reason: str, done: list[Completion]) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, done: list[Completion]) -> None:
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         done.append(self._completion(seq, reason))
 
-    def _completion(self, seq: Sequence, reason: str) -> Completion:
+    def _completion(self, seq: Sequence, reason: FinishReason) -> Completion:
         if seq.matcher is not None:
             self._constrained.pop(seq.request_id, None)
             seq.matcher = None
@@ -263,51 +265,47 @@ class LLMEngine:
         if self.ranks is not None:
             self.ranks.close()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         pools = self.blocks.pools
-        used, total, ceiling = (sum(p.num_used for p in pools), sum(p.capacity for p in pools),
-                                sum(p.max_blocks for p in pools))
+        used, ceiling = sum(p.num_used for p in pools), sum(p.max_blocks for p in pools)
         s = self.scheduler
-        stats = {
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "interactive_running": sum(seq.interactive for seq in s.running),
-            "interactive_waiting": sum(seq.interactive for seq in s.waiting),
-            "kv_blocks_total": total,
-            "kv_blocks_used": used,
-            "kv_blocks_peak": self._peak_blocks,
-            "kv_blocks_max": ceiling,
-            "kv_usage": used / ceiling,  # of the memory budget, not of what is allocated so far
-            "preemptions": s.num_preemptions,
-            "preemptions_spared": s.num_preemptions_spared,
-            "bulk_rows_deferred": s.num_rows_deferred,
-            "limited_steps": s.num_limited_steps,
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            interactive_running=sum(seq.interactive for seq in s.running),
+            interactive_waiting=sum(seq.interactive for seq in s.waiting),
+            kv_blocks_total=sum(p.capacity for p in pools),
+            kv_blocks_used=used,
+            kv_blocks_peak=self._peak_blocks,
+            kv_blocks_max=ceiling,
+            kv_usage=used / ceiling,
+            kv_window_blocks_used=sum(p.num_used for p, w in zip(pools, self.windows, strict=True) if w > 0),
+            preemptions=s.num_preemptions,
+            preemptions_spared=s.num_preemptions_spared,
+            bulk_rows_deferred=s.num_rows_deferred,
+            limited_steps=s.num_limited_steps,
             **s.cost.coefficients,
-            "steps": self._steps,
-            "tokens_generated": self._tokens_generated,
-            "tokens_computed": self._tokens_computed,
+            steps=self._steps,
+            tokens_generated=self._tokens_generated,
+            tokens_computed=self._tokens_computed,
             **self._prefix_stats(),
-        }
-        windowed = [p for p, w in zip(pools, self.windows, strict=True) if w > 0]
-        if windowed:
-            stats["kv_window_blocks_used"] = sum(p.num_used for p in windowed)
-        return stats
+        )
 
     def _prefix_stats(self) -> dict[str, float]:
+        """`EngineStats`' prefix and host cache fields."""
         prefix, s = self.blocks.prefix, self.scheduler
         host = prefix.host if prefix is not None else None
         prefetched = prefix.num_prefetched if host is not None else 0
-        return {
-            "prefix_cache_queries_tokens": s.num_query_tokens,
-            "prefix_cache_hit_tokens": s.num_hit_tokens,  # host hits included
-            "prefix_cache_hit_rate": s.num_hit_tokens / max(1, s.num_query_tokens),
-            "host_hit_tokens": s.num_host_hit_tokens,
-            # of the blocks copied back from the host tier, those a request then used
-            "host_prefetch_hit_rate": prefix.num_prefetch_hits / prefetched if prefetched else 0.0,
-            "prefix_cached_blocks": self.blocks.pools[0].num_cached,
-            "evictions": prefix.num_evictions if prefix is not None else 0,
-            "host_evictions": host.num_evictions if host is not None else 0,
-        }
+        return dict(
+            prefix_cache_queries_tokens=s.num_query_tokens,
+            prefix_cache_hit_tokens=s.num_hit_tokens,
+            prefix_cache_hit_rate=s.num_hit_tokens / max(1, s.num_query_tokens),
+            host_hit_tokens=s.num_host_hit_tokens,
+            host_prefetch_hit_rate=prefix.num_prefetch_hits / prefetched if prefetched else 0.0,
+            prefix_cached_blocks=self.blocks.pools[0].num_cached,
+            evictions=prefix.num_evictions if prefix is not None else 0,
+            host_evictions=host.num_evictions if host is not None else 0,
+        )
 
     def memory_report(self) -> dict[str, int]:
         """Where the memory goes, and how much work fits in the KV budget."""

@@ -41,12 +41,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.builder import EngineParts, build
 from engine.config import EngineConfig
+from engine.interface import EngineDead
 from engine.model.loader import read_shape
 from engine.model.parallel import Split
 from engine.model.qwen3 import rank_shape
-from engine.runtime.engine_thread import EngineDead, is_fatal
+from engine.parts import EngineParts, build
+from engine.runtime.engine_thread import is_fatal
 from engine.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)

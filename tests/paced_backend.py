@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from engine import builder
 from engine.core.sequence import Sequence
 from engine.interface import Completion, Request
 from engine.llm_engine import LLMEngine
-from worker.engine_factory import WorkerSettings, engine_config
+from worker.engine_factory import WorkerSettings, engine_options
 
 STEP_S = 0.03
 
@@ -25,4 +26,4 @@ class PacedEngine(LLMEngine):
 
 
 def create(model: str, device: str, dtype: str) -> PacedEngine:
-    return PacedEngine(engine_config(WorkerSettings(model=model, device=device, dtype=dtype)))
+    return PacedEngine(builder.engine_config(model, engine_options(WorkerSettings(model=model, device=device, dtype=dtype))))

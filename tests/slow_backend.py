@@ -7,7 +7,7 @@ import time
 
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.interface import Completion, Request, Timings
+from engine.interface import Completion, EngineStats, Request, Timings
 
 
 class SlowBulkEngine:
@@ -36,8 +36,8 @@ class SlowBulkEngine:
             del self.due[r.request_id]
         return [Completion(r.request_id, [5], "done", len(r.prompt_ids), "length", None, Timings()) for r in done]
 
-    def stats(self) -> dict[str, float]:
-        return {"running": len(self.due)}
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.due))
 
 
 def create(model: str, device: str, dtype: str) -> SlowBulkEngine:

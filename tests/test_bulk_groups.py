@@ -23,7 +23,8 @@ from broker.app import create_celery
 from broker.publish import publish
 from broker.view import GROUP_HEADER, message_headers
 from cli.stack import Stack
-from engine.runtime.engine_thread import EngineStalled, EngineThread
+from engine.interface import EngineStalled
+from engine.runtime.engine_thread import EngineThread
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB
 from jobs.schemas import JobIn
 from jobs.settings import Settings

@@ -107,7 +107,7 @@ def test_stopping_a_job_stops_every_choice(tiny_model):
             worker = threading.Thread(target=lambda: outcome.setdefault("o", reply(run)))
             worker.start()
             deadline = time.monotonic() + 60
-            while bridge.stats()["running"] < 3 and time.monotonic() < deadline:  # every choice is in the engine
+            while bridge.stats().running < 3 and time.monotonic() < deadline:  # every choice is in the engine
                 time.sleep(0.01)
             assert bridge.stop(["job-a"]) == ["job-a"]
             worker.join(60)
@@ -115,7 +115,7 @@ def test_stopping_a_job_stops_every_choice(tiny_model):
         assert [c.completion.finish_reason for c in choices] == ["cancelled"] * 3
         assert outcome["o"].verdict.finish_reason == "cancelled"
         stats = bridge.stats()
-        assert stats["running"] == 0 and stats["waiting"] == 0
+        assert stats.running == 0 and stats.waiting == 0
     finally:
         bridge.close()
 

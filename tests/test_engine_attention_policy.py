@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.attention_policy import parse_policy
 from engine.interface import Request
-from engine.model.attention_policy import parse_policy
 from kernels.sparse import AttentionPolicy
 from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (autouse)
 
@@ -40,7 +40,7 @@ def test_sliding_policy_recycles_blocks(tiny_model):
     ring = -(-(window - 1 + 128) // block) + 1
 
     def bounded(engine):
-        assert engine.stats()["kv_window_blocks_used"] <= ring * len(PROMPTS)
+        assert engine.stats().kv_window_blocks_used <= ring * len(PROMPTS)
 
     sliding = generate(tiny_model, f"sliding:{window}", bounded)
     assert sliding != generate(tiny_model, "dense")

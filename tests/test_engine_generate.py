@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from engine.interface import Request, RequestError, SamplingParams
+from engine.interface import Request, RequestError, SamplingParams, fits
 from engine.model.cuda_graphs import PieceGraphs
 from engine.runtime.engine_thread import EngineThread
+from jobs.chat import chat_problem
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     FakeCost,
     greedy,
@@ -48,11 +49,11 @@ def test_greedy_matches_transformers(tiny_models, hf_outputs, preset, pressure):
     done = run_all(engine, requests)
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs[preset]
     stats = engine.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert stats.kv_blocks_used == 0 and stats.running == stats.waiting == 0
     if pressure:
-        assert stats["preemptions"] > 0
-        assert sum(c.timings.preemptions for c in done.values()) == stats["preemptions"]
-        assert stats["kv_blocks_total"] <= stats["kv_blocks_max"]
+        assert stats.preemptions > 0
+        assert sum(c.timings.preemptions for c in done.values()) == stats.preemptions
+        assert stats.kv_blocks_total <= stats.kv_blocks_max
 
 
 @pytest.mark.parametrize("pressure", [False, True], ids=["roomy", "preempting"])
@@ -73,7 +74,7 @@ def test_greedy_matches_transformers_beside_constrained_requests(tiny_models, hf
     for i in range(len(PROMPTS)):
         record = json.loads(done[f"json{i}"].text)
         assert set(record) == {"ok", "n"} and 0 <= record["n"] <= 999
-    assert engine.stats()["preemptions"] > 0 or not pressure
+    assert engine.stats().preemptions > 0 or not pressure
 
 
 def test_greedy_matches_transformers_while_latency_targets_cut_bulk_work(tiny_models, hf_outputs):
@@ -87,7 +88,7 @@ def test_greedy_matches_transformers_while_latency_targets_cut_bulk_work(tiny_mo
     done = run_all(engine, requests)
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny"]
     stats = engine.stats()
-    assert stats["bulk_rows_deferred"] > 0 and stats["limited_steps"] > 0
+    assert stats.bulk_rows_deferred > 0 and stats.limited_steps > 0
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
@@ -106,7 +107,7 @@ def test_greedy_matches_transformers_through_the_graph_pieces(tiny_models, hf_ou
     done = run_all(engine, requests)
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs[preset]
     stats = engine.stats()
-    assert pieces.steps == stats["steps"] and stats["preemptions"] > 0
+    assert pieces.steps == stats.steps and stats.preemptions > 0
 
 
 def test_dense_decode_rows_follow_preemption(tiny_models, hf_outputs):
@@ -118,7 +119,7 @@ def test_dense_decode_rows_follow_preemption(tiny_models, hf_outputs):
                 for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
     done = run_all(engine, requests)
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny"]
-    assert engine.stats()["preemptions"] > 0 and engine.memory_report()["dense_decode_bytes"] > 0
+    assert engine.stats().preemptions > 0 and engine.memory_report()["dense_decode_bytes"] > 0
 
 
 def test_timings_are_filled(tiny_model):
@@ -176,6 +177,12 @@ def test_requests_that_can_never_run(tiny_model):
         engine.add_request(Request("long", [5] * engine.max_model_len, greedy(1)))
     with pytest.raises(RequestError, match="empty"):
         engine.add_request(Request("empty", [], greedy(1)))
+    # the prompt and all of the output it may ask for must fit, not the prompt alone
+    edge = engine.max_model_len - 8
+    with pytest.raises(RequestError, match="with max_new_tokens 9 it exceeds the model's context"):
+        engine.add_request(Request("over", [5] * edge, greedy(9)))
+    engine.add_request(Request("edge", [5] * edge, greedy(8)))
+    engine.abort_request("edge")
     small = make_engine(tiny_model, kv_cache_memory=8 * kv_block_bytes(tiny_model))
     with pytest.raises(RequestError, match="KV blocks"):
         small.add_request(Request("big", [5] * 200, greedy(10)))
@@ -190,6 +197,16 @@ def test_requests_that_can_never_run(tiny_model):
     assert ok.finish_reason == "length" and len(ok.token_ids) == 3
 
 
+def test_the_engine_and_the_contract_agree_on_what_fits():
+    """The API refuses what `jobs.chat.chat_problem` refuses; the engine must refuse exactly that too."""
+    cases = [(prompt, max_new, context) for context in (1, 64, 40960) for prompt in (1, context // 2, context - 1,
+             context, context + 1) for max_new in (1, context - prompt - 1, context - prompt, context - prompt + 1)
+             if prompt >= 1 and max_new >= 1]
+    assert len(cases) > 30
+    assert [c for c in cases if fits(*c) != (chat_problem(*c) is None)] == []
+    assert fits(60, 4, 64) and not fits(60, 5, 64)
+
+
 def test_cancel(tiny_model):
     engine = make_engine(tiny_model)
     for i, ids in enumerate(prompts(4, 20, 40)):
@@ -197,10 +214,10 @@ def test_cancel(tiny_model):
     engine.add_request(Request("queued", [5] * 10, greedy(50)))
     for _ in range(3):
         engine.step()
-    used = engine.stats()["kv_blocks_used"]
+    used = engine.stats().kv_blocks_used
     cancelled = engine.abort_request("1")
     assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) == 3
-    assert engine.stats()["kv_blocks_used"] < used  # its blocks came back at once
+    assert engine.stats().kv_blocks_used < used  # its blocks came back at once
     assert engine.abort_request("1") is None and engine.abort_request("unknown") is None
     done = run_all(engine, [])
     assert sorted(done) == ["0", "2", "3", "queued"]

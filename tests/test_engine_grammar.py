@@ -80,7 +80,7 @@ def test_grammars_follow_their_sequences_through_preemption_and_cancels(tiny_mod
             assert engine.abort_request("0").finish_reason == "cancelled"
         for completion in engine.step():
             done[completion.request_id] = completion
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     for completion in done.values():
         if completion.finish_reason == "stop":
             jsonschema.validate(json.loads(completion.text), schema)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.core.output_text import cut_at_stop, finish_text, stop_ends, stop_window, stops_hit
-from engine.interface import Request, SamplingParams
+from engine.core.output_text import finish_text, stop_ends, stop_window, stops_hit
+from engine.interface import Request, SamplingParams, cut_at_stop
 from engine.model.sampler import penalize, sample, seeded_uniforms
 from engine.step import StepResult
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
@@ -135,7 +135,7 @@ def test_the_engine_thread_measures_gaps_only_between_back_to_back_steps(tiny_mo
     finally:
         thread.close()
     # at least 6 steps ran back to back for 6 tokens; an idle wait for work is no gap
-    assert 5 <= stats["loop_gaps"] < stats["steps"] and stats["loop_gap_p95_ms"] > 0
+    assert 5 <= stats.loop_gaps < stats.steps and stats.loop_gap_p95_ms > 0
 
 
 def test_a_steps_inputs_travel_in_one_buffer_and_come_back_as_they_were():
@@ -333,8 +333,8 @@ def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_
     done = run_all(engine, requests, check_table_rows)
     assert sorted(done) == sorted(r.request_id for r in requests) and max(packed) > 1
     stats = engine.stats()
-    assert stats["preemptions"] > 0
-    assert stats["prefix_cache_hit_tokens"] > 0 if preset == "tiny" else len(engine.blocks.pools) == 2
+    assert stats.preemptions > 0
+    assert stats.prefix_cache_hit_tokens > 0 if preset == "tiny" else len(engine.blocks.pools) == 2
     assert all((array == -1).all() for array in engine.blocks.rows.arrays)  # every row given back
 
 
@@ -368,20 +368,20 @@ def test_decodes_planned_in_one_go_are_the_row_by_row_plan(tiny_models, preset):
         engine.scheduler.schedule = recorded
         requests = [Request(str(i), p, greedy(30)) for i, p in enumerate(prompts(20, 20, 150, seed=3))]
         done = run_all(engine, requests)
-        runs.append((steps, {k: c.token_ids for k, c in done.items()}, engine.stats()["preemptions"]))
+        runs.append((steps, {k: c.token_ids for k, c in done.items()}, engine.stats().preemptions))
     assert runs[0] == runs[1] and runs[0][2] > 0
 
 
 # --- finish reasons -----------------------------------------------------------------------------------------------
 
-def finished_from_scratch(tokenizer, stream: list[int], params: SamplingParams, prompt_len: int,
-                          max_model_len: int, eos_ids: set[int]) -> tuple[list[int], str]:
+def finished_from_scratch(tokenizer, stream: list[int], params: SamplingParams,
+                          eos_ids: set[int]) -> tuple[list[int], str]:
     """Token by token, the whole output decoded each time: where a request with `params` ends, and why."""
     for n in range(1, len(stream) + 1):
         eos_hit = stream[n - 1] in eos_ids and not params.ignore_eos
         if eos_hit or cut_at_stop(tokenizer.decode(stream[:n], skip_special_tokens=True), params.stop)[1]:
             reason = "stop"
-        elif n >= params.max_new_tokens or prompt_len + n >= max_model_len:
+        elif n >= params.max_new_tokens:
             reason = "length"
         else:
             continue
@@ -391,7 +391,7 @@ def finished_from_scratch(tokenizer, stream: list[int], params: SamplingParams, 
 
 
 def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_model, tokenizer):
-    engine = make_engine(qwen3_model, max_model_len=96)
+    engine = make_engine(qwen3_model, max_model_len=120)  # the longest prompt and output fit
     eos = sorted(engine.eos_ids)
     rng = random.Random(4)
     streams, requests = {}, []
@@ -414,8 +414,7 @@ def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_mo
     engine.runner.run = scripted
     done = run_all(engine, [r for r, _ in requests])
     for request, stream in requests:
-        expected = finished_from_scratch(tokenizer, stream, request.sampling, len(request.prompt_ids),
-                                         engine.max_model_len, engine.eos_ids)
+        expected = finished_from_scratch(tokenizer, stream, request.sampling, engine.eos_ids)
         got = done[request.request_id]
         assert (got.token_ids, got.finish_reason) == expected, request.request_id
     assert {c.finish_reason for c in done.values()} == {"stop", "length"}

@@ -38,7 +38,7 @@ def test_fp8_generates_end_to_end(tiny_model):
     requests = [Request(str(i), ids, greedy(8)) for i, ids in enumerate(prompts(6, 5, 150, seed=2))]
     done = run_all(engine, requests)
     assert all(len(done[r.request_id].token_ids) == 8 for r in requests)
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_fp8_halves_kv_bytes_of_bf16(tiny_models):

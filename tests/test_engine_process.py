@@ -13,9 +13,9 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from engine.interface import Request, SamplingParams
+from engine.interface import EngineDead, EngineStats, Request, SamplingParams
 from engine.runtime.engine_process import EngineProcess
-from engine.runtime.engine_thread import EngineDead, EngineThread
+from engine.runtime.engine_thread import EngineThread
 from worker.engine_factory import WorkerSettings, load_backend
 
 
@@ -39,8 +39,8 @@ class CrashOnAdd:
     def has_unfinished(self) -> bool:
         return False
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
 
 def crash_on_add_factory() -> CrashOnAdd:
@@ -77,7 +77,7 @@ def test_completions_and_progress_match_the_engine_in_a_thread(process, tiny_mod
     # progress comes over as the tokens added, and is handed on as the whole output so far
     assert seen and all(got[0].token_ids[:len(s)] == s for s in seen) and len(seen[-1]) > len(seen[0])
     stats = process.stats()
-    assert stats["tokens_generated"] >= 6 * 12 and stats["loop_gaps"] > 0
+    assert stats.tokens_generated >= 6 * 12 and stats.loop_gaps > 0
 
 
 def test_a_cancel_reaches_a_request_in_the_process(process):

@@ -28,7 +28,7 @@ def test_pool_too_small_for_everything_at_once(tiny_model):
 
     def check(engine) -> None:
         stats = engine.stats()
-        assert stats["kv_blocks_used"] <= stats["kv_blocks_total"] <= budget_blocks
+        assert stats.kv_blocks_used <= stats.kv_blocks_total <= budget_blocks
         assert engine.memory_report()["pool_bytes"] <= engine.kv_plan.budget_bytes
         if pool.capacity != capacities[-1]:
             capacities.append(pool.capacity)
@@ -38,7 +38,7 @@ def test_pool_too_small_for_everything_at_once(tiny_model):
     done = run_all(engine, requests, check)
     assert sorted(done) == sorted(r.request_id for r in requests)
     assert all(c.finish_reason == "length" and len(c.token_ids) == 24 for c in done.values())
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
     # grew geometrically from the initial size, then once to what the budget leaves while a segment is copied
     # (a step may grow the pool more than once: the first admits several requests)
     assert capacities[-1] == pool.sizes[-1] and set(capacities) <= set(pool.sizes)
@@ -53,11 +53,11 @@ def test_priority_request_preempts_and_finishes_first(tiny_model):
         engine.add_request(Request(f"bulk{i}", ids, greedy(40), priority=1))
     for _ in range(3):
         assert engine.step() == []
-    assert engine.stats()["running"] == 32
+    assert engine.stats().running == 32
     engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(8), priority=9, interactive=True))
     order = list(run_all(engine, []))  # in finishing order
     assert order[0] == "urgent" and len(order) == 33
-    assert engine.stats()["preemptions"] >= 1  # every slot was taken: a bulk request made room
+    assert engine.stats().preemptions >= 1  # every slot was taken: a bulk request made room
 
 
 def test_ageing_lets_old_work_go_first_within_its_class_but_never_past_interactive(tiny_model):
@@ -86,7 +86,7 @@ def test_equal_priority_goes_shortest_first_but_never_past_what_came_a_window_ea
     requests.append(Request("old-long", prompts(1, 200, 200, seed=6)[0], greedy(3), priority=3, arrival=now - 40))
     done = run_all(engine, requests)
     assert list(done) == ["old-long", "short-a", "short-b", "short-c", "fresh-long"]
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
 
 
 def test_sliding_window_blocks_stay_bounded(tiny_models):
@@ -97,8 +97,8 @@ def test_sliding_window_blocks_stay_bounded(tiny_models):
 
     def check(engine) -> None:
         stats = engine.stats()
-        seen["window"] = max(seen["window"], stats["kv_window_blocks_used"])
-        seen["full"] = max(seen["full"], stats["kv_blocks_used"] - stats["kv_window_blocks_used"])
+        seen["window"] = max(seen["window"], stats.kv_window_blocks_used)
+        seen["full"] = max(seen["full"], stats.kv_blocks_used - stats.kv_window_blocks_used)
 
     done = run_all(engine, [Request("long", prompts(1, 20, 20)[0], greedy(600))], check)
     assert len(done["long"].token_ids) == 600
@@ -169,7 +169,7 @@ def test_steps_with_an_urgent_chat_keep_its_latency_target_and_bulk_fills_the_re
     for total, chat, bulk_entries in planned:
         assert cost.predict(total) <= 1.5 * cost.predict(chat) + 1e-12  # the default interactive_slowdown
         assert bulk_entries > 0  # bulk shared every step, within the target
-    assert engine.stats()["bulk_rows_deferred"] > 0  # it had more than fitted
+    assert engine.stats().bulk_rows_deferred > 0  # it had more than fitted
     engine.step()
     total, chat, bulk_entries = planned[-1]
     assert chat == Work() and bulk_entries > 0
@@ -201,12 +201,12 @@ def test_an_urgent_request_takes_a_slot_from_bulk_but_never_the_reverse(tiny_mod
     engine.add_request(Request("urgent", prompts(1, 30, 30, seed=9)[0], greedy(20), priority=9, interactive=True))
     engine.step()
     running = {s.request_id for s in engine.scheduler.running}
-    assert "urgent" in running and len(running) == 2 and engine.stats()["preemptions"] == 1
+    assert "urgent" in running and len(running) == 2 and engine.stats().preemptions == 1
     # a bulk request of higher priority may displace bulk, not the interactive sequence
     engine.add_request(Request("bulk-high", prompts(1, 30, 30, seed=8)[0], greedy(5), priority=6))
     engine.step()
     running = {s.request_id for s in engine.scheduler.running}
-    assert running == {"urgent", "bulk-high"} and engine.stats()["preemptions"] == 2
+    assert running == {"urgent", "bulk-high"} and engine.stats().preemptions == 2
 
 
 def test_no_bulk_sequence_is_preempted_for_a_newcomer_the_step_has_no_time_for(tiny_model):
@@ -220,7 +220,7 @@ def test_no_bulk_sequence_is_preempted_for_a_newcomer_the_step_has_no_time_for(t
     for _ in range(3):
         engine.step()
         assert {s.request_id for s in engine.scheduler.running} == {"urgent", "bulk"}
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
 
 
 def test_a_bulk_sequence_is_not_preempted_again_and_again(tiny_model):
@@ -235,4 +235,4 @@ def test_a_bulk_sequence_is_not_preempted_again_and_again(tiny_model):
     finished = run_until(engine, "chat2")
     assert finished == ["bulk", "chat2"]  # pre-empted twice already: the third chat waited for it
     stats = engine.stats()
-    assert stats["preemptions"] == 2 and stats["preemptions_spared"] > 0
+    assert stats.preemptions == 2 and stats.preemptions_spared > 0

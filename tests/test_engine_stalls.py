@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.interface import Completion, Request, SamplingParams
+from engine.interface import Completion, EngineStalled, EngineStats, Request, SamplingParams
 from engine.runtime.engine_process import EngineProcess
-from engine.runtime.engine_thread import EngineStalled, EngineThread
+from engine.runtime.engine_thread import EngineThread
 from tests.test_engine_process import _alive
 
 HANG, POISON = 1, 2  # a step holding a request whose prompt starts with HANG never ends; with POISON, it raises
@@ -63,8 +63,8 @@ class Counting:
                 done.append(Completion(request_id, list(out), "", len(request.prompt_ids), "length"))
         return done
 
-    def stats(self) -> dict[str, float]:
-        return {"running": len(self.running)}
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.running))
 
 
 def counting() -> Counting:
@@ -92,7 +92,7 @@ def test_a_frozen_engine_process_is_killed_and_a_new_one_takes_over_while_an_idl
         assert 2 <= time.monotonic() - stopped < 5
         assert runner.submit(request("after", 3)).result(30).finish_reason == "length"  # on the new engine
         assert runner.pid != first and runner.restarts == 1 and runner.alive and not deaths
-        assert runner.stats()["restarts"] == 1  # for `convoq_engine_restarts_total`
+        assert runner.stats().restarts == 1  # for `convoq_engine_restarts_total`
         time.sleep(0.5)
         assert not _alive(first)
     finally:

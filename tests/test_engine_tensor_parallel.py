@@ -18,7 +18,7 @@ import pytest
 
 from api.http.client import Client
 from cli.stack import Stack
-from engine.interface import Request
+from engine.interface import EngineStats, Request
 from engine.llm_engine import LLMEngine
 from engine.tensor_parallel import RANK_DIED
 from jobs.schemas import JobIn
@@ -67,7 +67,7 @@ def test_ranks_give_one_ranks_tokens_and_transformers(tiny_models, preset, ranks
 
     engine = make_engine(path, tensor_parallel=ranks, **tight(ranks))
     split = outputs(engine, requests())
-    assert engine.stats()["preemptions"] > 0 or not pressure
+    assert engine.stats().preemptions > 0 or not pressure
     assert split == outputs(make_engine(path, **tight(1)), requests()) == transformers_greedy(path, PROMPTS, NEW_TOKENS)
 
 
@@ -91,7 +91,7 @@ def test_prefix_reuse_and_the_host_tier_work_on_every_rank(tiny_model):
         return [Request(f"c{i}", r.prompt_ids + done[r.request_id].token_ids + [7, 8, 9], greedy(6, ignore_eos=False))
                 for i, r in enumerate(first)]
 
-    def turns(engine: LLMEngine) -> tuple[list[list[int]], dict]:
+    def turns(engine: LLMEngine) -> tuple[list[list[int]], EngineStats]:
         try:
             done = run_all(engine, first)
             done |= run_all(engine, crowd)
@@ -103,7 +103,7 @@ def test_prefix_reuse_and_the_host_tier_work_on_every_rank(tiny_model):
     split, stats = turns(make_engine(tiny_model, tensor_parallel=2, **tight(2)))
     alone, _ = turns(make_engine(tiny_model, **tight(1)))
     assert split == alone
-    assert stats["host_hit_tokens"] > 0 and stats["evictions"] > 0
+    assert stats.host_hit_tokens > 0 and stats.evictions > 0
 
 
 def test_a_model_the_ranks_cannot_split_is_refused_by_its_numbers(tiny_models):
@@ -246,8 +246,8 @@ def test_a_step_that_meets_a_dead_rank_is_the_engines_death_not_a_requests_error
 import os, signal, time
 import engine.tensor_parallel as tp
 tp.WATCH_EVERY_S = 3600
-from engine.interface import Request
-from engine.runtime.engine_thread import EngineDead, EngineThread
+from engine.interface import EngineDead, Request
+from engine.runtime.engine_thread import EngineThread
 from tests.engine_helpers import greedy, make_engine
 engine = make_engine({str(tiny_model)!r}, tensor_parallel=2)
 [rank] = engine.ranks.processes

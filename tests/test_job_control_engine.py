@@ -37,7 +37,7 @@ def test_a_cancel_stops_a_request_before_the_next_step_and_frees_its_blocks(tiny
         assert seen == sorted(seen) and all(b - a >= thread.progress_every for a, b in pairwise(seen))
         assert other.result(timeout=120).finish_reason == "length"  # its batch-mate was not disturbed
         stats = thread.stats()
-        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+        assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
     finally:
         thread.close()
 
@@ -54,7 +54,7 @@ def test_a_request_past_its_deadline_expires_with_its_text_so_far(tiny_model):
         done = running.result(timeout=120)
         assert time.monotonic() >= soon
         assert done.finish_reason == "expired" and 0 < len(done.token_ids) < 1000
-        assert thread.stats()["running"] == 0
+        assert thread.stats().running == 0
     finally:
         thread.close()
 
@@ -81,7 +81,7 @@ def test_stopping_a_run_stops_every_part_of_a_map_reduce_summary(tiny_model):
             worker = threading.Thread(target=lambda: outcome.setdefault("o", summarize(run)))
             worker.start()
             deadline = time.monotonic() + 60
-            while bridge.stats()["running"] < 2 and time.monotonic() < deadline:  # its parts are in the engine
+            while bridge.stats().running < 2 and time.monotonic() < deadline:  # its parts are in the engine
                 time.sleep(0.01)
             assert bridge.stop(["job-1", "some-other-job"]) == ["job-1"]
             worker.join(60)
@@ -89,7 +89,7 @@ def test_stopping_a_run_stops_every_part_of_a_map_reduce_summary(tiny_model):
             late = run.submit("9:9", prompts(1, 10, 10)[0]).result(timeout=1)
         assert outcome["o"].completion.finish_reason == "cancelled" and late.finish_reason == "cancelled"
         stats = bridge.stats()
-        assert stats["running"] == 0 and stats["waiting"] == 0
+        assert stats.running == 0 and stats.waiting == 0
         assert bridge.running() == []
     finally:
         bridge.close()

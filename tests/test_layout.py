@@ -29,8 +29,7 @@ ALLOWED = {
     "migrations": {"jobs", "store"},
     "api": {"jobs", "store", "broker", "process"},
     "worker": {"jobs", "store", "broker", "process", "engine"},
-    # kernels: `convoq doctor` runs one
-    "cli": {"jobs", "store", "broker", "process", "api", "worker", "engine", "kernels", "migrations"},
+    "cli": {"jobs", "store", "broker", "process", "api", "worker", "engine", "migrations"},
     "bench": {"jobs", "store", "broker", "process", "api", "worker", "engine", "kernels", "migrations", "cli"},
 }
 
@@ -221,17 +220,24 @@ def test_sampling_fields_are_listed_only_where_they_are_defined():
 # else of a request, `runtime` drives any `StepEngine` through the contract of `engine.interface`.
 # sub-package or module -> the engine modules it must not import (each with everything under it)
 ENGINE_FORBIDDEN = {
-    "engine.core": ("engine.model", "engine.runtime", "engine.llm_engine", "engine.builder", "engine.hf_backend"),
-    "engine.model": ("engine.runtime", "engine.llm_engine", "engine.builder", "engine.hf_backend",
+    "engine.core": ("engine.model", "engine.runtime", "engine.llm_engine", "engine.builder", "engine.parts",
+                    "engine.hf_backend"),
+    "engine.model": ("engine.runtime", "engine.llm_engine", "engine.builder", "engine.parts", "engine.hf_backend",
                      # nothing that holds the scheduler's sequences: the plan is the model's only input
                      "engine.core.sequence", "engine.core.scheduler", "engine.core.step_rows",
                      "engine.core.block_manager"),
+}
+# The ground floor, which every other engine module may build on: module -> the only engine modules it imports.
+GROUND_FLOOR = {
+    "engine.interface": (),  # what crosses to the worker
+    "engine.attention_policy": (),
+    "engine.config": ("engine.attention_policy",),
 }
 # sub-package or module -> the only engine modules it may import
 ENGINE_ONLY = {
     "engine.runtime": ("engine.interface", "engine.runtime"),
     "engine.step": ("engine.interface",),
-    "engine.interface": (),
+    **GROUND_FLOOR,
 }
 
 
@@ -278,7 +284,8 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
         ("engine.core.scheduler", "from engine.model.sampler import sample"),
         ("engine.core.sequence", "import engine.runtime.loop_gaps"),
         ("engine.core.block_manager", "from engine import llm_engine"),
-        ("engine.core.step_cost", "from engine.builder import build"),
+        ("engine.core.step_cost", "from engine.parts import build"),
+        ("engine.core.scheduler", "from engine.builder import start_runner"),
         ("engine.core.kv_cache", "from engine.hf_backend import HFEngine"),
         ("engine.model.step_executor", "from engine.core.sequence import Sequence"),
         ("engine.model.sampler", "from engine.core import scheduler"),
@@ -286,20 +293,43 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
         ("engine.model.kv_plan", "from engine.core.block_manager import BlockManager"),
         ("engine.model.qwen3", "from engine.runtime.engine_thread import EngineThread"),
         ("engine.model.attention_batch", "import engine.llm_engine"),
-        ("engine.model.loader", "from engine.builder import build"),
+        ("engine.model.loader", "from engine.parts import build"),
         ("engine.model.cuda_graphs", "from engine.hf_backend import HFEngine"),
         ("engine.runtime.engine_thread", "from engine.core.sequence import Sequence"),
         ("engine.runtime.engine_process", "from engine.model import sampler"),
         ("engine.runtime.loop_gaps", "from engine.config import EngineConfig"),
         ("engine.step", "from engine.core.step_cost import Work"),
         ("engine.interface", "from engine.step import StepPlan"),
+        ("engine.interface", "from engine.config import EngineConfig"),
+        ("engine.config", "from engine.model.kv_plan import plan_kv"),
+        ("engine.config", "from engine.interface import Request"),
+        ("engine.attention_policy", "from engine.config import EngineConfig"),
     ]
     missed = [(name, source) for name, source in breaking if not engine_rule_breaks({name: ast.parse(source)})]
     assert missed == []
     allowed = [("engine.core.scheduler", "from engine.step import StepPlan"),
                ("engine.model.step_executor", "from engine.core.kv_cache import KVCache"),
-               ("engine.runtime.engine_process", "from .engine_thread import EngineThread")]
+               ("engine.runtime.engine_process", "from .engine_thread import EngineThread"),
+               ("engine.config", "from engine.attention_policy import parse_policy")]
     assert [name for name, source in allowed if engine_rule_breaks({name: ast.parse(source)})] == []
+
+
+# what the worker may import of the engine: its contract, and the one way to build and start an engine
+WORKER_SEES_OF_THE_ENGINE = ("engine.interface", "engine.builder")
+
+
+def engine_imports_outside_the_interface(tree: ast.AST) -> list[str]:
+    found = {m for m in imported_modules(tree, "worker") if within(m, ("engine",)) and m != "engine"}
+    return sorted(m for m in found if not within(m, WORKER_SEES_OF_THE_ENGINE))
+
+
+def test_the_worker_sees_of_the_engine_only_its_interface_and_builder():
+    found = {str(path.relative_to(ROOT)): modules for path in sorted((ROOT / "worker").rglob("*.py"))
+             if (modules := engine_imports_outside_the_interface(ast.parse(path.read_text(), str(path))))}
+    assert found == {}
+    assert engine_imports_outside_the_interface(ast.parse("from engine.runtime.engine_thread import EngineDead"))
+    assert engine_imports_outside_the_interface(ast.parse("from engine import llm_engine"))
+    assert not engine_imports_outside_the_interface(ast.parse("from engine import builder"))
 
 
 def interactive_comparisons(tree: ast.AST) -> list[int]:

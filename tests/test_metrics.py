@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import fields
 from datetime import timedelta
 
 import httpx
@@ -21,7 +22,7 @@ from pydantic import SecretStr
 
 from api.app import create_app
 from api.service.metrics import ServiceCollector, broker_client
-from engine.interface import Completion, Timings
+from engine.interface import Completion, EngineStats, Timings
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import utcnow
@@ -29,7 +30,7 @@ from store.connections import make_db_engine, make_sessions
 from tests.conftest import API_KEY
 from worker import thread_cpu
 from worker.fence import Claimed
-from worker.metrics import EngineCollector, WorkerMetrics
+from worker.metrics import ENGINE_METRICS, EngineCollector, WorkerMetrics
 from worker.outcome import Outcome
 from worker.results import Stored, finished_status, timing_row
 from worker.thread_cpu import thread_label
@@ -291,13 +292,23 @@ def test_a_thread_label_keeps_counting_when_the_kernel_gives_an_ended_threads_id
 
 def test_engine_gauges_expose_the_stats_the_engine_reports():
     registry = CollectorRegistry()
-    registry.register(EngineCollector(lambda: {"running": 3, "kv_usage": 0.25, "preemptions": 2, "steps": 9}))
+    registry.register(EngineCollector(lambda: EngineStats(running=3, kv_usage=0.25, preemptions=2, steps=9)))
     value = registry.get_sample_value
     assert value("convoq_engine_running_requests") == 3
     assert value("convoq_engine_kv_usage_ratio") == 0.25
     assert value("convoq_engine_preemptions_total") == 2
-    assert value("convoq_engine_waiting_requests") is None
-    assert value("convoq_engine_prefix_cache_hit_ratio") is None
+    assert value("convoq_engine_steps_total") == 9
+    assert value("convoq_engine_waiting_requests") == 0
+
+
+def test_every_engine_stat_has_one_metric_and_every_metric_a_stat(monkeypatch):
+    assert set(ENGINE_METRICS) == {f.name for f in fields(EngineStats)}
+    names = [metric.name for metric in ENGINE_METRICS.values()]
+    assert len(set(names)) == len(names) and all(m.kind in ("gauge", "counter") for m in ENGINE_METRICS.values())
+    # a field the table lacks is an error at the first collection, never a metric silently left out
+    monkeypatch.delitem(ENGINE_METRICS, "waiting")
+    with pytest.raises(KeyError, match="waiting"):
+        list(EngineCollector(EngineStats).collect())
 
 
 def two_free_ports() -> int:
@@ -325,27 +336,26 @@ def served(port: int, name: str, timeout: float = 30.0, headers: dict[str, str] 
 
 def test_workers_on_one_host_serve_their_registries_on_ports_of_their_own(monkeypatch):
     port = two_free_ports()
-    first = WorkerMetrics.start(port, lambda: {"waiting": 4})
-    second = WorkerMetrics.start(port, lambda: {"waiting": 5})  # a second worker with the same setting
+    first = WorkerMetrics.start(port, lambda: EngineStats(waiting=4))
+    second = WorkerMetrics.start(port, lambda: EngineStats(waiting=5))  # a second worker with the same setting
     assert (first.served_on, second.served_on) == (port, port + 1)
     assert "convoq_engine_waiting_requests 4.0" in served(port, "convoq_engine_waiting_requests")
     text = served(port + 1, "convoq_engine_waiting_requests")
     assert "convoq_engine_waiting_requests 5.0" in text and "convoq_job_end_to_end_seconds" in text
     monkeypatch.setattr("worker.metrics.PORT_TRIES", 1)
-    assert WorkerMetrics.start(port, lambda: {}).served_on is None  # every port taken: logged, not raised
+    assert WorkerMetrics.start(port, EngineStats).served_on is None  # every port taken: logged, not raised
 
 
-def test_every_engine_metric_is_a_stat_our_engine_reports(tiny_model):
+def test_our_engines_stats_reach_the_metrics_through_its_thread(tiny_model):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.runtime.engine_thread import EngineThread
-    from worker.metrics import ENGINE_STATS
 
     # the worker reads them through the engine thread, which adds its own loop figures
     thread = EngineThread(LLMEngine(EngineConfig(model=str(tiny_model), kv_cache_memory=2**24)))
     stats = thread.stats()
     thread.close()
-    assert set(ENGINE_STATS) <= set(stats)
+    assert stats.steps == 0 and stats.kv_blocks_max > 0
     registry = CollectorRegistry()
     registry.register(EngineCollector(lambda: stats))
     assert registry.get_sample_value("convoq_engine_limited_steps_total") == 0
@@ -432,9 +442,9 @@ def test_the_api_serves_its_metrics_on_a_port_of_their_own_when_told(settings):
 def test_a_flood_of_a_workers_scrapes_asks_its_engine_nothing():
     asked = []
 
-    def stats() -> dict[str, float]:
+    def stats() -> EngineStats:
         asked.append(1)  # a round trip to the engine's process
-        return {"waiting": 2}
+        return EngineStats(waiting=2)
 
     port = two_free_ports()
     WorkerMetrics.start(port, stats, refresh_s=3600.0)

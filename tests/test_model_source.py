@@ -14,7 +14,7 @@ from engine.runtime.engine_thread import EngineThread
 from jobs.model_source import ModelNotFound, resolve_model
 from jobs.settings import Settings
 from tests.conftest import API_KEY
-from worker.engine_factory import WorkerSettings, engine_config, load_backend
+from worker.engine_factory import WorkerSettings, load_backend
 
 REPO = "Owner/Name"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -63,8 +63,8 @@ def test_hf_hub_cache_wins_over_hf_home(tmp_path, monkeypatch, hf_home, tiny_mod
 
 def test_our_engine_loads_a_hub_id_and_generates(snapshot):
     settings = WorkerSettings(model=REPO, device="cpu")
-    assert engine_config(settings).model == str(snapshot)
     engine = load_backend(settings)
+    assert engine.config.model == str(snapshot)
     thread = EngineThread(engine)
     try:
         prompt = engine.tokenizer.encode("where is my parcel")

@@ -73,8 +73,8 @@ def test_ten_turn_conversations_match_without_cache(tiny_model):
     seen: dict[int, tuple[int, torch.Tensor]] = {}
     assert converse(engine, system, 6, 10, seed=1, check=lambda e: check_blocks(e, seen)) == reference
     stats = engine.stats()
-    assert stats["prefix_cache_hit_tokens"] > 0.5 * stats["prefix_cache_queries_tokens"]
-    assert stats["evictions"] > 100 and stats["host_hit_tokens"] > 0
+    assert stats.prefix_cache_hit_tokens > 0.5 * stats.prefix_cache_queries_tokens
+    assert stats.evictions > 100 and stats.host_hit_tokens > 0
 
 
 def test_shared_system_prompt_many_concurrent_sequences(tiny_model):
@@ -90,10 +90,10 @@ def test_shared_system_prompt_many_concurrent_sequences(tiny_model):
     assert {k: c.token_ids for k, c in done.items()} == {k: c.token_ids for k, c in reference.items()}
     stats = engine.stats()
     # the six blocks of the system prompt were computed once (or again after pre-emption), not per request
-    assert stats["tokens_computed"] < engine.stats()["prefix_cache_queries_tokens"] - 18 * 96
+    assert stats.tokens_computed < engine.stats().prefix_cache_queries_tokens - 18 * 96
     # only the first request computed the prompt: the others waited a step rather than prefill it alongside
     assert sorted(c.timings.prompt_tokens_reused >= 96 for c in done.values()) == [False] + [True] * 23
-    assert stats["kv_blocks_used"] == 0 and engine.blocks.pools[0].num_cached > 0
+    assert stats.kv_blocks_used == 0 and engine.blocks.pools[0].num_cached > 0
 
 
 def test_returning_conversation_comes_back_from_host(tiny_model):
@@ -102,14 +102,14 @@ def test_returning_conversation_comes_back_from_host(tiny_model):
     reply = run_all(engine, [Request("a1", first, greedy(8), conversation_id="a")])["a1"].token_ids
     # other traffic fills the pool and pushes conversation a's blocks out to the host tier
     run_all(engine, [Request(f"x{i}", ids, greedy(4)) for i, ids in enumerate(prompts(4, 150, 170, seed=8))])
-    assert engine.stats()["evictions"] >= 10
-    computed = engine.stats()["tokens_computed"]
+    assert engine.stats().evictions >= 10
+    computed = engine.stats().tokens_computed
     second = first + reply + prompts(1, 9, 9, seed=9)[0]  # 10 blocks cached: the 11th was not full
     done = run_all(engine, [Request("a2", second, greedy(4), conversation_id="a")])["a2"]
     assert done.timings.prompt_tokens_reused == done.timings.host_tokens_reused == 160
     stats = engine.stats()
-    assert stats["tokens_computed"] - computed == len(second) - 160 + 3  # one prompt token, then 3 decodes
-    assert stats["host_prefetch_hit_rate"] == 1.0
+    assert stats.tokens_computed - computed == len(second) - 160 + 3  # one prompt token, then 3 decodes
+    assert stats.host_prefetch_hit_rate == 1.0
     cold = make_engine(tiny_model, enable_prefix_cache=False)
     assert run_all(cold, [Request("a2", second, greedy(4))])["a2"].token_ids == done.token_ids
 
@@ -120,9 +120,9 @@ def test_requests_of_different_salts_share_no_block(tiny_model):
 
     def ask(request_id: str, salt: bytes | str | None) -> tuple[int, int, list[int]]:
         """(prompt tokens reused, tokens computed for it, its output) of `prompt` sent under `salt`."""
-        computed = engine.stats()["tokens_computed"]
+        computed = engine.stats().tokens_computed
         done = run_all(engine, [Request(request_id, list(prompt), greedy(4), cache_salt=salt)])[request_id]
-        return done.timings.prompt_tokens_reused, engine.stats()["tokens_computed"] - computed, done.token_ids
+        return done.timings.prompt_tokens_reused, engine.stats().tokens_computed - computed, done.token_ids
 
     reused, computed, first = ask("a1", "tenant:a")
     assert (reused, computed) == (0, 160 + 3)
@@ -132,7 +132,7 @@ def test_requests_of_different_salts_share_no_block(tiny_model):
     # the same salt, as str or as its bytes, reuses as before
     for i, salt in enumerate(("tenant:a", b"tenant:a")):
         assert ask(f"a{i + 2}", salt) == (144, 16 + 3, first)
-    assert engine.stats()["prefix_cache_hit_tokens"] == 2 * 144
+    assert engine.stats().prefix_cache_hit_tokens == 2 * 144
 
 
 def test_the_host_tier_serves_a_block_only_to_its_salt(tiny_model):
@@ -142,12 +142,12 @@ def test_the_host_tier_serves_a_block_only_to_its_salt(tiny_model):
     # other traffic pushes the tenant's blocks out to the host tier
     run_all(engine, [Request(f"x{i}", ids, greedy(4), cache_salt="tenant:x")
                      for i, ids in enumerate(prompts(4, 150, 170, seed=8))])
-    assert engine.stats()["evictions"] >= 10
+    assert engine.stats().evictions >= 10
     second = first + reply + prompts(1, 9, 9, seed=9)[0]
-    host_hits = engine.stats()["host_hit_tokens"]
+    host_hits = engine.stats().host_hit_tokens
     other = run_all(engine, [Request("b2", second, greedy(4), cache_salt="tenant:b")])["b2"]
     assert other.timings.prompt_tokens_reused == other.timings.host_tokens_reused == 0
-    assert engine.stats()["host_hit_tokens"] == host_hits
+    assert engine.stats().host_hit_tokens == host_hits
     own = run_all(engine, [Request("a2", second, greedy(4), cache_salt="tenant:a")])["a2"]
     assert own.timings.prompt_tokens_reused == own.timings.host_tokens_reused == 160
     assert own.token_ids == other.token_ids

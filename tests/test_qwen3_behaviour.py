@@ -16,7 +16,7 @@ from transformers.generation.logits_process import MinPLogitsWarper, RepetitionP
 from api.service.batch_input import parse_batch
 from engine.core.output_text import finish_text
 from engine.hf_backend import HFEngine, _ThinkingBudget
-from engine.interface import Completion, Request, SamplingParams
+from engine.interface import Completion, EngineStats, Request, SamplingParams
 from engine.model.sampler import penalize, sample
 from engine.runtime.engine_thread import EngineThread
 from engine.step import StepResult
@@ -91,8 +91,8 @@ class ScriptedEngine:
         return [Completion(r.request_id, self.script, self.tokenizer.decode(self.script, skip_special_tokens=True),
                            len(r.prompt_ids), "stop") for r in done]
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -68,22 +68,24 @@ def test_the_celery_pool_threads_share_one_result_backend():
 def test_the_worker_reads_every_engine_knob_once_with_the_engines_defaults_and_checks(monkeypatch, tmp_path):
     from dataclasses import fields
 
+    from engine import builder
     from engine.config import EngineConfig
-    from worker.engine_factory import WorkerSettings, engine_config
+    from jobs.schemas import MAX_TOP_LOGPROBS
+    from worker.engine_factory import WorkerSettings, engine_options
 
-    engine_fields = {f.name for f in fields(EngineConfig)}
+    engine_fields = {f.name for f in fields(EngineConfig)} - set(builder.SERVICE_FIELDS)
     # declared once: the service's settings hold none of the engine's knobs, the worker's hold all of them
-    assert engine_fields & set(Settings.model_fields) == {"model"}
+    assert engine_fields & set(Settings.model_fields) == set()
     assert engine_fields <= set(WorkerSettings.model_fields)
     monkeypatch.setenv("CONVOQ_MAX_NUM_SEQS", "12")
     monkeypatch.setenv("CONVOQ_INTERACTIVE_TPOT_MS", "40")
     monkeypatch.setenv("CONVOQ_BLOCK_SIZE", "32")
     settings = WorkerSettings(model=str(tmp_path))
-    options = {f.name: getattr(settings, f.name) for f in fields(EngineConfig) if f.name != "model"}
-    assert options == {**{f.name: f.default for f in fields(EngineConfig) if f.name != "model"},
+    options = {name: getattr(settings, name) for name in engine_fields}
+    assert options == {**{f.name: f.default for f in fields(EngineConfig) if f.name in engine_fields},
                        "max_num_seqs": 12, "interactive_tpot_ms": 40.0, "block_size": 32}
-    assert engine_config(settings, max_num_seqs=4).max_num_seqs == 4  # overrides win (`convoq tune`)
-    assert engine_config(settings).max_num_seqs == 12
+    config = builder.engine_config(settings.model, engine_options(settings))
+    assert (config.max_num_seqs, config.max_logprobs) == (12, MAX_TOP_LOGPROBS)  # the contract's bound, passed on
     # what the engine refuses stops the worker at start, with the engine's reason (never silently clamped)
     monkeypatch.setenv("CONVOQ_MAX_NUM_BATCHED_TOKENS", "8")
     with pytest.raises(ValidationError, match="max_num_batched_tokens must be >= max_num_seqs"):

@@ -27,7 +27,7 @@ from api.http.client import Client
 from api.schemas.results import ResultOut
 from cli.stack import Stack
 from engine.grammar import Grammars
-from engine.interface import ANY_OBJECT, Completion, GrammarKind, GrammarSpec
+from engine.interface import ANY_OBJECT, Completion, EngineStats, GrammarKind, GrammarSpec
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, Result, job_row, utcnow
@@ -170,8 +170,8 @@ class Instant:
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         pass
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def close(self) -> None:
         pass

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import engine.llm_engine
 from cli.tune import Trial, recommend, sweep
-from engine.llm_engine import LLMEngine
+from engine import builder
 from jobs.schemas import JobIn
-from worker.engine_factory import WorkerSettings, engine_config
+from worker.engine_factory import WorkerSettings, engine_options
 from worker.runs import RUN_BY_KIND
 from worker.summarize import summarize
 
@@ -29,12 +30,11 @@ def test_recommend_takes_the_smallest_setting_on_the_plateau_under_the_memory_ce
 
 
 def test_tune_runs_the_engine_the_worker_runs_and_map_reduces_long_transcripts(tiny_model, monkeypatch):
-    import cli.tune
-
     settings = WorkerSettings(model=str(tiny_model), device="cpu", kv_cache_memory=64 * 2**20, attention_policy="sliding:256",
                         enable_prefix_cache=False, host_cache_memory=0)
     configs = []
-    monkeypatch.setattr(cli.tune, "LLMEngine", lambda config: configs.append(config) or LLMEngine(config))
+    engine_class = engine.llm_engine.LLMEngine
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine", lambda config: configs.append(config) or engine_class(config))
     long = " ".join(f"turn {i}: my parcel number {i} has not arrived, please check the tracking." for i in range(300))
     summary = JobIn(kind="summarize", messages=[{"role": "user", "content": long}], sampling={"max_new_tokens": 16})
     outcomes = []
@@ -47,7 +47,7 @@ def test_tune_runs_the_engine_the_worker_runs_and_map_reduces_long_transcripts(t
     [trial] = sweep(settings, [summary], [8], [512])
     # the engine tune built is the worker's, but for the two limits it sweeps
     [tuned] = configs
-    worker = engine_config(settings)
+    worker = builder.engine_config(settings.model, engine_options(settings))
     assert (tuned.attention_policy, tuned.enable_prefix_cache, tuned.host_cache_memory) == ("sliding:256", False, 0)
     assert (tuned.max_num_seqs, tuned.max_num_batched_tokens) == (8, 512)
     assert {**tuned.__dict__, "max_num_seqs": 0, "max_num_batched_tokens": 0} == \

@@ -24,8 +24,16 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import datetime
 
-from engine.core.output_text import cut_at_stop
-from engine.interface import Completion, EngineRunner, Request, SamplingParams, TokensCallback
+from engine.interface import (
+    Completion,
+    EngineRunner,
+    EngineStats,
+    FinishReason,
+    Request,
+    SamplingParams,
+    TokensCallback,
+    cut_at_stop,
+)
 from jobs.chat import Chat, encode_chat, thinking_of
 from jobs.model_source import resolve_model
 from jobs.queues import is_interactive
@@ -74,7 +82,7 @@ class JobRun:
         self.thinking = thinking_of(job, bridge.default_thinking)
         self.interactive = is_interactive(job.priority, bridge.settings)
         self.sampling = sampling_params(job, bridge.sampling_defaults, self.thinking)
-        self.stopped: str | None = None  # "cancelled" or "expired" once stopped
+        self.stopped: FinishReason | None = None  # why it stopped, once it has
         self._give_up_at = float("inf")  # once stopped, when to stop waiting for the engine
         # request id -> (the future handed out, its prompt's length, the tokens seen streaming so far)
         self._pending: dict[str, tuple[Future[Completion], int, list[int]]] = {}
@@ -144,7 +152,7 @@ class JobRun:
             self.bridge.runner.cancel(request_id, self.stopped)
         return future
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: FinishReason) -> None:
         self._stop(reason, time.monotonic() + self.bridge.stop_grace_s)
 
     def overdue(self, now: float) -> None:
@@ -153,7 +161,7 @@ class JobRun:
             with self._lock:
                 late = bool(self._pending)
             if late:
-                self._stop("expired", now)
+                self._stop(FinishReason.expired, now)
         if now < self._give_up_at:
             return
         with self._lock:
@@ -166,7 +174,7 @@ class JobRun:
                                self.sampling.stop)[0]
             future.set_result(Completion(request_id, tokens, text, prompt_tokens, self.stopped))
 
-    def _stop(self, reason: str, give_up_at: float) -> None:
+    def _stop(self, reason: FinishReason, give_up_at: float) -> None:
         with self._lock:
             if self.stopped is not None:
                 return
@@ -259,13 +267,13 @@ class Bridge:
         finally:
             with self._runs_lock:
                 self._runs.pop(job_id, None)
-            run.stop("cancelled")  # a run left early (its engine stalled) leaves nothing running in the engine
+            run.stop(FinishReason.cancelled)  # a run left early (its engine stalled) leaves nothing running in the engine
 
     def running(self) -> list[str]:
         with self._runs_lock:
             return list(self._runs)
 
-    def stop(self, job_ids: list[str], reason: str = "cancelled") -> list[str]:
+    def stop(self, job_ids: list[str], reason: FinishReason = FinishReason.cancelled) -> list[str]:
         """Stop the runs of these jobs that are here; returns their ids."""
         with self._runs_lock:
             runs = [self._runs[i] for i in job_ids if i in self._runs]
@@ -273,7 +281,7 @@ class Bridge:
             run.stop(reason)
         return [run.job_id for run in runs]
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         return self.runner.stats()
 
     @property

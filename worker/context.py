@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.affinity import Advert, Router
 from broker.view import BrokerView
-from engine.runtime.engine_thread import EngineDead, EngineStalled
+from engine.interface import EngineDead, EngineStalled
 from jobs.queues import home_tag
 from jobs.settings import Settings
 from store.connections import make_db_engine, make_sessions

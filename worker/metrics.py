@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import fields
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.interface import EngineStats
 from jobs.settings import Settings
 from jobs.status import JobStatus
 from process import scrape
@@ -29,36 +32,79 @@ SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PORT_TRIES = scrape.PORT_TRIES  # worker processes on one host (one per GPU) share CONVOQ_WORKER_METRICS_PORT
 
-# stats() key -> (metric name, kind, help); keys an engine does not report are left out
-ENGINE_STATS = {
-    "running": ("convoq_engine_running_requests", "gauge", "Requests the engine is running"),
-    "waiting": ("convoq_engine_waiting_requests", "gauge", "Requests waiting in the engine's scheduler"),
-    "kv_usage": ("convoq_engine_kv_usage_ratio", "gauge", "Fraction of the KV cache budget in use"),
-    "preemptions": ("convoq_engine_preemptions", "counter", "Sequences pre-empted to free KV cache"),
-    "steps": ("convoq_engine_steps", "counter", "Forward passes the engine ran (each one batch)"),
-    "tokens_computed": ("convoq_engine_tokens_computed", "counter",
-                        "Tokens run through the model (prompt tokens not served from cache, and generated ones)"),
-    "prefix_cache_hit_rate": ("convoq_engine_prefix_cache_hit_ratio", "gauge",
-                              "Fraction of prompt tokens served from the prefix cache"),
-    "interactive_running": ("convoq_engine_interactive_running_requests", "gauge",
-                            "Interactive requests the engine is running (priority at or above the interactive one)"),
-    "limited_steps": ("convoq_engine_limited_steps", "counter",
-                      "Steps an interactive latency target (or a newcomer's wait) kept short"),
-    "bulk_rows_deferred": ("convoq_engine_bulk_rows_deferred", "counter",
-                           "Bulk decode rows left out of a step to keep an interactive latency target"),
-    "preemptions_spared": ("convoq_engine_preemptions_spared", "counter",
-                           "Pre-emptions not done because the sequence had been pre-empted often enough"),
-    "loop_gap_p95_ms": ("convoq_engine_loop_gap_p95_milliseconds", "gauge",
-                        "95th percentile of the engine loop's idle time between back-to-back steps"),
-    "restarts": ("convoq_engine_restarts", "counter",
-                 "Times the engine process stalled and was killed and started again (`CONVOQ_ENGINE_STALL_S`)"),
-    "step_fixed_s": ("convoq_engine_step_fixed_seconds", "gauge",
-                     "The fixed part of a step's cost, as the engine's online fit has it"),
+
+class EngineMetric(NamedTuple):
+    name: str
+    kind: str  # "gauge" | "counter"
+    help: str
+
+
+def gauge(name: str, documentation: str) -> EngineMetric:
+    return EngineMetric(name, "gauge", documentation)
+
+
+def counter(name: str, documentation: str) -> EngineMetric:
+    return EngineMetric(name, "counter", documentation)
+
+
+# `EngineStats` field -> its metric: every field has one (`EngineCollector` looks each up)
+ENGINE_METRICS = {
+    "running": gauge("convoq_engine_running_requests", "Requests the engine is running"),
+    "waiting": gauge("convoq_engine_waiting_requests", "Requests waiting in the engine's scheduler"),
+    "interactive_running": gauge("convoq_engine_interactive_running_requests",
+                                 "Interactive requests the engine is running (priority at or above the interactive one)"),
+    "interactive_waiting": gauge("convoq_engine_interactive_waiting_requests",
+                                 "Interactive requests waiting in the engine's scheduler"),
+    "kv_blocks_total": gauge("convoq_engine_kv_blocks_allocated", "KV blocks allocated in the pools so far"),
+    "kv_blocks_used": gauge("convoq_engine_kv_blocks_used", "KV blocks in use"),
+    "kv_blocks_peak": gauge("convoq_engine_kv_blocks_peak", "Most KV blocks in use after any step's scheduling"),
+    "kv_blocks_max": gauge("convoq_engine_kv_blocks_max", "KV blocks the memory budget allows"),
+    "kv_usage": gauge("convoq_engine_kv_usage_ratio", "Fraction of the KV cache budget in use"),
+    "kv_window_blocks_used": gauge("convoq_engine_kv_window_blocks_used", "KV blocks in use by sliding-window layers"),
+    "preemptions": counter("convoq_engine_preemptions", "Sequences pre-empted to free KV cache"),
+    "preemptions_spared": counter("convoq_engine_preemptions_spared",
+                                  "Pre-emptions not done because the sequence had been pre-empted often enough"),
+    "bulk_rows_deferred": counter("convoq_engine_bulk_rows_deferred",
+                                  "Bulk decode rows left out of a step to keep an interactive latency target"),
+    "limited_steps": counter("convoq_engine_limited_steps",
+                             "Steps an interactive latency target (or a newcomer's wait) kept short"),
+    "step_fixed_s": gauge("convoq_engine_step_fixed_seconds",
+                          "The fixed part of a step's cost, as the engine's online fit has it"),
+    "step_per_token_s": gauge("convoq_engine_step_per_prefill_token_seconds",
+                              "A step's cost per prefill token, as the engine's online fit has it"),
+    "step_per_row_s": gauge("convoq_engine_step_per_decode_row_seconds",
+                            "A step's cost per decode row, as the engine's online fit has it"),
+    "step_per_context_s": gauge("convoq_engine_step_per_context_token_seconds",
+                                "A step's cost per context token a decode row reads, as the engine's online fit has it"),
+    "steps": counter("convoq_engine_steps", "Forward passes the engine ran (each one batch)"),
+    "tokens_generated": counter("convoq_engine_tokens_generated", "Tokens the engine sampled"),
+    "tokens_computed": counter("convoq_engine_tokens_computed",
+                               "Tokens run through the model (prompt tokens not served from cache, and generated ones)"),
+    "prefix_cache_queries_tokens": counter("convoq_engine_prefix_cache_query_tokens",
+                                           "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hit_tokens": counter("convoq_engine_prefix_cache_hit_tokens",
+                                       "Prompt tokens served from the prefix cache (host hits included)"),
+    "prefix_cache_hit_rate": gauge("convoq_engine_prefix_cache_hit_ratio",
+                                   "Fraction of prompt tokens served from the prefix cache"),
+    "host_hit_tokens": counter("convoq_engine_host_cache_hit_tokens",
+                               "Prompt tokens served from blocks brought back from the host-memory tier"),
+    "host_prefetch_hit_rate": gauge("convoq_engine_host_prefetch_hit_ratio",
+                                    "Fraction of the blocks copied back from the host tier that a request then used"),
+    "prefix_cached_blocks": gauge("convoq_engine_prefix_cached_blocks", "KV blocks held by the prefix cache"),
+    "evictions": counter("convoq_engine_prefix_cache_evictions", "Blocks evicted from the prefix cache"),
+    "host_evictions": counter("convoq_engine_host_cache_evictions", "Blocks evicted from the host-memory tier"),
+    "loop_gap_p50_ms": gauge("convoq_engine_loop_gap_p50_milliseconds",
+                             "Median of the engine loop's idle time between back-to-back steps"),
+    "loop_gap_p95_ms": gauge("convoq_engine_loop_gap_p95_milliseconds",
+                             "95th percentile of the engine loop's idle time between back-to-back steps"),
+    "loop_gaps": counter("convoq_engine_loop_gaps", "Idle gaps between back-to-back steps the engine loop measured"),
+    "restarts": counter("convoq_engine_restarts",
+                        "Times the engine process stalled and was killed and started again (`CONVOQ_ENGINE_STALL_S`)"),
 }
 
 
 class EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
@@ -67,10 +113,10 @@ class EngineCollector(Collector):
         except Exception as exc:  # the engine thread changes its state while we read it; try next scrape
             log.warning("worker metrics: engine stats unavailable (%s)", exc)
             return
-        for key, (name, kind, documentation) in ENGINE_STATS.items():
-            if key in stats:
-                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                yield family(name, documentation, value=float(stats[key]))
+        for field in fields(EngineStats):
+            metric = ENGINE_METRICS[field.name]
+            family = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+            yield family(metric.name, metric.help, value=float(getattr(stats, field.name)))
 
 
 class WorkerMetrics:
@@ -115,7 +161,7 @@ class WorkerMetrics:
                                     registry=self.registry)
 
     @classmethod
-    def start(cls, port: int, engine_stats: Callable[[], dict[str, float]],
+    def start(cls, port: int, engine_stats: Callable[[], EngineStats],
               refresh_s: float = Settings.model_fields["metrics_refresh_s"].default) -> WorkerMetrics:
         """Metrics for this process, served on `port` or, when another process on the host has it (one worker
         per GPU share a host and its settings), the first free one of the next `PORT_TRIES - 1`; `port` 0:

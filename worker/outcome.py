@@ -5,18 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from engine.interface import Completion
+from engine.interface import Completion, FinishReason
 from jobs.chat import split_reasoning
 from jobs.error_codes import ErrorCode
 from jobs.tool_calls import ToolUse, parse
 from worker.logprobs import openai_logprobs
 
-# finish reasons of a job stopped before it ended by itself: its text so far is kept as its result
-STOPPED = ("cancelled", "expired")
-# a run stopped because its worker lost the job's lease, so it writes nothing of what it did (`run_ends.give_back`)
-LEASE_LOST = "lease_lost"
-# a run stopped because its worker is shutting down: its job goes back to the queue uncharged (`worker.shutdown`)
-SHUTDOWN = "shutdown"
+# finish reasons of a job stopped before it ended by itself: its text so far is kept as its result. A run stopped
+# at shutdown or with its lease lost writes nothing (`worker.runs.judged`).
+STOPPED = (FinishReason.cancelled, FinishReason.expired)
 
 
 @dataclass
@@ -68,7 +65,7 @@ class Outcome:
     def failed(cls, request_id: str, error: str, engine_ms: float = 0.0) -> Outcome:
         """A job that cannot run at all (it does not fit the model's context): it fails at once, without a retry,
         `error` telling its tenant why."""
-        return cls(Completion.empty(request_id, 0, "error", error), engine_ms, code=ErrorCode.too_long)
+        return cls(Completion.empty(request_id, 0, FinishReason.error, error), engine_ms, code=ErrorCode.too_long)
 
 
 class Ending(Enum):

@@ -21,10 +21,10 @@ from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker.affinity import Advert
+from engine.interface import FinishReason
 from jobs.settings import Settings
 from worker.heartbeat import Beat, beat
 from worker.leases import Leases
-from worker.outcome import LEASE_LOST
 from worker.sweep import Sweeper
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class Reconciler:
     crash."""
 
     def __init__(self, sessions: sessionmaker[Session], celery: Celery, settings: Settings, name: str,
-                 leases: Leases, stop_jobs: Callable[[list[str], str], list[str]],
+                 leases: Leases, stop_jobs: Callable[[list[str], FinishReason], list[str]],
                  usage: Callable[[], tuple[float, int]] | None = None, advert: Advert | None = None) -> None:
         """`usage`: the worker's CPU seconds and jobs finished so far, stamped on its row at every beat, with its
         `advert` (what it consumes, for the router)."""
@@ -85,10 +85,10 @@ class Reconciler:
         # lost.
         still = self.leases.held()
         lost = [i for i in result.lost if still.get(uuid.UUID(i)) == held[uuid.UUID(i)]]
-        if lost := self.stop_jobs(lost, LEASE_LOST):
+        if lost := self.stop_jobs(lost, FinishReason.lease_lost):
             log.warning("lost the lease of %d running jobs (handed to another worker meanwhile): stopped", len(lost))
         if result.cancelled:
-            self.stop_jobs(result.cancelled, "cancelled")
+            self.stop_jobs(result.cancelled, FinishReason.cancelled)
         if result.sweep_due:
             self._sweep_due.set()
         return result

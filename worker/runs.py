@@ -14,14 +14,14 @@ from typing import TypeVar
 
 from celery.exceptions import Reject
 
-from engine.runtime.engine_thread import EngineDead, EngineStalled
+from engine.interface import EngineDead, EngineStalled, FinishReason
 from jobs.schemas import JobIn
 from jobs.status import JobStatus
 from worker.bridge import JobRun
 from worker.claims import mark_alone
 from worker.context import WorkerContext, engine_died
 from worker.fence import Claimed
-from worker.outcome import LEASE_LOST, SHUTDOWN, Ending, Outcome, RunEnd
+from worker.outcome import Ending, Outcome, RunEnd
 from worker.reply import Asked, answered, ask, reply
 from worker.run_ends import give_back
 from worker.settling import hand_back_at_shutdown, hand_back_stalled, run_failed
@@ -141,7 +141,7 @@ def opened(ctx: WorkerContext, claimed: Claimed) -> Iterator[JobRun]:
                         on_tokens=lambda ids: ctx.progress.tokens(job_id, ids, claimed.lease),
                         tenant=claimed.tenant) as run:
         if ctx.shutdown.over.is_set():  # the grace ended as this run came in, after the runs were stopped
-            run.stop(SHUTDOWN)
+            run.stop(FinishReason.shutdown)
         yield run
 
 
@@ -150,9 +150,9 @@ def judged(ctx: WorkerContext, claimed: Claimed, outcome: Outcome) -> RunEnd:
     one whose lease was lost, must not store it, so its job is settled here instead. A failure that the engine
     may not repeat raises, and `guarded` retries the job."""
     verdict = outcome.verdict
-    if verdict.finish_reason == SHUTDOWN:
+    if verdict.finish_reason == FinishReason.shutdown:
         return hand_back_at_shutdown(ctx, claimed)
-    if verdict.finish_reason == LEASE_LOST:  # what it did is not this run's to write
+    if verdict.finish_reason == FinishReason.lease_lost:  # what it did is not this run's to write
         if not give_back(ctx.sessions, claimed):
             ctx.metrics.refused()
         return RunEnd(Ending.SETTLED)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from worker.outcome import SHUTDOWN
+from engine.interface import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Shutdown:
         self.over = threading.Event()  # the grace is spent; runs are stopped, and new ones stop as they start
         self._cut = threading.Event()  # a cold shutdown, with no grace
 
-    def start(self, stop_runs: Callable[[str], object], drain: Callable[[], object] = lambda: None) -> None:
+    def start(self, stop_runs: Callable[[FinishReason], object], drain: Callable[[], object] = lambda: None) -> None:
         """Watch for the shutdown from now on; `stop_runs(reason)` stops every run in flight with that finish
         reason, and `drain()` is called as soon as the shutdown begins (a cold one's runs are stopped first). A
         thread of its own, started now, so that `begin`, called in a signal handler, only sets events: starting a
@@ -43,14 +43,14 @@ class Shutdown:
             self._cut.set()
         self.begun.set()
 
-    def _run(self, stop_runs: Callable[[str], object], drain: Callable[[], object]) -> None:
+    def _run(self, stop_runs: Callable[[FinishReason], object], drain: Callable[[], object]) -> None:
         self.begun.wait()
         began, cold = time.monotonic(), self._cut.is_set()
         if not cold:
             drained(drain)
         self._cut.wait(max(0.0, self.grace_s - (time.monotonic() - began)))
         self.over.set()  # before the runs are listed, so a run that starts later sees it (`worker.runs.opened`)
-        stop_runs(SHUTDOWN)
+        stop_runs(FinishReason.shutdown)
         if cold:
             drained(drain)
 

@@ -32,7 +32,7 @@ from celery.worker.control import control_command
 
 from broker.affinity import Advert, by_name, own_queues
 from broker.app import CANCEL_COMMAND, create_celery
-from engine.runtime.engine_thread import EngineStalled
+from engine.interface import EngineStalled, FinishReason
 from jobs.queues import TASK_RUN_GROUP, TASK_RUN_JOB
 from jobs.settings import Settings
 from process.heap import freeze_startup_heap
@@ -187,10 +187,10 @@ def worker_app(settings: Settings, name: str, queues: list[str] | None = None) -
 
     @control_command(name=CANCEL_COMMAND, args=[("job_ids", list), ("reason", str)],
                      signature="<job_ids> [reason]")
-    def cancel(state, job_ids: list[str], reason: str = "cancelled") -> dict:
+    def cancel(state, job_ids: list[str], reason: str = FinishReason.cancelled) -> dict:
         """Stop these jobs if this worker runs them (they end with their text so far)."""
         ctx = worker.context
-        return {"stopped": ctx.bridge.stop(job_ids, reason) if ctx is not None else []}
+        return {"stopped": ctx.bridge.stop(job_ids, FinishReason(reason)) if ctx is not None else []}
 
     return celery
 

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
-def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """`text` up to the earliest stop string, and whether one was found (the stop itself is dropped)."""
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
+from engine.interface import cut_at_stop
 
 
 def stop_window(stops: Sequence[str]) -> int:

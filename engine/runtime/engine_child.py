@@ -18,8 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from engine.interface import Completion, Request, StepEngine, TokensCallback
-from engine.runtime.engine_thread import EngineDead, EngineThread
+from engine.interface import Completion, EngineDead, Request, StepEngine, TokensCallback
+from engine.runtime.engine_thread import EngineThread
 from engine.runtime.pipe_protocol import (
     Beat,
     Cancel,

@@ -19,13 +19,22 @@ import multiprocessing
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from engine.interface import Completion, Request, StepEngine, TokensCallback
+from engine.interface import (
+    Completion,
+    EngineDead,
+    EngineStalled,
+    EngineStats,
+    FinishReason,
+    Request,
+    StepEngine,
+    TokensCallback,
+)
 from engine.runtime.engine_child import serve
-from engine.runtime.engine_thread import EngineDead, EngineStalled
 from engine.runtime.pipe_protocol import (
     Beat,
     Cancel,
@@ -84,7 +93,7 @@ class EngineProcess:
         self._lock = threading.Condition()  # also signals the end of a restart
         self._futures: dict[str, Future[Completion]] = {}
         self._watched: dict[str, tuple[TokensCallback, list[int]]] = {}  # request id -> (callback, tokens so far)
-        self._stats: dict[int, Future[dict[str, float]]] = {}
+        self._stats: dict[int, Future[EngineStats]] = {}
         self._stats_numbers = itertools.count()
         self._closing = False
         self._restarting = False
@@ -119,7 +128,7 @@ class EngineProcess:
         child.outbox.put(message)
         return future
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.cancelled) -> None:
         """Stop a request before its next step; its completion's finish reason is `reason`. Never waits on the
         engine: a request held for an engine that is restarting ends at once, and a cancel meant for an engine
         that is gone has nothing left to stop."""
@@ -134,10 +143,10 @@ class EngineProcess:
         message, future = held
         future.set_result(Completion.empty(request_id, len(message.request.prompt_ids), reason))
 
-    def stats(self, timeout: float = 10.0) -> dict[str, float]:
+    def stats(self, timeout: float = 10.0) -> EngineStats:
         """The engine's counters and the loop's gaps, as the child has them now, and the restarts of the child."""
         number = next(self._stats_numbers)
-        future: Future[dict[str, float]] = Future()
+        future: Future[EngineStats] = Future()
         with self._lock:
             if not self.alive or self._restarting:
                 raise EngineDead(f"engine process is dead or restarting: {self.error!r}")
@@ -145,7 +154,7 @@ class EngineProcess:
             child = self._child
         child.outbox.put(StatsQuery(number))
         try:
-            return {**future.result(timeout), "restarts": self.restarts}
+            return replace(future.result(timeout), restarts=self.restarts)
         finally:
             with self._lock:
                 self._stats.pop(number, None)

@@ -24,19 +24,21 @@ from dataclasses import replace
 
 import torch
 
-from engine.interface import Completion, Request, RequestError, StepEngine, TokensCallback
+from engine.interface import (
+    Completion,
+    EngineDead,
+    EngineStalled,
+    EngineStats,
+    FinishReason,
+    Request,
+    RequestError,
+    StepEngine,
+    TokensCallback,
+)
 from engine.runtime.loop_gaps import LoopGaps
 from engine.runtime.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-class EngineDead(RuntimeError):
-    pass
-
-
-class EngineStalled(EngineDead):
-    """The engine loop made no progress for its stall limit while it had work: what it held was given up on."""
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -60,7 +62,7 @@ class EngineThread:
         self._prepare = getattr(engine, "prepare", None)
         self._inbox: deque[tuple[Request, object, Future, TokensCallback | None]] = deque()
         self._adding: deque[tuple[Request, object, Future, TokensCallback | None]] = deque()  # taken from the inbox
-        self._cancels: deque[tuple[str, str]] = deque()  # (request id, finish reason)
+        self._cancels: deque[tuple[str, FinishReason]] = deque()  # (request id, finish reason)
         self._futures: dict[str, Future] = {}
         self._requests: dict[str, Request] = {}
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, request id)
@@ -101,7 +103,7 @@ class EngineThread:
             try:
                 prepared = self._prepare(request)
             except RequestError as exc:
-                future.set_result(Completion.empty(request.request_id, len(request.prompt_ids), "error", str(exc)))
+                future.set_result(Completion.empty(request.request_id, len(request.prompt_ids), FinishReason.error, str(exc)))
                 return future
         with self._cv:
             if not self.alive:
@@ -110,16 +112,16 @@ class EngineThread:
             self._cv.notify()
         return future
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.cancelled) -> None:
         """Stop a request before its next step; its completion's finish reason is `reason`."""
         with self._cv:
             self._cancels.append((request_id, reason))
             self._cv.notify()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         # a thread is never restarted: its stall ends its worker (`EngineProcess` counts its restarts)
-        return {**self.engine.stats(), "loop_gap_p50_ms": 1e3 * self.gaps.percentile(0.5),
-                "loop_gap_p95_ms": 1e3 * self.gaps.percentile(0.95), "loop_gaps": self.gaps.total, "restarts": 0}
+        return replace(self.engine.stats(), loop_gap_p50_ms=1e3 * self.gaps.percentile(0.5),
+                       loop_gap_p95_ms=1e3 * self.gaps.percentile(0.95), loop_gaps=self.gaps.total, restarts=0)
 
     def progress(self) -> tuple[int, bool]:
         """The loop's turns so far, and whether it has work (anything but waiting idle for a request)."""
@@ -194,7 +196,7 @@ class EngineThread:
         text_so_far = {r.request_id: self.engine.abort_request(r.request_id) for r in suspects}
         if len(suspects) == 1:
             [request] = suspects
-            self._resolve(Completion.empty(request.request_id, len(request.prompt_ids), "error",
+            self._resolve(Completion.empty(request.request_id, len(request.prompt_ids), FinishReason.error,
                                            f"engine error on this request alone: {type(exc).__name__}: {exc}",
                                            retryable=True))
             return
@@ -216,14 +218,14 @@ class EngineThread:
             except Exception as exc:
                 if is_fatal(exc):
                     raise
-                self._resolve(Completion.empty(request.request_id, len(request.prompt_ids), "error",
+                self._resolve(Completion.empty(request.request_id, len(request.prompt_ids), FinishReason.error,
                                                f"engine error taking it back in: {type(exc).__name__}: {exc}",
                                                retryable=True))
 
     def _add(self, request: Request, prepared: object, future: Future, on_tokens: TokensCallback | None) -> None:
         rid, n = request.request_id, len(request.prompt_ids)
         if request.deadline is not None and request.deadline <= time.monotonic():
-            future.set_result(Completion.empty(rid, n, "expired"))
+            future.set_result(Completion.empty(rid, n, FinishReason.expired))
             return
         try:
             if prepared is None:
@@ -231,7 +233,7 @@ class EngineThread:
             else:
                 self.engine.add_request(request, prepared)
         except RequestError as exc:
-            future.set_result(Completion.empty(rid, n, "error", str(exc)))
+            future.set_result(Completion.empty(rid, n, FinishReason.error, str(exc)))
             return
         self._futures[rid] = future
         self._requests[rid] = request
@@ -240,7 +242,7 @@ class EngineThread:
         if on_tokens is not None:
             self._watched[rid] = (on_tokens, 0)
 
-    def _stop(self, request_id: str, reason: str) -> None:
+    def _stop(self, request_id: str, reason: FinishReason) -> None:
         group = next((g for g in self._held if request_id in g), None)
         if group is not None:  # a suspect waiting for its turn ends at once, with its text at the failure
             request, completion = self._requests[request_id], group.pop(request_id)
@@ -257,7 +259,7 @@ class EngineThread:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, request_id = heapq.heappop(self._deadlines)
             if request_id in self._requests:
-                self._stop(request_id, "expired")
+                self._stop(request_id, FinishReason.expired)
 
     def _report_tokens(self) -> None:
         for request_id, (on_tokens, reported) in list(self._watched.items()):

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from engine.interface import Completion, Request
+from engine.interface import Completion, EngineStats, FinishReason, Request
 
 
 class Message:
@@ -35,7 +35,7 @@ class Submit(Message):
 @dataclass
 class Cancel(Message):
     request_id: str
-    reason: str
+    reason: FinishReason
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Tokens(Message):
 @dataclass
 class StatsReply(Message):
     number: int
-    stats: dict[str, float]
+    stats: EngineStats
 
 
 @dataclass
