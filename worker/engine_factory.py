@@ -49,11 +49,10 @@ def load_backend(settings: Settings) -> StepEngine:
 
 
 def start_engine(settings: Settings, on_death: Callable[[EngineDead], None] | None = None,
-                 on_stall: Callable[[EngineStalled], None] | None = None, **overrides: Any) -> EngineRunner:
+                 on_stall: Callable[[EngineStalled], None] | None = None) -> EngineRunner:
     """The backend behind its step loop: in a process of its own (`CONVOQ_ENGINE_PROCESS`, the default), which
     loads the model while this process keeps only the tokenizer, and is restarted when it stalls
-    (`CONVOQ_ENGINE_STALL_S`); or in a thread of this process, whose stall is `on_stall`'s to handle.
-    `overrides` (engine knobs) win over the settings, e.g. in `tune`."""
-    return builder.start_runner(settings.backend, settings.model, {**engine_options(settings), **overrides},
+    (`CONVOQ_ENGINE_STALL_S`); or in a thread of this process, whose stall is `on_stall`'s to handle."""
+    return builder.start_runner(settings.backend, settings.model, engine_options(settings),
                                 resolve_model, own_process=settings.engine_process, stall_s=settings.engine_stall_s,
                                 max_batch_size=settings.max_batch_size, on_death=on_death, on_stall=on_stall)
