@@ -94,7 +94,7 @@ def engine_generate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int
 def engine_logits(engine: LLMEngine, sequences: list[list[int]]) -> list[torch.Tensor]:
     """fp32 logits [len, vocab] of each sequence from the engine's own forward and head."""
     chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    forward = engine.runner.forward
+    forward = engine.executor.forward
 
     def catch(step: PackedStep) -> torch.Tensor:
         hidden = forward(step)
@@ -104,12 +104,12 @@ def engine_logits(engine: LLMEngine, sequences: list[list[int]]) -> list[torch.T
             chunks.setdefault(request_id, []).append((positions[bounds[i]], hidden[bounds[i]:bounds[i + 1]]))
         return hidden
 
-    engine.runner.forward = catch
+    engine.executor.forward = catch
     try:
         sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
         run_engine(engine, [Request(f"tf-{i}", s, sampling) for i, s in enumerate(sequences)], "ours teacher-forced")
     finally:
-        engine.runner.forward = forward
+        engine.executor.forward = forward
     out = []
     with torch.inference_mode():
         for i, seq in enumerate(sequences):

@@ -177,9 +177,9 @@ def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[in
     the pieces run as plain calls (`PieceGraphs` on a CPU)."""
     engine = LLMEngine(EngineConfig(model=str(path), device=check.device, dtype=check.dtype, cuda_graphs=graphs,
                                     initial_blocks=1 << 30))
-    runner = engine.runner
+    executor = engine.executor
     if graphs and check.dry:
-        runner.pieces = PieceGraphs(engine.model, engine.config.max_num_batched_tokens)
+        executor.pieces = PieceGraphs(engine.model, engine.config.max_num_batched_tokens)
     requests = [Request(str(i), p, SamplingParams(max_new_tokens=32, ignore_eos=True)) for i, p in enumerate(prompts)]
     waiting = requests[len(requests) // 2:]
     for r in requests[:len(requests) // 2]:
@@ -190,9 +190,9 @@ def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[in
             engine.add_request(waiting.pop(0))
         done.update((c.request_id, c.token_ids) for c in engine.step())
     steps = {"steps": engine.stats().steps,
-             "decode_graph_steps": runner.graphs.steps if runner.graphs is not None else 0,
-             "piece_graph_steps": runner.pieces.steps if runner.pieces is not None else 0}
-    del engine, runner
+             "decode_graph_steps": executor.graphs.steps if executor.graphs is not None else 0,
+             "piece_graph_steps": executor.pieces.steps if executor.pieces is not None else 0}
+    del engine, executor
     check.release()
     return [done[r.request_id] for r in requests], steps
 

@@ -13,7 +13,7 @@ figure to set against a step's forward, which the host's work does not overlap.
 
 The stub's vocabulary is small (`--vocab`) so that the arithmetic of sampling, which a GPU does in
 microseconds, does not hide the per-row Python work this measures. Parts: `schedule` (the scheduler's choice
-and block allocation), `prepare` (the plan's rows, then the runner packing them as tensors), `sample`
+and block allocation), `prepare` (the plan's rows, then the executor packing them as tensors), `sample`
 (penalties, greedy and random draws), `postprocess` (the rest of the step: appending tokens, stop and length
 checks, prefix-cache indexing).
 """
@@ -64,19 +64,19 @@ def stubbed(engine: LLMEngine, vocab: int, timers: Timers):
     rows, device = engine.config.max_num_batched_tokens, engine.device
     hidden = torch.zeros(rows, engine.model.shape.hidden_size, device=device)
     logits = torch.randn(engine.config.max_num_seqs, vocab, generator=torch.Generator().manual_seed(0)).to(device)
-    runner, model, scheduler = engine.runner, engine.model, engine.scheduler
-    saved = (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, step_executor.sample,
+    executor, model, scheduler = engine.executor, engine.model, engine.scheduler
+    saved = (executor.forward, executor.pack, model.compute_logits, scheduler.schedule, step_executor.sample,
              scheduler_module.step_plan)
-    runner.forward = timers.wrap("stub", lambda step: hidden[:len(step.input_ids)])
+    executor.forward = timers.wrap("stub", lambda step: hidden[:len(step.input_ids)])
     model.compute_logits = timers.wrap("stub_logits", lambda h: logits[:h.shape[0]].clone())
-    runner.pack = timers.wrap("pack", runner.pack)
+    executor.pack = timers.wrap("pack", executor.pack)
     scheduler.schedule = timers.wrap("schedule_and_plan", scheduler.schedule)
     scheduler_module.step_plan = timers.wrap("plan", scheduler_module.step_plan)
     step_executor.sample = timers.wrap("sample", step_executor.sample)
     try:
         yield
     finally:
-        (runner.forward, runner.pack, model.compute_logits, scheduler.schedule, step_executor.sample,
+        (executor.forward, executor.pack, model.compute_logits, scheduler.schedule, step_executor.sample,
          scheduler_module.step_plan) = saved
 
 

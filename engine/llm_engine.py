@@ -1,7 +1,7 @@
 """Our engine: a Qwen3 model, paged KV pools and a continuous-batching scheduler behind `StepEngine`.
 
 `engine.parts` wires the parts; this class holds the requests' sequences and runs the steps: the scheduler
-plans one (`engine.step.StepPlan`), the model runner runs it, and the `StepResult` is applied here.
+plans one (`engine.step.StepPlan`), the step executor runs it, and the `StepResult` is applied here.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class LLMEngine:
         self.activation_bytes = parts.activation_bytes
         self.blocks = parts.blocks
         self.scheduler = parts.scheduler
-        self.runner = parts.runner
+        self.executor = parts.executor
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
         self._tokens_generated = 0
@@ -133,8 +133,8 @@ class LLMEngine:
         self._peak_blocks = max(self._peak_blocks, sum(p.num_used for p in self.blocks.pools))
         work = work_of(plan)
         masks = (lambda: self._masks(plan)) if self._constrained else None
-        result = self.runner.run(plan, masks) if self.ranks is None else \
-            self.ranks.step(plan, lambda: self.runner.run(plan, masks))
+        result = self.executor.run(plan, masks) if self.ranks is None else \
+            self.ranks.step(plan, lambda: self.executor.run(plan, masks))
         end = time.monotonic()
         self._steps += 1
         self._record_computed(plan, start, end)
@@ -316,7 +316,7 @@ class LLMEngine:
         return {
             "weights_bytes": weights_bytes(self.model),
             "activation_bytes": self.activation_bytes,  # held back from a fractional budget (CUDA only)
-            "graph_bytes": self.runner.pieces.nbytes if self.runner.pieces is not None else 0,
+            "graph_bytes": self.executor.pieces.nbytes if self.executor.pieces is not None else 0,
             "kv_bytes_per_token": self.kv_plan.kv_bytes_per_token,
             "kv_budget_bytes": self.kv_plan.budget_bytes,
             "block_size": self.config.block_size,
@@ -325,7 +325,7 @@ class LLMEngine:
             "pool_blocks_free": sum(len(p.free) for p in pools),
             "pool_blocks_max": sum(p.max_blocks for p in pools),
             "pool_bytes": sum(p.capacity * b for p, b in zip(pools, block_bytes, strict=True)),
-            "dense_decode_bytes": self.runner.dense.nbytes if self.runner.dense is not None else 0,
+            "dense_decode_bytes": self.executor.dense.nbytes if self.executor.dense is not None else 0,
             # tokens of context the budget holds across all sequences (the window pools never limit it more)
             "max_tokens": min(full, default=max(p.max_blocks for p in pools)) * self.config.block_size,
             "max_batch_at_max_len": min(p.max_blocks // n for p, n in zip(pools, per_seq_at_max, strict=True)),

@@ -44,7 +44,7 @@ class EngineParts:
     activation_bytes: int  # held back from a budget given as a fraction (CUDA only)
     blocks: BlockManager
     scheduler: Scheduler
-    runner: StepExecutor
+    executor: StepExecutor
 
 
 def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None,

@@ -240,7 +240,7 @@ def _run_step(parts: EngineParts, step: Step, rank: int) -> bool:
         host = parts.blocks.prefix.host if parts.blocks.prefix is not None else None
         for name, entry, block in step.host_copies:
             getattr(host, name)(entry, block)
-        parts.runner.logits(step.plan)
+        parts.executor.logits(step.plan)
     except Exception as exc:
         if is_fatal(exc) or isinstance(exc, dist.DistError):
             raise

@@ -99,7 +99,7 @@ def test_greedy_matches_transformers_through_the_graph_pieces(tiny_models, hf_ou
     path = tiny_models[preset]
     engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=8,
                          max_num_batched_tokens=96, prefill_chunk_size=64, max_num_seqs=32)
-    pieces = engine.runner.pieces = PieceGraphs(engine.model, 96)
+    pieces = engine.executor.pieces = PieceGraphs(engine.model, 96)
     pieces.capture()
     assert pieces.sizes == [8, 16, 32, 48, 64, 80, 96] and list(pieces.graphs) == pieces.sizes[::-1]
     requests = [Request(str(i), ids, greedy(n, ignore_eos=False))
@@ -114,7 +114,7 @@ def test_dense_decode_rows_follow_preemption(tiny_models, hf_outputs):
     path = tiny_models["tiny"]
     engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=8,
                          max_num_batched_tokens=96, prefill_chunk_size=64, max_num_seqs=32)
-    engine.runner.dense.max_bytes = 1 << 30  # every decode through dense rows, however small the pool
+    engine.executor.dense.max_bytes = 1 << 30  # every decode through dense rows, however small the pool
     requests = [Request(str(i), ids, greedy(n, ignore_eos=False))
                 for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
     done = run_all(engine, requests)

@@ -105,7 +105,7 @@ def test_with_thinking_the_reasoning_is_free_and_the_answer_constrained(qwen3_mo
     tokenizer = engine.tokenizer
     opening, closing = engine.think_ids
     reasoning = [opening, *tokenizer.encode(" no JSON here {{{"), closing]
-    run = engine.runner.run
+    run = engine.executor.run
     # the model opens a think block and says something no grammar allows, then goes on by itself
     def scripted(plan, masks=None):
         result = run(plan, masks)
@@ -113,7 +113,7 @@ def test_with_thinking_the_reasoning_is_free_and_the_answer_constrained(qwen3_mo
         tokens = [reasoning[n] if n < len(reasoning) else t for n, t in zip(drawn, result.token_ids, strict=True)]
         return StepResult(result.request_ids, tokens, result.logprobs)
 
-    engine.runner.run = scripted
+    engine.executor.run = scripted
     params = constrained(80, SCHEMAS[0], grammar_after_think=True, temperature=1.0, seed=5)
     done = run_all(engine, [Request("r", tokenizer.encode("Summarize: the parcel came late."), params)])["r"]
     assert done.token_ids[:len(reasoning)] == reasoning

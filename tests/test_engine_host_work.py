@@ -314,7 +314,7 @@ def packed_from_scratch(engine, step) -> dict[str, list]:
 def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_models, preset):
     path = tiny_models[preset]
     engine = make_engine(path, kv_cache_memory=48 * kv_block_bytes(path), initial_blocks=4, prefill_chunk_size=64)
-    pack, packed = engine.runner.pack, []
+    pack, packed = engine.executor.pack, []
 
     def checked_pack(plan):
         step = pack(plan)
@@ -326,7 +326,7 @@ def test_table_rows_stay_the_tables_through_preemption_reuse_and_recycling(tiny_
         packed.append(len(step.request_ids))
         return step
 
-    engine.runner.pack = checked_pack
+    engine.executor.pack = checked_pack
     shared = prompts(1, 64, 64, seed=5)[0]  # a prefix several prompts start with: their blocks are reused
     ids = [shared + tail if i % 2 else tail for i, tail in enumerate(prompts(14, 40, 200, seed=6))]
     requests = [Request(str(i), p, greedy(40)) for i, p in enumerate(ids)]
@@ -404,14 +404,14 @@ def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_mo
         prompt = prompts(1, 10, 80, seed=i)[0]
         streams[str(i)] = stream
         requests.append((Request(str(i), prompt, params), stream))
-    run = engine.runner.run
+    run = engine.executor.run
 
     def scripted(plan, masks=None):
         sampled = run(plan, masks).request_ids
         drawn = plan.sampling.drawn.tolist()  # tokens each has generated before this step
         return StepResult(sampled, [streams[r][n] for r, n in zip(sampled, drawn, strict=True)])
 
-    engine.runner.run = scripted
+    engine.executor.run = scripted
     done = run_all(engine, [r for r, _ in requests])
     for request, stream in requests:
         expected = finished_from_scratch(tokenizer, stream, request.sampling, engine.eos_ids)

@@ -18,9 +18,9 @@ def prefill_logits(engine: LLMEngine) -> torch.Tensor:
     its sequence's K/V back from the cache, so every row sees the cache's precision."""
     for i, ids in enumerate(prompts(4, 150, 200, seed=7)):
         engine.add_request(Request(str(i), ids, greedy(1)))
-    step = engine.runner.pack(engine.scheduler.schedule(time.monotonic()))
+    step = engine.executor.pack(engine.scheduler.schedule(time.monotonic()))
     with torch.inference_mode():
-        return engine.model.compute_logits(engine.runner.forward(step))
+        return engine.model.compute_logits(engine.executor.forward(step))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])

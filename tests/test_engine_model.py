@@ -27,9 +27,9 @@ def test_packed_forward_logits_match_transformers(tiny_models, preset):
     ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
     for i, prompt in ids.items():
         engine.add_request(Request(str(i), prompt, greedy(1)))
-    step = engine.runner.pack(engine.scheduler.schedule(time.monotonic()))
+    step = engine.executor.pack(engine.scheduler.schedule(time.monotonic()))
     assert len(step.request_ids) == 4 and step.num_decodes == 0
-    logits = engine.model.compute_logits(engine.runner.forward(step))
+    logits = engine.model.compute_logits(engine.executor.forward(step))
     for i, request_id in enumerate(step.request_ids):
         with torch.inference_mode():
             expected = hf(torch.tensor([ids[int(request_id)]])).logits[0]

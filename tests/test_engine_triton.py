@@ -19,7 +19,7 @@ NEW_TOKENS = 4
 def generate(path, backend: str, **settings) -> list[list[int]]:
     engine = make_engine(path, attention_backend=backend, prefill_chunk_size=48, max_num_batched_tokens=64,
                          max_num_seqs=8, **settings)
-    assert engine.runner.ops.backend == backend
+    assert engine.executor.ops.backend == backend
     requests = [Request(str(i), ids, greedy(NEW_TOKENS)) for i, ids in enumerate(PROMPTS)]
     done = run_all(engine, requests)
     return [done[str(i)].token_ids for i in range(len(PROMPTS))]

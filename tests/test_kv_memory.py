@@ -71,5 +71,5 @@ def test_the_profiling_step_runs_the_largest_batch_through_every_pool(tiny_model
 
     engine = make_engine(tiny_models[preset], max_num_batched_tokens=300, prefill_chunk_size=128, max_num_seqs=64)
     # on CPU nothing is measured, but the same forward runs: chunks, tables and slots for every pool
-    assert largest_step(engine.model, engine.runner.ops, engine.kv_plan, engine.config, engine.config.cache_dtype) == 0
+    assert largest_step(engine.model, engine.executor.ops, engine.kv_plan, engine.config, engine.config.cache_dtype) == 0
     assert engine.memory_report()["activation_bytes"] == 0

@@ -116,13 +116,13 @@ def test_the_engine_closes_the_think_block_at_the_budget(qwen3_model, tokenizer,
     engine = make_engine(qwen3_model)
     filler = tokenizer.encode(" hmm")[0]
     script = iter([THINK] + [filler] * 100)
-    run = engine.runner.run
+    run = engine.executor.run
     # the model's own choices, except that it opens a think block and then only ever says " hmm"
     def scripted(plan, masks=None):
         sampled = run(plan, masks).request_ids
         return StepResult(sampled, [next(script) for _ in sampled])
 
-    monkeypatch.setattr(engine.runner, "run", scripted)
+    monkeypatch.setattr(engine.executor, "run", scripted)
     params = SamplingParams(max_new_tokens=12, max_thinking_tokens=5, ignore_eos=True)
     done = run_all(engine, [Request("r", encode_chat(tokenizer, chat_for(job()), True), params)])["r"]
     assert done.token_ids[:7] == [THINK] + [filler] * 5 + [END_THINK]  # forced after 5 tokens of reasoning
