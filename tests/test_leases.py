@@ -21,8 +21,7 @@ from bench.audit import audit, messages_by_job
 from bench.faults import lose_replies_of
 from broker.app import create_celery
 from broker.publish import publish
-from engine.interface import Completion, Timings
-from engine.runtime.engine_thread import EngineDead
+from engine.interface import Completion, EngineDead, Timings
 from jobs.error_codes import ErrorCode
 from jobs.schemas import JobIn
 from jobs.settings import Settings
