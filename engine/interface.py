@@ -104,7 +104,7 @@ class FinishReason(StrEnum):
     """Why a request's output ended."""
 
     stop = "stop"  # EOS, a stop string, or the end of its grammar
-    length = "length"  # `max_new_tokens`, or the model's context
+    length = "length"  # `max_new_tokens` reached
     error = "error"  # it could not run (`Completion.error` says why)
     # stopped from outside (`EngineRunner.cancel`), its text so far kept
     cancelled = "cancelled"

@@ -156,7 +156,7 @@ def test_a_cancel_and_a_deadline_end_runs_while_their_engine_is_frozen(tiny_mode
     bridge = Bridge(runner, Settings(), stop_grace_s=1.0)
     now = datetime.now(UTC)
     job = JobIn(messages=[{"role": "user", "content": "Where is my parcel?"}], priority=9,
-                sampling={"max_new_tokens": 2000})
+                sampling={"max_new_tokens": 1000})  # prompt and output fit the context
     seen: list[list[int]] = []
     outcome: dict = {}
 
