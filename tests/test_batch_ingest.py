@@ -31,7 +31,7 @@ from bench.audit import messages_by_job
 from cli.stack import Stack
 from jobs.settings import Settings, parse_key
 from tests.conftest import API_KEY
-from tests.test_job_control import sql
+from tests.sql import sql
 
 OTHER_KEY = "another-tenant-key-0123"
 ADMIN_KEY = "admin-key-0123456789"

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.service.batch_output import completion, lines, size
 from jobs.tables import Job, Result
+from tests.sql import sql
 from tests.test_batch_ingest import AUTH, ingested, jsonl, line, settings_for, upload
-from tests.test_job_control import sql
 
 MB = 10**6
 

@@ -11,7 +11,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tests.test_streams import served, settings_for, sql
+from tests.sql import sql
+from tests.test_streams import served, settings_for
 
 ADMIN_KEY = "admin-key-0123456789"
 ITEMS, FAILED_EVERY, BAD_LINES = 1200, 100, 1500

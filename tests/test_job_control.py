@@ -21,6 +21,7 @@ from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from tests.conftest import API_KEY
+from tests.sql import sql
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 OTHER_KEY = "another-producer-key"
@@ -29,15 +30,6 @@ OTHER_KEY = "another-producer-key"
 def chat(text: str, max_new_tokens: int = 16, **extra) -> JobIn:
     return JobIn(messages=[{"role": "user", "content": text}], priority=9,
                  sampling={"max_new_tokens": max_new_tokens}, **extra)
-
-
-def sql(database: str, statement: str, **params) -> list:
-    engine = sa.create_engine(database)
-    with engine.begin() as conn:
-        result = conn.execute(sa.text(statement), params)
-        rows = result.all() if result.returns_rows else []
-    engine.dispose()
-    return rows
 
 
 # --- the API alone (in-process, real PostgreSQL and Redis) ------------------------------------------------------

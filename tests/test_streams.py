@@ -16,7 +16,6 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import redis
-import sqlalchemy as sa
 import uvicorn
 from sqlalchemy import Engine, event
 
@@ -26,6 +25,7 @@ from cli.servers import free_port
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
 from tests.conftest import API_KEY
+from tests.sql import sql
 from worker.progress import ProgressPublisher
 
 OTHER_KEY, ADMIN_KEY = "other-key-0123456789", "admin-key-0123456789"
@@ -58,15 +58,6 @@ def served(settings: Settings) -> Iterator[tuple[object, str]]:
 
 def auth(key: str = API_KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def sql(database: str, statement: str, **params) -> list:
-    engine = sa.create_engine(database)
-    with engine.begin() as conn:
-        result = conn.execute(sa.text(statement), params)
-        rows = list(result) if result.returns_rows else []
-    engine.dispose()
-    return rows
 
 
 def finish(database: str, job_id: str, text: str, reasoning: str | None = None) -> None:
