@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from cli.tiny_model import build_tiny_model
-
-API_KEY = "test-key-0123456789"
+from tests.api_keys import API_KEY
 
 
 @pytest.fixture(scope="session")

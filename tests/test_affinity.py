@@ -179,7 +179,7 @@ def test_turns_follow_their_worker_and_a_dead_workers_queue_is_served_by_the_oth
     from api.client import Client
     from cli.stack import Stack
     from jobs.schemas import JobIn
-    from tests.conftest import API_KEY
+    from tests.api_keys import API_KEY
 
     env = {**service_env, "CONVOQ_HEARTBEAT_S": "0.5", "CONVOQ_DEAD_AFTER_S": "3", "CONVOQ_SWEEP_EVERY_S": "1",
            "CONVOQ_WORKER_METRICS_PORT": "0"}

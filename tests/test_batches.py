@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from api.client import Client
 from cli.stack import Stack
 from jobs.schemas import BATCH_SETTLED, JobIn
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 
 pytestmark = pytest.mark.slow
 

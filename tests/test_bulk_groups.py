@@ -29,7 +29,7 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise

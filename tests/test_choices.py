@@ -21,7 +21,7 @@ from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, Result
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 from tests.engine_helpers import make_engine, single_thread  # noqa: F401
 from tests.test_openai_chat import job_of, sdk
 from worker.bridge import Bridge

@@ -22,7 +22,7 @@ from engine.interface import Request
 from engine.llm_engine import LLMEngine
 from engine.tensor_parallel import RANK_DIED
 from jobs.schemas import JobIn
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     greedy,
     kv_block_bytes,

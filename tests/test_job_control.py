@@ -20,11 +20,8 @@ from broker.app import CANCEL_COMMAND, create_celery
 from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.settings import Settings
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY, AUTH, OTHER_KEY, auth
 from tests.sql import sql
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-OTHER_KEY = "another-producer-key"
 
 
 def chat(text: str, max_new_tokens: int = 16, **extra) -> JobIn:
@@ -72,7 +69,7 @@ def test_backpressure_refuses_past_the_bounds_and_stores_nothing(database, broke
         assert over.status_code == 429 and over.headers["Retry-After"] == "7" and "this API key" in over.json()["detail"]
         batch = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=AUTH)
         assert batch.status_code == 429  # a batch counts its lines
-        other = {"Authorization": f"Bearer {OTHER_KEY}"}
+        other = auth(OTHER_KEY)
         assert client.post("/v1/jobs", json=chat("mine").model_dump(mode="json"), headers=other).status_code == 202
         overall = client.post("/v1/jobs", json=chat("fifth").model_dump(mode="json"), headers=other)
         assert overall.status_code == 429 and "the service" in overall.json()["detail"]

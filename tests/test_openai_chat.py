@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from api.client import Client
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 
 HELLO = [{"role": "user", "content": "Hello, where is my parcel?"}]
 

@@ -12,7 +12,7 @@ import redis
 from api.client import Client
 from cli.stack import Stack
 from jobs.schemas import JobIn
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 from tests.sql import sql
 from tests.test_metrics import two_free_ports
 

@@ -25,7 +25,7 @@ from cli.stack import Stack
 from engine.runtime.engine_process import EngineProcess
 from jobs.schemas import ErrorCode, JobIn, JobStatus
 from jobs.settings import Settings
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 from tests.test_faults import FAST_RECOVERY, wait_for
 from tests.test_leases import done, new_job, row, runs, settings  # noqa: F401 (settings: a fixture)
 from worker import results

@@ -24,11 +24,10 @@ from broker.redis_layout import progress_channel
 from cli.servers import free_port
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
-from tests.conftest import API_KEY
+from tests.api_keys import ADMIN_KEY, API_KEY, OTHER_KEY, auth
 from tests.sql import sql
 from worker.progress import ProgressPublisher
 
-OTHER_KEY, ADMIN_KEY = "other-key-0123456789", "admin-key-0123456789"
 CHAT = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 9}
 
 
@@ -54,10 +53,6 @@ def served(settings: Settings) -> Iterator[tuple[object, str]]:
     finally:
         server.should_exit = True
         thread.join(30)
-
-
-def auth(key: str = API_KEY) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def finish(database: str, job_id: str, text: str, reasoning: str | None = None) -> None:

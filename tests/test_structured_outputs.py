@@ -31,7 +31,7 @@ from jobs.settings import Settings
 from jobs.structured import grammar_spec
 from jobs.tables import Job, Result, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY, AUTH
 from worker import results
 from worker.bridge import Bridge
 from worker.engine_factory import WorkerSettings
@@ -40,7 +40,6 @@ from worker.outcome import Outcome
 from worker.sampling import sampling_params
 from worker.summarize import summarize
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HELLO = [{"role": "user", "content": "Hello, where is my parcel?"}]
 # bounded everywhere (lengths, ranges, enums), so that even random weights complete it within a small budget
 TICKET = {

@@ -23,7 +23,8 @@ from jobs.chat import chat_for, encode_chat, problem
 from jobs.schemas import MAX_TOOLS, ChoiceOut, JobIn
 from jobs.tables import Job, Result, utcnow
 from jobs.tool_calls import ToolUse, finish_reason, parse, stream_stops, template_tools, tool_use
-from tests.conftest import API_KEY, QWEN3_TOKENIZER
+from tests.api_keys import API_KEY, AUTH
+from tests.conftest import QWEN3_TOKENIZER
 from worker.outcome import Outcome
 from worker.sampling import sampling_params
 from worker.tool_grammar import tool_grammar
@@ -269,7 +270,7 @@ def test_a_named_tool_is_called_and_its_result_answered(stack):
     [call] = first.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] in ("Oslo", "Paris")
-    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+    with httpx.Client(base_url=stack.api_url, headers=AUTH) as http:
         stored = http.get(f"/v1/jobs/{uuid.UUID(answer.id.removeprefix('chatcmpl-'))}").json()["result"]
     assert stored["tool_calls"] == [call.model_dump()] and stored["finish_reason"] == "tool_calls"
 
@@ -295,6 +296,6 @@ def test_tool_requests_the_service_refuses(stack):
                                        tool_choice={"type": "function", "function": {"name": "refund"}})
     with pytest.raises(openai.BadRequestError, match="needs tool_call_id"):
         client.chat.completions.create(model=model, messages=[ASK, CALLED, {"role": "tool", "content": "-3 C"}])
-    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+    with httpx.Client(base_url=stack.api_url, headers=AUTH) as http:
         refused = http.post("/v1/jobs", json={"messages": [ASK, CALLED, {"role": "tool", "content": "-3 C"}]})
     assert refused.status_code == 422 and "needs tool_call_id" in refused.text
