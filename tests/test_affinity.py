@@ -23,11 +23,8 @@ from broker.view import BrokerView
 from jobs.queues import home_queue
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
+from tests.service_settings import settings_for
 from worker.reconciler import Sweeper, beat, hand_back
-
-
-def settings_for(database: str, broker: str = "redis://127.0.0.1:1/0", **fields) -> Settings:
-    return Settings(database_url=database, broker_url=broker, **fields)
 
 
 def turn(conversation: str | None, tenant: str | None = "acme", priority: int = 9) -> SimpleNamespace:

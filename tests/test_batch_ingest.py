@@ -31,6 +31,8 @@ from bench.audit import messages_by_job
 from cli.stack import Stack
 from jobs.settings import Settings, parse_key
 from tests.api_keys import ADMIN_KEY, API_KEY, AUTH, OTHER_KEY, auth
+from tests.batch_waits import ingested
+from tests.service_settings import settings_for
 from tests.sql import sql
 
 MIB = 2**20
@@ -43,19 +45,6 @@ def line(i: int, **extra) -> bytes:
 
 def jsonl(lines: list[bytes]) -> bytes:
     return b"\n".join(lines) + b"\n"
-
-
-def settings_for(database: str, broker: str, model: Path, **extra) -> Settings:
-    return Settings(database_url=database, broker_url=broker, model=str(model),
-                    api_keys=f"{API_KEY},{OTHER_KEY},{ADMIN_KEY}:admin", **extra)
-
-
-def ingested(client: TestClient, batch_id: str) -> dict:
-    deadline = time.monotonic() + 30
-    while (batch := client.get(f"/v1/batches/{batch_id}", headers=AUTH).json())["status"] == "validating":
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
-    return batch
 
 
 def upload(client: TestClient, data: bytes, **form: str) -> httpx.Response:

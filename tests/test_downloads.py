@@ -12,8 +12,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from tests.api_keys import ADMIN_KEY, auth
+from tests.service_settings import settings_for
 from tests.sql import sql
-from tests.test_streams import served, settings_for
+from tests.test_streams import served
 
 ITEMS, FAILED_EVERY, BAD_LINES = 1200, 100, 1500
 

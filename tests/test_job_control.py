@@ -21,6 +21,8 @@ from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from tests.api_keys import API_KEY, AUTH, OTHER_KEY, auth
+from tests.batch_waits import ingested
+from tests.service_settings import settings_for
 from tests.sql import sql
 
 
@@ -32,8 +34,7 @@ def chat(text: str, max_new_tokens: int = 16, **extra) -> JobIn:
 # --- the API alone (in-process, real PostgreSQL and Redis) ------------------------------------------------------
 
 def api(database: str, broker: str, tiny_model, **settings) -> TestClient:
-    return TestClient(create_app(Settings(database_url=database, broker_url=broker, model=str(tiny_model),
-                                          api_keys=f"{API_KEY},{OTHER_KEY}", **settings)))
+    return TestClient(create_app(settings_for(database, broker, tiny_model, **settings)))
 
 
 def test_cancel_a_queued_job_then_again_and_a_finished_one(database, broker, tiny_model):
@@ -87,10 +88,7 @@ def test_a_batch_cancel_that_deadlocks_with_another_writer_is_retried_not_failed
     lines = b"\n".join(b'{"custom_id": "c%d", "messages": [{"role": "user", "content": "hi"}]}' % i for i in range(2))
     with api(database, broker, tiny_model) as client:
         batch_id = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=AUTH).json()["id"]
-        deadline = time.monotonic() + 30  # its lines become jobs after the answer
-        while client.get(f"/v1/batches/{batch_id}", headers=AUTH).json()["status"] == "validating":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        ingested(client, batch_id)  # its lines become jobs after the answer
         low, high = sorted(row[0] for row in sql(database, "SELECT id FROM jobs"))
         engine = sa.create_engine(database)
         with engine.connect() as other:

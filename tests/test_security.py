@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 
 import pytest
@@ -17,6 +16,7 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import request_hash
 from tests.api_keys import ADMIN_KEY, API_KEY, auth
+from tests.batch_waits import ingested
 
 MIB = 2**20
 SHOP_KEY, SHOP_READER = "shop-key-0123456789", "shop-reader-0123456789"
@@ -88,15 +88,6 @@ def client(database, broker, tiny_model):
     settings = Settings(database_url=database, broker_url=broker, api_keys=KEYS, model=str(tiny_model))
     with TestClient(create_app(settings)) as c:
         yield c
-
-
-def ingested(client: TestClient, batch_id: str, key: str) -> dict:
-    """The batch once its lines were read (its ingest runs after the answer)."""
-    deadline = time.monotonic() + 30
-    while (batch := client.get(f"/v1/batches/{batch_id}", headers=auth(key)).json())["status"] == "validating":
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
-    return batch
 
 
 def batch_of(client: TestClient, key: str) -> str:

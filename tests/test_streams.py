@@ -24,16 +24,12 @@ from broker.redis_layout import progress_channel
 from cli.servers import free_port
 from jobs.schemas import JobStatus
 from jobs.settings import Settings
-from tests.api_keys import ADMIN_KEY, API_KEY, OTHER_KEY, auth
+from tests.api_keys import API_KEY, OTHER_KEY, auth
+from tests.service_settings import settings_for
 from tests.sql import sql
 from worker.progress import ProgressPublisher
 
 CHAT = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 9}
-
-
-def settings_for(database: str, broker: str, tiny_model, **overrides) -> Settings:
-    return Settings(database_url=database, broker_url=broker, model=str(tiny_model),
-                    api_keys=f"{API_KEY},{OTHER_KEY},{ADMIN_KEY}:admin", **overrides)
 
 
 @contextmanager
