@@ -22,7 +22,6 @@ from engine.interface import Completion, Timings
 from jobs.schemas import ERROR_MESSAGES, ErrorCode, JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
-from store.connections import make_db_engine, make_sessions
 from tests.api_keys import ADMIN_KEY, auth
 from worker import results, tasks
 from worker.outcome import Outcome
@@ -43,10 +42,8 @@ def settings(database, broker, tiny_model) -> Settings:
 
 
 @pytest.fixture
-def sessions(database):
-    engine = make_db_engine(database)
-    yield make_sessions(engine)
-    engine.dispose()
+def sessions(db):
+    return db[1]
 
 
 @pytest.fixture
