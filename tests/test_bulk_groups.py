@@ -30,7 +30,7 @@ from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
 from tests.api_keys import API_KEY
-from tests.engine_helpers import make_engine, single_thread  # noqa: F401
+from tests.engine_helpers import make_engine
 from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise
 from worker import results, tasks
@@ -38,6 +38,8 @@ from worker.bridge import Bridge
 from worker.bulk_gate import bulk_gate
 from worker.group_commit import GroupCommit
 from worker.tasks import run_together
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def sent_messages(broker_url: str) -> list[dict]:

@@ -22,10 +22,12 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, Result
 from tests.api_keys import API_KEY
-from tests.engine_helpers import make_engine, single_thread  # noqa: F401
+from tests.engine_helpers import make_engine
 from tests.test_openai_chat import job_of, sdk
 from worker.bridge import Bridge
 from worker.tasks import reply
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 BLOCK = 16  # the engine's KV block size: the prefix cache shares whole blocks
 # long enough to fill a few blocks, so that what the followers reuse shows

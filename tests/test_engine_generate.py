@@ -11,16 +11,17 @@ import torch
 from engine.interface import Request, RequestError, SamplingParams
 from engine.model.cuda_graphs import PieceGraphs
 from engine.runtime.engine_thread import EngineThread
-from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import (
     FakeCost,
     greedy,
     kv_block_bytes,
     make_engine,
     prompts,
     run_all,
-    single_thread,
     transformers_greedy,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 PROMPTS = prompts(24, 5, 400, seed=3)
 NEW_TOKENS = [4 + i % 13 for i in range(len(PROMPTS))]

@@ -14,7 +14,9 @@ from bench.structured import BUDGET, SCHEMAS
 from engine.interface import Request, RequestError, SamplingParams
 from engine.model.sampler import mask
 from engine.step import StepResult, TokenMasks
-from tests.engine_helpers import kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401
+from tests.engine_helpers import kv_block_bytes, make_engine, prompts, run_all
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def spec(schema: dict) -> str:

@@ -23,7 +23,6 @@ from broker.app import create_celery
 from broker.publish import publish
 from engine.interface import Completion, Timings
 from jobs.schemas import ErrorCode, JobIn
-from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from worker import reconciler, results
 from worker.leases import Leases
@@ -265,12 +264,6 @@ def test_a_suspect_waits_for_runs_in_progress_and_holds_new_ones_back():
     for t in threads:
         t.join(5)
     assert order == ["first in", "first out", "suspect alone", "later in", "later out"]
-
-
-@pytest.fixture
-def settings(database, broker) -> Settings:
-    return Settings(database_url=database, broker_url=broker, unpublished_grace_s=0, dead_after_s=30,
-                    sweep_every_s=0.01)
 
 
 def test_one_sweeper_at_a_time(db, settings):
