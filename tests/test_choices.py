@@ -23,7 +23,8 @@ from jobs.settings import Settings
 from jobs.tables import Job, Result
 from tests.api_keys import API_KEY
 from tests.engine_helpers import make_engine
-from tests.test_openai_chat import job_of, sdk
+from tests.openai_sdk import sdk
+from tests.test_openai_chat import job_of
 from worker.bridge import Bridge
 from worker.tasks import reply
 

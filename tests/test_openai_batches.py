@@ -17,6 +17,7 @@ from api.app import create_app
 from cli.stack import Stack
 from jobs.settings import Settings
 from tests.api_keys import API_KEY, AUTH, OTHER_KEY
+from tests.openai_sdk import sdk
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +55,6 @@ def service(tiny_model, postgres_url, redis_url, tmp_path_factory):
         stack.start_api()
         stack.start_worker()
         yield stack
-
-
-def sdk(service: Stack, api_key: str = API_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=service.api_url + "/v1", api_key=api_key, max_retries=0)
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ from jobs.settings import Settings
 from jobs.structured import grammar_spec
 from jobs.tables import Job, Result, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
+from tests import openai_sdk
 from tests.api_keys import API_KEY, AUTH
 from worker import results
 from worker.bridge import Bridge
@@ -277,7 +278,7 @@ def service(tiny_model, postgres_url, redis_url, tmp_path_factory):
 
 @pytest.fixture
 def sdk(service) -> openai.OpenAI:
-    with openai.OpenAI(base_url=service.api_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
+    with openai_sdk.sdk(service) as client:
         yield client
 
 

@@ -23,8 +23,9 @@ from jobs.chat import chat_for, encode_chat, problem
 from jobs.schemas import MAX_TOOLS, ChoiceOut, JobIn
 from jobs.tables import Job, Result, utcnow
 from jobs.tool_calls import ToolUse, finish_reason, parse, stream_stops, template_tools, tool_use
-from tests.api_keys import API_KEY, AUTH
+from tests.api_keys import AUTH
 from tests.conftest import QWEN3_TOKENIZER
+from tests.openai_sdk import sdk
 from worker.outcome import Outcome
 from worker.sampling import sampling_params
 from worker.tool_grammar import tool_grammar
@@ -254,10 +255,6 @@ def test_auto_is_free_unless_the_answer_has_a_format(compiler):
 
 
 # --- the service ----------------------------------------------------------------------------------------------
-
-
-def sdk(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.api_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def test_a_named_tool_is_called_and_its_result_answered(stack):
