@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli.tiny_model import build_tiny_model
-
-API_KEY = "test-key-0123456789"
+from tests.api_keys import API_KEY
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +35,34 @@ def qwen3_model(tmp_path_factory) -> Path:
     tokenizes and samples by default like a downloaded `Qwen/Qwen3-*` folder."""
     return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3-small", preset="qwen3-small",
                             tokenizer=QWEN3_TOKENIZER)
+
+
+# --- torch in this process -----------------------------------------------------------------------------------
+# Engine and kernel tests ask for these by name, with `pytest.mark.usefixtures`.
+
+
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """One intra-op thread for these small models: with two threads on two shared cores, every small op waits
+    for a thread the OS has parked elsewhere, and the suite runs ten times slower when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """New float tensors start as NaN, so an output element (or partial result) a kernel forgets to write
+    fails the comparison instead of passing by luck."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
+    yield
 
 
 # --- real servers -------------------------------------------------------------------------------------------
@@ -171,3 +200,13 @@ def paced(service_env, tmp_path):
         stack.start_worker()
         stack.metrics_url = f"http://127.0.0.1:{port}/metrics"
         yield stack
+
+
+@pytest.fixture
+def settings(database, broker):
+    """Settings for sweeps on the test servers: unpublished jobs are re-sent at once, a sweep runs whenever
+    asked. A module that needs other settings defines its own `settings` fixture."""
+    from jobs.settings import Settings
+
+    return Settings(database_url=database, broker_url=broker, unpublished_grace_s=0, dead_after_s=30,
+                    sweep_every_s=0.01)

@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -71,16 +70,6 @@ def sampling_rows(rows: list) -> SamplingInputs:
     prompt_lens = np.array([row.num_prompt_tokens for row in rows], np.int64)
     drawn = np.array([len(row.token_ids) for row in rows], np.int64) - prompt_lens
     return SamplingInputs([row.params for row in rows], drawn, prompt_lens, [row.token_ids for row in rows])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """One intra-op thread for these small models: with two threads on two shared cores, every small op waits
-    for a thread the OS has parked elsewhere, and the suite runs ten times slower when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class FakeCost:

@@ -23,12 +23,9 @@ from broker.view import BrokerView
 from jobs.queues import home_queue
 from jobs.settings import Settings
 from jobs.tables import Job, Worker
+from tests.service_settings import settings_for
 from worker.heartbeat import beat, hand_back
 from worker.sweep import Sweeper
-
-
-def settings_for(database: str, broker: str = "redis://127.0.0.1:1/0", **fields) -> Settings:
-    return Settings(database_url=database, broker_url=broker, **fields)
 
 
 def turn(conversation: str | None, tenant: str | None = "acme", priority: int = 9) -> SimpleNamespace:
@@ -180,7 +177,7 @@ def test_turns_follow_their_worker_and_a_dead_workers_queue_is_served_by_the_oth
     from api.http.client import Client
     from cli.stack import Stack
     from jobs.schemas import JobIn
-    from tests.conftest import API_KEY
+    from tests.api_keys import API_KEY
 
     env = {**service_env, "CONVOQ_HEARTBEAT_S": "0.5", "CONVOQ_DEAD_AFTER_S": "3", "CONVOQ_SWEEP_EVERY_S": "1",
            "CONVOQ_WORKER_METRICS_PORT": "0"}

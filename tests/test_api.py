@@ -11,10 +11,9 @@ from api.app import create_app
 from bench.statements import Statements
 from broker.redis_layout import broker_priority
 from jobs.settings import Settings
-from tests.conftest import API_KEY
+from tests.api_keys import ADMIN_KEY, API_KEY, AUTH, auth
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-READ_KEY, ADMIN_KEY = "reader-key-0123456789", "admin-key-0123456789"
+READ_KEY = "reader-key-0123456789"
 GOOD = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 7}
 
 
@@ -102,7 +101,7 @@ def test_malformed_json_is_422(client, broker):
     assert queued_messages(broker) == 0
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}])
+@pytest.mark.parametrize("headers", [{}, auth("wrong"), {"Authorization": f"Basic {API_KEY}"}])
 def test_every_v1_route_needs_a_valid_key(client, database, broker, headers):
     assert client.post("/v1/jobs", json=GOOD, headers=headers).status_code == 401
     assert client.get("/v1/jobs/00000000-0000-0000-0000-000000000000", headers=headers).status_code == 401
@@ -212,8 +211,8 @@ def test_scopes_rate_limits_and_wrong_scope(database, broker, tiny_model):
     settings = Settings(database_url=database, broker_url=broker,
                         api_keys=f"{API_KEY}@shop,{READ_KEY}:read@shop,{ADMIN_KEY}:admin",
                         model=str(tiny_model), rate_limit_per_s=0.2, rate_limit_burst=10)
-    read = {"Authorization": f"Bearer {READ_KEY}"}
-    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    read = auth(READ_KEY)
+    admin = auth(ADMIN_KEY)
     with TestClient(create_app(settings)) as client:
         r = client.post("/v1/jobs", json=GOOD, headers=read)
         assert r.status_code == 403 and "submit" in r.json()["detail"]

@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 
 from api.app import create_app
 from jobs.settings import Settings
-from tests.conftest import API_KEY
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
+from tests.api_keys import API_KEY, AUTH, auth
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
@@ -96,8 +94,8 @@ def test_every_v1_route_refuses_missing_wrong_and_wrong_scope_keys(tiny_models, 
             url = path.replace("{job_id}", "00000000-0000-0000-0000-000000000000").replace(
                 "{batch_id}", "00000000-0000-0000-0000-000000000000")
             other = "submitter-0123456789" if scope_of[method] == "read" else "reader-key-0123456789"
-            for headers, expected in [({}, 401), ({"Authorization": "Bearer not-a-key"}, 401),
+            for headers, expected in [({}, 401), (auth("not-a-key"), 401),
                                       ({"Authorization": "Basic cmVhZGVyLWtleS0wMTIzNDU2Nzg5"}, 401),
-                                      ({"Authorization": f"Bearer {other}"}, 403)]:
+                                      (auth(other), 403)]:
                 r = c.request(method.upper(), url, headers=headers)
                 assert r.status_code == expected, (method, path, headers, r.status_code)

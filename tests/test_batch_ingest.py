@@ -30,12 +30,11 @@ from api.service.uploads import BatchInput
 from bench.audit import messages_by_job
 from cli.stack import Stack
 from jobs.settings import Settings, parse_key
-from tests.conftest import API_KEY
-from tests.test_job_control import sql
+from tests.api_keys import ADMIN_KEY, API_KEY, AUTH, OTHER_KEY, auth
+from tests.batch_waits import ingested
+from tests.service_settings import settings_for
+from tests.sql import sql
 
-OTHER_KEY = "another-tenant-key-0123"
-ADMIN_KEY = "admin-key-0123456789"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MIB = 2**20
 
 
@@ -46,19 +45,6 @@ def line(i: int, **extra) -> bytes:
 
 def jsonl(lines: list[bytes]) -> bytes:
     return b"\n".join(lines) + b"\n"
-
-
-def settings_for(database: str, broker: str, model: Path, **extra) -> Settings:
-    return Settings(database_url=database, broker_url=broker, model=str(model),
-                    api_keys=f"{API_KEY},{OTHER_KEY},{ADMIN_KEY}:admin", **extra)
-
-
-def ingested(client: TestClient, batch_id: str) -> dict:
-    deadline = time.monotonic() + 30
-    while (batch := client.get(f"/v1/batches/{batch_id}", headers=AUTH).json())["status"] == "validating":
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
-    return batch
 
 
 def upload(client: TestClient, data: bytes, **form: str) -> httpx.Response:
@@ -229,7 +215,7 @@ def test_metadata_is_bounded_and_no_stored_row_fails_a_listing(database, broker,
                                                    "metadata": many}, headers=AUTH)
         assert as_json.status_code == 422
         for key in (API_KEY, ADMIN_KEY):
-            listed = client.get("/v1/batches", headers={"Authorization": f"Bearer {key}"})
+            listed = client.get("/v1/batches", headers=auth(key))
             assert listed.status_code == 200 and [b["metadata"] for b in listed.json()["data"]] == [{"kept": "yes"}]
 
 
@@ -341,7 +327,7 @@ def test_an_ingest_whose_statement_fails_ends_its_batch_failed_with_the_reason(d
 
 
 def test_a_cursor_of_another_tenant_answers_as_an_unknown_one(database, broker, tiny_model):
-    other = {"Authorization": f"Bearer {OTHER_KEY}"}
+    other = auth(OTHER_KEY)
     with TestClient(create_app(settings_for(database, broker, tiny_model))) as client:
         theirs = upload(client, jsonl([line(0)])).json()["id"]
         their_file = client.post("/v1/files", files={"file": ("f.jsonl", b"{}\n")}, data={"purpose": "batch"},

@@ -15,8 +15,11 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.service.batch_output import completion, lines, size
 from jobs.tables import Job, Result
-from tests.test_batch_ingest import AUTH, ingested, jsonl, line, settings_for, upload
-from tests.test_job_control import sql
+from tests.api_keys import AUTH
+from tests.batch_waits import ingested
+from tests.service_settings import settings_for
+from tests.sql import sql
+from tests.test_batch_ingest import jsonl, line, upload
 
 MB = 10**6
 

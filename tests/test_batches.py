@@ -14,7 +14,7 @@ from api.http.client import Client
 from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.status import BATCH_SETTLED
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 
 pytestmark = pytest.mark.slow
 

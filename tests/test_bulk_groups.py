@@ -30,8 +30,8 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
-from tests.conftest import API_KEY
-from tests.engine_helpers import make_engine, single_thread  # noqa: F401
+from tests.api_keys import API_KEY
+from tests.engine_helpers import make_engine
 from tests.test_batches import upload, wait_settled
 from tests.test_faults import FAST_RECOVERY, clean, supervise
 from worker import results, runs
@@ -41,6 +41,8 @@ from worker.claims import claim_many
 from worker.fence import Claimed
 from worker.group_commit import GroupCommit
 from worker.runs import run_together
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def sent_messages(broker_url: str) -> list[dict]:

@@ -21,11 +21,14 @@ from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, Result
-from tests.conftest import API_KEY
-from tests.engine_helpers import make_engine, single_thread  # noqa: F401
-from tests.test_openai_chat import job_of, sdk
+from tests.api_keys import API_KEY
+from tests.engine_helpers import make_engine
+from tests.openai_sdk import sdk
+from tests.test_openai_chat import job_of
 from worker.bridge import Bridge
 from worker.reply import reply
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 BLOCK = 16  # the engine's KV block size: the prefix cache shares whole blocks
 # long enough to fill a few blocks, so that what the followers reuse shows

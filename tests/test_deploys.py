@@ -24,7 +24,7 @@ from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from migrations.apply import upgrade
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 from tests.test_faults import wait_for
 
 pytestmark = pytest.mark.slow

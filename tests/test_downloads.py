@@ -11,9 +11,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tests.test_streams import served, settings_for, sql
+from tests.api_keys import ADMIN_KEY, auth
+from tests.service_settings import settings_for
+from tests.sql import sql
+from tests.test_streams import served
 
-ADMIN_KEY = "admin-key-0123456789"
 ITEMS, FAILED_EVERY, BAD_LINES = 1200, 100, 1500
 
 
@@ -66,13 +68,13 @@ def test_slow_downloads_hold_no_connection_and_every_route_still_answers(databas
                 time.sleep(0.2)
             assert held == 0, f"{held} connections held by {len(readers)} paused downloads"
             started = time.monotonic()
-            r = httpx.get(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+            r = httpx.get(f"{url}/v1/jobs/{job}", headers=auth(ADMIN_KEY), timeout=10)
             assert r.status_code == 200 and time.monotonic() - started < 5
         finally:
             for sock in readers:
                 sock.close()
 
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60) as client:
+        with httpx.Client(base_url=url, headers=auth(ADMIN_KEY), timeout=60) as client:
             lines = [json.loads(x) for x in client.get(output).text.splitlines()]
             ids = [x["custom_id"] for x in lines]
             assert len(ids) == ITEMS - ITEMS // FAILED_EVERY and ids == sorted(set(ids))

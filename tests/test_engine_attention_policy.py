@@ -8,7 +8,9 @@ import pytest
 from engine.attention_policy import parse_policy
 from engine.interface import Request
 from kernels.sparse import AttentionPolicy
-from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (autouse)
+from tests.engine_helpers import greedy, make_engine, prompts, run_all
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 PROMPTS = prompts(6, 40, 300, seed=4)
 

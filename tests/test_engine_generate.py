@@ -12,7 +12,7 @@ from engine.interface import Request, RequestError, SamplingParams, fits
 from engine.model.cuda_graphs import PieceGraphs
 from engine.runtime.engine_thread import EngineThread
 from jobs.chat import chat_problem
-from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import (
     FakeCost,
     greedy,
     json_grammar,
@@ -20,9 +20,10 @@ from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     make_engine,
     prompts,
     run_all,
-    single_thread,
     transformers_greedy,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 PROMPTS = prompts(24, 5, 400, seed=3)
 NEW_TOKENS = [4 + i % 13 for i in range(len(PROMPTS))]

@@ -14,7 +14,9 @@ from bench.structured import BUDGET, SCHEMAS
 from engine.interface import GrammarKind, GrammarSpec, Request, RequestError, SamplingParams, ToolSchema
 from engine.model.sampler import mask
 from engine.step import StepResult, TokenMasks
-from tests.engine_helpers import json_grammar, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401
+from tests.engine_helpers import json_grammar, kv_block_bytes, make_engine, prompts, run_all
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def constrained(max_new_tokens: int, schema: dict, **kw) -> SamplingParams:

@@ -16,7 +16,7 @@ from engine.core.output_text import finish_text, stop_ends, stop_window, stops_h
 from engine.interface import Request, SamplingParams, cut_at_stop
 from engine.model.sampler import penalize, sample, seeded_uniforms
 from engine.step import StepResult
-from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import (
     FakeCost,
     greedy,
     kv_block_bytes,
@@ -24,8 +24,9 @@ from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
     prompts,
     run_all,
     sampling_rows,
-    single_thread,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 PIECES = ["Grüße aus ", "東京", " und 終わり", "ST", "OP", " — café ", "naïve ", "🙂 ok", "\n\n", "<|im_end|>", "x"]
 STOPS = ["STOP", "終わり", "東京 und", " — c", "🙂", "é n"]

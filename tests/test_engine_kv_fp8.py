@@ -10,7 +10,9 @@ import torch
 from engine.config import kv_cache_dtype
 from engine.interface import Request
 from engine.llm_engine import LLMEngine
-from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (autouse)
+from tests.engine_helpers import greedy, make_engine, prompts, run_all
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def prefill_logits(engine: LLMEngine) -> torch.Tensor:

@@ -15,7 +15,9 @@ from engine.interface import Request
 from engine.llm_engine import LLMEngine
 from engine.model.loader import read_shape
 from engine.model.memory_fit import split_budget
-from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import greedy, make_engine, prompts, run_all
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-untied", "tiny-swa"])

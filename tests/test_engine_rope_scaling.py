@@ -18,8 +18,10 @@ from engine.model.loader import read_shape
 from kernels import qk_norm_rope, torch_ops
 from kernels.qk_norm_rope import rope_tables
 from tests.conftest import QWEN3_TOKENIZER
-from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (autouse)
+from tests.engine_helpers import greedy, make_engine, prompts, run_all
 from tests.test_kernels_support import assert_close, interpret_kernels
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 interpreted_kernels = interpret_kernels(qk_norm_rope)
 

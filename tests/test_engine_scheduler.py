@@ -6,18 +6,21 @@ import itertools
 import math
 import time
 
+import pytest
+
 from engine.core.kv_cache import GROWTH
 from engine.core.step_cost import Work, work_of
 from engine.interface import Request
-from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import (
     FakeCost,
     greedy,
     kv_block_bytes,
     make_engine,
     prompts,
     run_all,
-    single_thread,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_pool_too_small_for_everything_at_once(tiny_model):

@@ -22,17 +22,18 @@ from engine.interface import EngineStats, Request
 from engine.llm_engine import LLMEngine
 from engine.tensor_parallel import RANK_DIED
 from jobs.schemas import JobIn
-from tests.conftest import API_KEY
-from tests.engine_helpers import (  # noqa: F401 (single_thread: autouse)
+from tests.api_keys import API_KEY
+from tests.engine_helpers import (
     greedy,
     kv_block_bytes,
     make_engine,
     prompts,
     run_all,
-    single_thread,
     transformers_greedy,
 )
 from tests.test_faults import FAST_RECOVERY, clean, job
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 PROMPTS = prompts(12, 5, 300, seed=5)
 NEW_TOKENS = [4 + i % 11 for i in range(len(PROMPTS))]

@@ -6,8 +6,10 @@ import pytest
 
 from engine.interface import Request
 from kernels import attention, kv_store, qk_norm_rope, rms_norm, swiglu
-from tests.engine_helpers import greedy, make_engine, prompts, run_all, single_thread  # noqa: F401 (autouse)
+from tests.engine_helpers import greedy, make_engine, prompts, run_all
 from tests.test_kernels_support import interpret_kernels
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 interpreted_kernels = interpret_kernels(attention, kv_store, qk_norm_rope, rms_norm, swiglu)
 

@@ -23,7 +23,7 @@ from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.tables import Job
 from migrations.apply import upgrade
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 
 pytestmark = pytest.mark.slow
 

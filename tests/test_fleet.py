@@ -27,8 +27,8 @@ from cli.stack import Stack
 from jobs.queues import home_queue
 from jobs.schemas import JobIn
 from jobs.tables import Job, Worker
-from tests.conftest import API_KEY
-from tests.test_affinity import settings_for
+from tests.api_keys import API_KEY
+from tests.service_settings import settings_for
 from tests.test_deploys import PACED, charged, messages
 from tests.test_faults import wait_for
 from worker.exits import NOT_STARTED

@@ -6,10 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bench import gpu_check
 from bench.common import MODELS_DIR
 from jobs.settings import DATA_DIR
-from tests.engine_helpers import single_thread  # noqa: F401 (autouse)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_dry_run_writes_one_report_with_every_part(tmp_path):

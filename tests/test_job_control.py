@@ -20,10 +20,10 @@ from broker.app import CANCEL_COMMAND, create_celery
 from cli.stack import Stack
 from jobs.schemas import JobIn
 from jobs.settings import Settings
-from tests.conftest import API_KEY
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-OTHER_KEY = "another-producer-key"
+from tests.api_keys import API_KEY, AUTH, OTHER_KEY, auth
+from tests.batch_waits import ingested
+from tests.service_settings import settings_for
+from tests.sql import sql
 
 
 def chat(text: str, max_new_tokens: int = 16, **extra) -> JobIn:
@@ -31,20 +31,10 @@ def chat(text: str, max_new_tokens: int = 16, **extra) -> JobIn:
                  sampling={"max_new_tokens": max_new_tokens}, **extra)
 
 
-def sql(database: str, statement: str, **params) -> list:
-    engine = sa.create_engine(database)
-    with engine.begin() as conn:
-        result = conn.execute(sa.text(statement), params)
-        rows = result.all() if result.returns_rows else []
-    engine.dispose()
-    return rows
-
-
 # --- the API alone (in-process, real PostgreSQL and Redis) ------------------------------------------------------
 
 def api(database: str, broker: str, tiny_model, **settings) -> TestClient:
-    return TestClient(create_app(Settings(database_url=database, broker_url=broker, model=str(tiny_model),
-                                          api_keys=f"{API_KEY},{OTHER_KEY}", **settings)))
+    return TestClient(create_app(settings_for(database, broker, tiny_model, **settings)))
 
 
 def test_cancel_a_queued_job_then_again_and_a_finished_one(database, broker, tiny_model):
@@ -80,7 +70,7 @@ def test_backpressure_refuses_past_the_bounds_and_stores_nothing(database, broke
         assert over.status_code == 429 and over.headers["Retry-After"] == "7" and "this API key" in over.json()["detail"]
         batch = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=AUTH)
         assert batch.status_code == 429  # a batch counts its lines
-        other = {"Authorization": f"Bearer {OTHER_KEY}"}
+        other = auth(OTHER_KEY)
         assert client.post("/v1/jobs", json=chat("mine").model_dump(mode="json"), headers=other).status_code == 202
         overall = client.post("/v1/jobs", json=chat("fifth").model_dump(mode="json"), headers=other)
         assert overall.status_code == 429 and "the service" in overall.json()["detail"]
@@ -98,10 +88,7 @@ def test_a_batch_cancel_that_deadlocks_with_another_writer_is_retried_not_failed
     lines = b"\n".join(b'{"custom_id": "c%d", "messages": [{"role": "user", "content": "hi"}]}' % i for i in range(2))
     with api(database, broker, tiny_model) as client:
         batch_id = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=AUTH).json()["id"]
-        deadline = time.monotonic() + 30  # its lines become jobs after the answer
-        while client.get(f"/v1/batches/{batch_id}", headers=AUTH).json()["status"] == "validating":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        ingested(client, batch_id)  # its lines become jobs after the answer
         low, high = sorted(row[0] for row in sql(database, "SELECT id FROM jobs"))
         engine = sa.create_engine(database)
         with engine.connect() as other:

@@ -8,13 +8,17 @@ import time
 from datetime import UTC, datetime
 from itertools import pairwise
 
+import pytest
+
 from engine.interface import Request
 from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import JobIn, Message
 from jobs.settings import Settings
-from tests.engine_helpers import greedy, make_engine, prompts, single_thread  # noqa: F401
+from tests.engine_helpers import greedy, make_engine, prompts
 from worker.bridge import Bridge
 from worker.summarize import summarize
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_a_cancel_stops_a_request_before_the_next_step_and_frees_its_blocks(tiny_model):

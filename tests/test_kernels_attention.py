@@ -15,7 +15,7 @@ import torch
 from kernels import attention
 from kernels.attention_ref import paged_attention_ref, store_kv_ref, visible
 from kernels.sparse import AttentionPolicy
-from tests.test_kernels_support import assert_close, interpret_kernels, poisoned_allocations  # noqa: F401
+from tests.test_kernels_support import assert_close, interpret_kernels
 
 interpreted_kernels = interpret_kernels(attention)
 

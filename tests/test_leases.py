@@ -24,7 +24,6 @@ from broker.publish import publish
 from engine.interface import Completion, EngineDead, Timings
 from jobs.error_codes import ErrorCode
 from jobs.schemas import JobIn
-from jobs.settings import Settings
 from jobs.tables import Job, job_row, utcnow
 from worker import reconciler, results
 from worker.claims import claim, claim_many, mark_alone
@@ -272,12 +271,6 @@ def test_a_suspect_waits_for_runs_in_progress_and_holds_new_ones_back():
     for t in threads:
         t.join(5)
     assert order == ["first in", "first out", "suspect alone", "later in", "later out"]
-
-
-@pytest.fixture
-def settings(database, broker) -> Settings:
-    return Settings(database_url=database, broker_url=broker, unpublished_grace_s=0, dead_after_s=30,
-                    sweep_every_s=0.01)
 
 
 def test_one_sweeper_at_a_time(db, settings):

@@ -27,7 +27,7 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import utcnow
 from store.connections import make_db_engine, make_sessions
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY, AUTH, auth
 from worker import thread_cpu
 from worker.fence import Claimed
 from worker.metrics import ENGINE_METRICS, EngineCollector, WorkerMetrics
@@ -35,8 +35,6 @@ from worker.outcome import Outcome
 from worker.results import Stored, finished_status, timing_row
 from worker.thread_cpu import thread_label
 from worker.usage import cpu_seconds, process_cpu_s, stat_fields
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture
@@ -420,9 +418,9 @@ def test_the_metrics_key_is_asked_for_when_set(settings):
     keyed = settings.model_copy(update={"metrics_key": SecretStr("metrics-key-0123456789")})
     with TestClient(create_app(keyed)) as client:
         assert client.get("/metrics").status_code == 401
-        assert client.get("/metrics", headers={"Authorization": "Bearer wrong-key-0123456789"}).status_code == 401
+        assert client.get("/metrics", headers=auth("wrong-key-0123456789")).status_code == 401
         assert client.get("/metrics", headers=AUTH).status_code == 401  # an API key is not the metrics key
-        samples = scrape(client, {"Authorization": "Bearer metrics-key-0123456789"})
+        samples = scrape(client, auth("metrics-key-0123456789"))
     assert ("convoq_jobs", frozenset({"status": "queued"}.items())) in samples
     with pytest.raises(ValueError, match="at least 16"):
         Settings(metrics_key="short")

@@ -13,7 +13,7 @@ from engine.interface import Request, SamplingParams
 from engine.runtime.engine_thread import EngineThread
 from jobs.model_source import ModelNotFound, resolve_model
 from jobs.settings import Settings
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY, AUTH
 from worker.engine_factory import WorkerSettings, load_backend
 
 REPO = "Owner/Name"
@@ -93,14 +93,13 @@ def test_the_other_backends_get_the_folder_too(snapshot):
 def test_the_api_checks_prompts_against_a_hub_id_without_its_weights(hf_home, tiny_model, database, broker):
     fill_cache(hf_home / "hub", REPO, tiny_model, weights=False)
     settings = Settings(database_url=database, broker_url=broker, api_keys=API_KEY, model=REPO)
-    auth = {"Authorization": f"Bearer {API_KEY}"}
     with TestClient(create_app(settings)) as client:
         assert client.app.state.prompt_check.context == 1024  # the tokenizer and config came from the cache
         r = client.post("/v1/jobs", json={"messages": [{"role": "user", "content": "Where is my parcel?"}]},
-                        headers=auth)
+                        headers=AUTH)
         assert r.status_code == 202, r.text
         too_long = {"messages": [{"role": "user", "content": "refund " * 1200}]}
-        r = client.post("/v1/jobs", json=too_long, headers=auth)
+        r = client.post("/v1/jobs", json=too_long, headers=AUTH)
         assert r.status_code == 422 and "context" in r.text
 
 

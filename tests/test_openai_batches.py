@@ -16,11 +16,11 @@ import redis
 from api.app import create_app
 from cli.stack import Stack
 from jobs.settings import Settings
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY, AUTH, OTHER_KEY
+from tests.openai_sdk import sdk
 
 pytestmark = pytest.mark.slow
 
-OTHER_KEY = "another-producer-key"
 MAX_UPLOAD = 64 * 1024
 SETTLED = ("completed", "failed", "cancelled", "expired")
 BAD_LINE = {"custom_id": "bad-1", "method": "POST", "url": "/v1/chat/completions",
@@ -55,10 +55,6 @@ def service(tiny_model, postgres_url, redis_url, tmp_path_factory):
         stack.start_api()
         stack.start_worker()
         yield stack
-
-
-def sdk(service: Stack, api_key: str = API_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=service.api_url + "/v1", api_key=api_key, max_retries=0)
 
 
 @pytest.fixture
@@ -100,7 +96,7 @@ def test_upload_run_and_download_every_line_once(client, service):
     assert (counts.total, counts.completed, counts.failed) == (7, 6, 1)
     assert counts.invalid == 1  # the batch object counts its bad lines; they are listed a page at a time
     listed = httpx.get(f"{service.api_url}/v1/batches/{batch.id}/line_errors",
-                       headers={"Authorization": f"Bearer {API_KEY}"}).json()
+                       headers=AUTH).json()
     [error] = listed["data"]
     assert (error["code"], error["line"], error["custom_id"]) == ("invalid_line", 4, "bad-1")
     assert "role" in error["message"] and listed["has_more"] is False

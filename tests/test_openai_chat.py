@@ -10,13 +10,10 @@ import openai
 import pytest
 
 from api.http.client import Client
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
+from tests.openai_sdk import sdk
 
 HELLO = [{"role": "user", "content": "Hello, where is my parcel?"}]
-
-
-def sdk(stack, key: str = API_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.api_url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def job_of(completion_id: str) -> uuid.UUID:

@@ -15,7 +15,9 @@ from engine.core.kv_cache import KVCache
 from engine.core.prefix_cache import PrefixCache
 from engine.interface import Request, RequestError
 from engine.llm_engine import LLMEngine
-from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all, single_thread  # noqa: F401 (single_thread: autouse)
+from tests.engine_helpers import greedy, kv_block_bytes, make_engine, prompts, run_all
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def check_blocks(engine: LLMEngine, seen: dict[int, tuple[int, torch.Tensor]]) -> None:

@@ -24,13 +24,15 @@ from jobs.chat import chat_for, encode_chat, problem, split_reasoning, thinking_
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tool_calls import template_tools
-from tests.engine_helpers import greedy, make_engine, run_all, sampling_rows, single_thread  # noqa: F401 (autouse)
+from tests.engine_helpers import greedy, make_engine, run_all, sampling_rows
 from tests.test_tools import ANSWERED, ASK, CALLED, TICKET, WEATHER
 from worker.bridge import Bridge
 from worker.claims import claim
 from worker.outcome import Outcome
 from worker.reply import reply
 from worker.sampling import OURS, sampling_params
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 THINK, END_THINK, IM_END, IM_START = 151667, 151668, 151645, 151644
 

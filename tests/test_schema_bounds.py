@@ -23,9 +23,8 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.structured import ONE_SCHEMA, SCHEMA_LIST, SCHEMA_MAP, UNENFORCED, SchemaBounds, schema_problem
 from jobs.tool_calls import ToolUse, parse
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY, AUTH
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HELLO = [{"role": "user", "content": "Hello"}]
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 
 import pytest
@@ -16,17 +15,14 @@ from api.app import create_app
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import request_hash
-from tests.conftest import API_KEY
+from tests.api_keys import ADMIN_KEY, API_KEY, auth
+from tests.batch_waits import ingested
 
 MIB = 2**20
 SHOP_KEY, SHOP_READER = "shop-key-0123456789", "shop-reader-0123456789"
-BANK_KEY, ADMIN_KEY = "bank-key-0123456789", "admin-key-0123456789"
+BANK_KEY = "bank-key-0123456789"
 KEYS = f"{SHOP_KEY}@shop,{SHOP_READER}:read@shop,{BANK_KEY}@bank,{ADMIN_KEY}:admin"
 GOOD = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 7}
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 # --- refuse before reading ----------------------------------------------------------------------------------
@@ -72,15 +68,15 @@ def bare_app(tmp_path, tiny_model):
 
 def test_a_50_mib_upload_with_a_wrong_key_is_refused_without_reading_its_body(bare_app):
     multipart = {"Content-Type": "multipart/form-data; boundary=x"}
-    assert call(bare_app, {**multipart, **bearer("wrong-key-0123456789")}, 50 * MIB) == (401, 0)
+    assert call(bare_app, {**multipart, **auth("wrong-key-0123456789")}, 50 * MIB) == (401, 0)
     assert call(bare_app, multipart, 50 * MIB) == (401, 0)  # no key at all
-    assert call(bare_app, {**multipart, **bearer(SHOP_READER)}, 50 * MIB) == (403, 0)  # a key without `submit`
+    assert call(bare_app, {**multipart, **auth(SHOP_READER)}, 50 * MIB) == (403, 0)  # a key without `submit`
     # a good key, but a declared length over the upload limit: refused unread too
-    assert call(bare_app, {**multipart, **bearer(SHOP_KEY)}, 50 * MIB) == (413, 0)
+    assert call(bare_app, {**multipart, **auth(SHOP_KEY)}, 50 * MIB) == (413, 0)
 
 
 def test_a_body_without_a_length_is_stopped_at_the_limit(bare_app):
-    status, taken = call(bare_app, {"Content-Type": "application/json", **bearer(SHOP_KEY)}, 50 * MIB,
+    status, taken = call(bare_app, {"Content-Type": "application/json", **auth(SHOP_KEY)}, 50 * MIB,
                          declare_length=False, path="/v1/jobs")
     assert status == 413 and taken <= 2 * MIB + MIB  # CONVOQ_MAX_REQUEST_BYTES, then one chunk more at most
 
@@ -94,30 +90,21 @@ def client(database, broker, tiny_model):
         yield c
 
 
-def ingested(client: TestClient, batch_id: str, key: str) -> dict:
-    """The batch once its lines were read (its ingest runs after the answer)."""
-    deadline = time.monotonic() + 30
-    while (batch := client.get(f"/v1/batches/{batch_id}", headers=bearer(key)).json())["status"] == "validating":
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
-    return batch
-
-
 def batch_of(client: TestClient, key: str) -> str:
     lines = b"\n".join(json.dumps({"custom_id": f"c{i}", "messages": [{"role": "user", "content": "hi"}]}).encode()
                        for i in range(3)) + b'\n{"custom_id": "bad"}\n'
-    r = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=bearer(key))
+    r = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=auth(key))
     assert r.status_code == 202, r.text
     ingested(client, r.json()["id"], key)
     return r.json()["id"]
 
 
 def test_two_tenants_cannot_see_or_touch_each_others_jobs_and_batches(client):
-    job = client.post("/v1/jobs", json=GOOD, headers=bearer(SHOP_KEY)).json()["id"]
+    job = client.post("/v1/jobs", json=GOOD, headers=auth(SHOP_KEY)).json()["id"]
     batch = batch_of(client, SHOP_KEY)
     file_id = client.post("/v1/files", files={"file": ("f.jsonl", b"{}\n")}, data={"purpose": "batch"},
-                          headers=bearer(SHOP_KEY)).json()["id"]
-    bank = bearer(BANK_KEY)
+                          headers=auth(SHOP_KEY)).json()["id"]
+    bank = auth(BANK_KEY)
     for method, path in [("GET", f"/v1/jobs/{job}"), ("GET", f"/v1/jobs/{job}/events"),
                          ("POST", f"/v1/jobs/{job}/cancel"), ("GET", f"/v1/batches/{batch}"),
                          ("POST", f"/v1/batches/{batch}/cancel"), ("POST", f"/v1/batches/{batch}/retry"),
@@ -132,43 +119,43 @@ def test_two_tenants_cannot_see_or_touch_each_others_jobs_and_batches(client):
     assert client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
                        headers=bank).status_code == 404
     # untouched: the shop's job is still queued, its batch still open
-    assert client.get(f"/v1/jobs/{job}", headers=bearer(SHOP_READER)).json()["status"] == "queued"
-    shop_batch = client.get(f"/v1/batches/{batch}", headers=bearer(SHOP_READER)).json()
+    assert client.get(f"/v1/jobs/{job}", headers=auth(SHOP_READER)).json()["status"] == "queued"
+    shop_batch = client.get(f"/v1/batches/{batch}", headers=auth(SHOP_READER)).json()
     assert shop_batch["status"] in ("validating", "in_progress") and shop_batch["request_counts"]["invalid"] == 1
     # a key of the same tenant sees everything of it; admin sees every tenant
-    listed = client.get(f"/v1/batches/{batch}/line_errors", headers=bearer(SHOP_READER)).json()
+    listed = client.get(f"/v1/batches/{batch}/line_errors", headers=auth(SHOP_READER)).json()
     assert [(e["line"], e["custom_id"]) for e in listed["data"]] == [(4, "bad")]
-    assert client.get(f"/v1/jobs/{job}", headers=bearer(ADMIN_KEY)).status_code == 200
-    assert [b["id"] for b in client.get("/v1/batches", headers=bearer(ADMIN_KEY)).json()["data"]] == [batch]
+    assert client.get(f"/v1/jobs/{job}", headers=auth(ADMIN_KEY)).status_code == 200
+    assert [b["id"] for b in client.get("/v1/batches", headers=auth(ADMIN_KEY)).json()["data"]] == [batch]
 
 
 def test_line_errors_are_paged_by_line_number(client):
     lines = b"\n".join(b'{"custom_id": "bad-%d"}' % i for i in range(25))
-    batch = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=bearer(SHOP_KEY)).json()["id"]
+    batch = client.post("/v1/batches", files={"file": ("b.jsonl", lines)}, headers=auth(SHOP_KEY)).json()["id"]
     ingested(client, batch, SHOP_KEY)
     seen, after = [], 0
     while True:
         page = client.get(f"/v1/batches/{batch}/line_errors", params={"after": after, "limit": 10},
-                          headers=bearer(SHOP_KEY)).json()
+                          headers=auth(SHOP_KEY)).json()
         seen += [e["line"] for e in page["data"]]
         if not page["has_more"]:
             break
         after = int(page["last_id"])
     assert seen == list(range(1, 26))
-    got = client.get(f"/v1/batches/{batch}", headers=bearer(SHOP_KEY)).json()
+    got = client.get(f"/v1/batches/{batch}", headers=auth(SHOP_KEY)).json()
     assert got["status"] == "failed" and got["request_counts"]["invalid"] == 25 and "errors" not in got
 
 
 def test_idempotency_keys_are_per_tenant_and_a_different_body_is_409(client):
     job = {**GOOD, "idempotency_key": "order-42:reply-1"}
-    shop = client.post("/v1/jobs", json=job, headers=bearer(SHOP_KEY))
-    bank = client.post("/v1/jobs", json=job, headers=bearer(BANK_KEY))
+    shop = client.post("/v1/jobs", json=job, headers=auth(SHOP_KEY))
+    bank = client.post("/v1/jobs", json=job, headers=auth(BANK_KEY))
     assert shop.status_code == bank.status_code == 202
     assert shop.json()["id"] != bank.json()["id"]  # never another tenant's job id
-    again = client.post("/v1/jobs", json=job, headers=bearer(SHOP_KEY))
+    again = client.post("/v1/jobs", json=job, headers=auth(SHOP_KEY))
     assert again.status_code == 200 and again.json()["id"] == shop.json()["id"]
     changed = {**job, "messages": [{"role": "user", "content": "Cancel my order"}]}
-    conflict = client.post("/v1/jobs", json=changed, headers=bearer(SHOP_KEY))
+    conflict = client.post("/v1/jobs", json=changed, headers=auth(SHOP_KEY))
     assert conflict.status_code == 409 and "idempotency_key" in conflict.json()["detail"]
 
 
@@ -180,11 +167,11 @@ def test_failed_authentications_are_rate_limited_per_address(database, broker, t
     app = create_app(settings)
     with TestClient(app, client=("203.0.113.9", 4000)) as attacker, \
             TestClient(app, client=("203.0.113.10", 4000)) as neighbour:
-        codes = [attacker.get("/v1/batches", headers=bearer(f"guess-{i:016d}")).status_code for i in range(8)]
+        codes = [attacker.get("/v1/batches", headers=auth(f"guess-{i:016d}")).status_code for i in range(8)]
         assert codes == [401] * 5 + [429] * 3
-        limited = attacker.get("/v1/batches", headers=bearer(f"guess-{9:016d}"))
+        limited = attacker.get("/v1/batches", headers=auth(f"guess-{9:016d}"))
         assert limited.status_code == 429 and int(limited.headers["Retry-After"]) >= 1  # unknown keys no longer checked
-        assert neighbour.get("/v1/batches", headers=bearer(SHOP_KEY)).status_code == 200  # another address
+        assert neighbour.get("/v1/batches", headers=auth(SHOP_KEY)).status_code == 200  # another address
 
 
 def test_a_valid_key_is_never_refused_for_failures_from_its_address(database, broker, tiny_model):
@@ -193,10 +180,10 @@ def test_a_valid_key_is_never_refused_for_failures_from_its_address(database, br
                         auth_failures_burst=2, auth_failures_per_s=0.01)
     with TestClient(create_app(settings), client=("10.0.0.1", 4000)) as proxy:
         for i in range(5):
-            proxy.get("/v1/batches", headers=bearer(f"guess-{i:016d}"))
-        assert proxy.get("/v1/batches", headers=bearer(f"guess-{9:016d}")).status_code == 429
-        assert proxy.get("/v1/batches", headers=bearer(SHOP_KEY)).status_code == 200
-        assert proxy.get("/v1/batches", headers=bearer(BANK_KEY)).status_code == 200
+            proxy.get("/v1/batches", headers=auth(f"guess-{i:016d}"))
+        assert proxy.get("/v1/batches", headers=auth(f"guess-{9:016d}")).status_code == 429
+        assert proxy.get("/v1/batches", headers=auth(SHOP_KEY)).status_code == 200
+        assert proxy.get("/v1/batches", headers=auth(BANK_KEY)).status_code == 200
 
 
 def test_convoq_api_believes_forwarded_addresses_only_from_the_named_proxies(monkeypatch):
@@ -222,7 +209,7 @@ def test_behind_the_proxy_failures_are_counted_per_forwarded_client(service_env,
         stack.start_api()
 
         def get(client: str, key: str) -> int:
-            headers = {**bearer(key), "X-Forwarded-For": client}
+            headers = {**auth(key), "X-Forwarded-For": client}
             return httpx.get(f"{stack.api_url}/v1/batches", headers=headers, timeout=10).status_code
 
         assert [get("203.0.113.1", f"guess-{i:016d}") for i in range(3)] == [401, 401, 429]
@@ -264,10 +251,10 @@ def test_secrets_never_appear_in_the_logs(database, tiny_model, caplog):
     with caplog.at_level(logging.DEBUG):
         logging.getLogger(__name__).info("starting with %s", settings)
         with TestClient(create_app(settings)) as c:
-            assert c.post("/v1/jobs", json=GOOD, headers=bearer(SHOP_KEY)).status_code == 202  # publish fails
+            assert c.post("/v1/jobs", json=GOOD, headers=auth(SHOP_KEY)).status_code == 202  # publish fails
             assert c.get("/healthz").status_code == 503
             assert c.get("/metrics").status_code == 200  # the broker is left out, with a warning
-            assert c.get("/v1/batches", headers=bearer("wrong-key-0123456789")).status_code == 401
+            assert c.get("/v1/batches", headers=auth("wrong-key-0123456789")).status_code == 401
     assert "published 0 of 1 jobs" in caplog.text  # the failures were logged ...
     for secret in (password, SHOP_KEY, "wrong-key-0123456789", API_KEY):
         assert secret not in caplog.text  # ... without a secret in them
@@ -280,15 +267,15 @@ def test_uploads_past_the_line_limit_are_refused_and_store_nothing(database, bro
     four = b"\n".join(line % i for i in range(4))
     three = b"\n\n".join(line % i for i in range(3)) + b"\n\n"  # blank lines do not count
     with TestClient(create_app(settings)) as c:
-        r = c.post("/v1/batches", files={"file": ("b.jsonl", four)}, headers=bearer(SHOP_KEY))
+        r = c.post("/v1/batches", files={"file": ("b.jsonl", four)}, headers=auth(SHOP_KEY))
         assert r.status_code == 413 and "at most 3 lines" in r.json()["detail"]
-        assert c.get("/v1/batches", headers=bearer(SHOP_KEY)).json()["data"] == []
+        assert c.get("/v1/batches", headers=auth(SHOP_KEY)).json()["data"] == []
         file_id = c.post("/v1/files", files={"file": ("f.jsonl", four)}, data={"purpose": "batch"},
-                         headers=bearer(SHOP_KEY)).json()["id"]
+                         headers=auth(SHOP_KEY)).json()["id"]
         r = c.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions"},
-                   headers=bearer(SHOP_KEY))
+                   headers=auth(SHOP_KEY))
         assert r.status_code == 400 and "at most 3" in r.json()["detail"]
-        ok = c.post("/v1/batches", files={"file": ("b.jsonl", three)}, headers=bearer(SHOP_KEY))
+        ok = c.post("/v1/batches", files={"file": ("b.jsonl", three)}, headers=auth(SHOP_KEY))
         assert ok.status_code == 202
         batch = ingested(c, ok.json()["id"], SHOP_KEY)
         assert batch["request_counts"]["total"] == 3 and batch["request_counts"]["invalid"] == 0
@@ -297,15 +284,15 @@ def test_uploads_past_the_line_limit_are_refused_and_store_nothing(database, bro
 def test_tenants_are_not_shown_which_host_runs_their_job(client, database):
     import sqlalchemy as sa
 
-    job = client.post("/v1/jobs", json=GOOD, headers=bearer(SHOP_KEY)).json()["id"]
+    job = client.post("/v1/jobs", json=GOOD, headers=auth(SHOP_KEY)).json()["id"]
     engine = sa.create_engine(database)
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET status = 'running', worker = 'convoq-41@gpu-host-7' WHERE id = :id"),
                      {"id": job})
     engine.dispose()
-    assert client.get(f"/v1/jobs/{job}", headers=bearer(SHOP_KEY)).json()["worker"] is None
-    assert client.post(f"/v1/jobs/{job}/cancel", headers=bearer(SHOP_KEY)).json()["worker"] is None
-    assert client.get(f"/v1/jobs/{job}", headers=bearer(ADMIN_KEY)).json()["worker"] == "convoq-41@gpu-host-7"
+    assert client.get(f"/v1/jobs/{job}", headers=auth(SHOP_KEY)).json()["worker"] is None
+    assert client.post(f"/v1/jobs/{job}/cancel", headers=auth(SHOP_KEY)).json()["worker"] is None
+    assert client.get(f"/v1/jobs/{job}", headers=auth(ADMIN_KEY)).json()["worker"] == "convoq-41@gpu-host-7"
     documented = client.get("/openapi.json").json()["components"]["schemas"]["JobOut"]["properties"]["worker"]
     assert "admin" in documented["description"]
 

@@ -8,23 +8,15 @@ import time
 import httpx
 import pytest
 import redis
-import sqlalchemy as sa
 
 from api.http.client import Client
 from cli.stack import Stack
 from jobs.schemas import JobIn
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
+from tests.sql import sql
 from tests.test_metrics import two_free_ports
 
 pytestmark = pytest.mark.slow
-
-
-def rows(database_url: str, sql: str) -> list:
-    engine = sa.create_engine(database_url)
-    with engine.connect() as conn:
-        out = conn.execute(sa.text(sql)).all()
-    engine.dispose()
-    return out
 
 
 def chat(i: int, priority: int = 5, kind: str = "chat") -> JobIn:
@@ -43,9 +35,9 @@ def test_twenty_jobs_end_to_end(stack, database):
         assert job.timings is not None and job.timings.batch_size >= 1
         assert job.timings.end_to_end_ms >= job.timings.engine_ms > 0
         assert job.attempts == 1 and job.worker is None and job.started_at and job.finished_at  # a tenant's key
-    assert rows(database, "SELECT count(*) FROM jobs WHERE worker IS NULL")[0][0] == 0  # recorded for operators
-    assert rows(database, "SELECT count(*) FROM results")[0][0] == 20
-    assert rows(database, "SELECT count(*) FROM timings")[0][0] == 20
+    assert sql(database, "SELECT count(*) FROM jobs WHERE worker IS NULL")[0][0] == 0  # recorded for operators
+    assert sql(database, "SELECT count(*) FROM results")[0][0] == 20
+    assert sql(database, "SELECT count(*) FROM timings")[0][0] == 20
 
 
 def test_urgent_jobs_overtake_queued_bulk_work(service_env, database, tmp_path):
@@ -137,7 +129,7 @@ def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, d
                 client.submit(job.model_copy(update={"conversation_id": f"c{i}"}) if home else job)
 
             def running() -> int:
-                return rows(database, "SELECT count(*) FROM jobs WHERE status = 'running'")[0][0]
+                return sql(database, "SELECT count(*) FROM jobs WHERE status = 'running'")[0][0]
 
             deadline = time.monotonic() + 30
             while running() < 3 and time.monotonic() < deadline:
@@ -152,5 +144,5 @@ def test_an_urgent_message_is_fetched_while_bulk_holds_the_worker(service_env, d
             urgent = client.wait(client.submit(chat(99, priority=9)).id, timeout=30)
             waited = time.monotonic() - start
         assert urgent.status == "succeeded" and waited < 10
-        bulk = [status for (status,) in rows(database, "SELECT status FROM jobs WHERE priority = 1")]
+        bulk = [status for (status,) in sql(database, "SELECT status FROM jobs WHERE priority = 1")]
         assert bulk.count("running") == 3 and bulk.count("queued") == 5, bulk

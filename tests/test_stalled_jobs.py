@@ -27,9 +27,9 @@ from jobs.error_codes import ErrorCode
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.status import JobStatus
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY
 from tests.test_faults import FAST_RECOVERY, wait_for
-from tests.test_leases import done, new_job, row, runs, settings  # noqa: F401 (settings: a fixture)
+from tests.test_leases import done, new_job, row, runs
 from worker import results
 from worker.bridge import Bridge
 from worker.claims import claim, claim_many, mark_alone
@@ -122,7 +122,7 @@ def test_a_completion_after_its_stall_hand_back_writes_nothing_and_says_so(db):
                             {"i": uuid.UUID(job)}).scalar_one() == 0
 
 
-def test_a_sweep_sends_no_second_message_for_a_job_its_worker_just_put_back(db, settings):  # noqa: F811
+def test_a_sweep_sends_no_second_message_for_a_job_its_worker_just_put_back(db, settings):
     """A retry (sent again with its backoff) and a stall's hand-back (sent again at once) are published by the
     worker that put them back; an hour-old job must not look to a sweep as one never sent. A job whose lease
     expired is the sweep's to send, at once."""

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import redis
-import sqlalchemy as sa
 import uvicorn
 from sqlalchemy import Engine, event
 
@@ -25,16 +24,12 @@ from broker.redis_layout import progress_channel
 from cli.servers import free_port
 from jobs.settings import Settings
 from jobs.status import JobStatus
-from tests.conftest import API_KEY
+from tests.api_keys import API_KEY, OTHER_KEY, auth
+from tests.service_settings import settings_for
+from tests.sql import sql
 from worker.progress import ProgressPublisher
 
-OTHER_KEY, ADMIN_KEY = "other-key-0123456789", "admin-key-0123456789"
 CHAT = {"messages": [{"role": "user", "content": "Where is my parcel?"}], "priority": 9}
-
-
-def settings_for(database: str, broker: str, tiny_model, **overrides) -> Settings:
-    return Settings(database_url=database, broker_url=broker, model=str(tiny_model),
-                    api_keys=f"{API_KEY},{OTHER_KEY},{ADMIN_KEY}:admin", **overrides)
 
 
 @contextmanager
@@ -54,19 +49,6 @@ def served(settings: Settings) -> Iterator[tuple[object, str]]:
     finally:
         server.should_exit = True
         thread.join(30)
-
-
-def auth(key: str = API_KEY) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def sql(database: str, statement: str, **params) -> list:
-    engine = sa.create_engine(database)
-    with engine.begin() as conn:
-        result = conn.execute(sa.text(statement), params)
-        rows = list(result) if result.returns_rows else []
-    engine.dispose()
-    return rows
 
 
 def finish(database: str, job_id: str, text: str, reasoning: str | None = None) -> None:

@@ -32,7 +32,8 @@ from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Job, Result, job_row, utcnow
 from store.connections import make_db_engine, make_sessions
-from tests.conftest import API_KEY
+from tests import openai_sdk
+from tests.api_keys import API_KEY, AUTH
 from worker import results
 from worker.bridge import Bridge
 from worker.claims import claim
@@ -43,7 +44,6 @@ from worker.outcome import Outcome
 from worker.sampling import sampling_params
 from worker.summarize import summarize
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HELLO = [{"role": "user", "content": "Hello, where is my parcel?"}]
 # bounded everywhere (lengths, ranges, enums), so that even random weights complete it within a small budget
 TICKET = {
@@ -304,7 +304,7 @@ def service(tiny_model, postgres_url, redis_url, tmp_path_factory):
 
 @pytest.fixture
 def sdk(service) -> openai.OpenAI:
-    with openai.OpenAI(base_url=service.api_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
+    with openai_sdk.sdk(service) as client:
         yield client
 
 

@@ -23,22 +23,18 @@ from jobs.error_codes import ERROR_MESSAGES, ErrorCode
 from jobs.schemas import JobIn
 from jobs.settings import Settings
 from jobs.tables import Batch, Job, job_row, utcnow
-from store.connections import make_db_engine, make_sessions
+from tests.api_keys import ADMIN_KEY, auth
 from worker import results, runs
 from worker.claims import claim
 from worker.outcome import Ending, Outcome, RunEnd
 from worker.progress import ProgressPublisher
 
-SHOP_KEY, ADMIN_KEY = "shop-key-0123456789", "admin-key-0123456789"
+SHOP_KEY = "shop-key-0123456789"
 HOST = "gpu-7.internal:4242:1700000000"  # a worker's name: its host, its process
 WHAT = "CUDA error on gpu-7.internal, SELECT payload FROM jobs WHERE id = 'x'"  # what a run raised
 RAISED = f"RuntimeError: {WHAT}"
 STABLE = ERROR_MESSAGES[ErrorCode.engine_error]
 CHAT = {"model": None, "messages": [{"role": "user", "content": "Where is my parcel?"}]}
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 @pytest.fixture
@@ -48,10 +44,8 @@ def settings(database, broker, tiny_model) -> Settings:
 
 
 @pytest.fixture
-def sessions(database):
-    engine = make_db_engine(database)
-    yield make_sessions(engine)
-    engine.dispose()
+def sessions(db):
+    return db[1]
 
 
 @pytest.fixture
@@ -78,11 +72,11 @@ def run_raising(worker, job_id: str, exc: Exception) -> None:
 def test_a_run_that_raises_shows_its_tenant_a_stable_message_and_code_and_an_admin_what_raised(
         settings, worker, caplog):
     with TestClient(create_app(settings)) as client:
-        job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=bearer(SHOP_KEY)).json()["id"]
+        job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=auth(SHOP_KEY)).json()["id"]
         with caplog.at_level(logging.ERROR, logger="worker.settling"):
             run_raising(worker, job_id, RuntimeError(WHAT))
-        tenant = client.get(f"/v1/jobs/{job_id}", headers=bearer(SHOP_KEY))
-        admin = client.get(f"/v1/jobs/{job_id}", headers=bearer(ADMIN_KEY)).json()
+        tenant = client.get(f"/v1/jobs/{job_id}", headers=auth(SHOP_KEY))
+        admin = client.get(f"/v1/jobs/{job_id}", headers=auth(ADMIN_KEY)).json()
     seen = tenant.json()
     assert (seen["status"], seen["error"], seen["error_code"], seen["error_detail"]) == \
         ("failed", STABLE, "engine_error", None)
@@ -111,7 +105,7 @@ def test_a_chat_whose_job_raised_answers_openais_error_with_its_code(settings, s
     answers: dict[str, object] = {}
     with TestClient(create_app(settings)) as client:
         def ask(name: str, body: dict) -> None:
-            answers[name] = client.post("/v1/chat/completions", json=body, headers=bearer(SHOP_KEY))
+            answers[name] = client.post("/v1/chat/completions", json=body, headers=auth(SHOP_KEY))
 
         seen: set[uuid.UUID] = set()
         for name, body in (("plain", chat), ("stream", {**chat, "stream": True})):
@@ -152,8 +146,8 @@ def test_a_job_settled_before_error_codes_shows_its_tenant_no_exception_text(set
         session.execute(insert(Job.__table__), [{**rows[0], "status": "failed", "error": leaked},
                                                 {**rows[1], "status": "failed", "error": "invalid request: grammar: x"}])
     with TestClient(create_app(settings)) as client:
-        shown = [client.get(f"/v1/jobs/{r['id']}", headers=bearer(SHOP_KEY)).json() for r in rows]
-        admin = client.get(f"/v1/jobs/{rows[0]['id']}", headers=bearer(ADMIN_KEY)).json()
+        shown = [client.get(f"/v1/jobs/{r['id']}", headers=auth(SHOP_KEY)).json() for r in rows]
+        admin = client.get(f"/v1/jobs/{rows[0]['id']}", headers=auth(ADMIN_KEY)).json()
     assert [(s["error"], s["error_code"], s["error_detail"]) for s in shown] == \
         [(STABLE, "engine_error", None), ("grammar: x", "invalid_prompt", None)]
     assert admin["error_detail"] == leaked
@@ -161,13 +155,13 @@ def test_a_job_settled_before_error_codes_shows_its_tenant_no_exception_text(set
 
 def test_a_tenant_sees_no_engine_step_an_admin_does(settings, sessions):
     with TestClient(create_app(settings)) as client:
-        job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=bearer(SHOP_KEY)).json()["id"]
+        job_id = client.post("/v1/jobs", json={"messages": CHAT["messages"]}, headers=auth(SHOP_KEY)).json()["id"]
         claimed = claim(sessions, job_id, HOST, 3)
         timings = Timings(queue_wait_ms=5, ttft_ms=9, prefill_ms=3, decode_ms=4, batch_size=2, first_step=11)
         done = Outcome(Completion(job_id, [1, 2], "It is on its way.", 8, "stop", timings=timings), engine_ms=8)
         assert results.store(sessions, claimed, done, HOST).applied
-        tenant = client.get(f"/v1/jobs/{job_id}", headers=bearer(SHOP_KEY))
-        admin = client.get(f"/v1/jobs/{job_id}", headers=bearer(ADMIN_KEY)).json()
+        tenant = client.get(f"/v1/jobs/{job_id}", headers=auth(SHOP_KEY))
+        admin = client.get(f"/v1/jobs/{job_id}", headers=auth(ADMIN_KEY)).json()
     seen = tenant.json()
     assert seen["status"] == "succeeded" and seen["timings"]["batch_size"] == 2
     assert seen["timings"]["engine_step"] is None and seen["worker"] is None and "gpu-7" not in tenant.text

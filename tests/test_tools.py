@@ -25,7 +25,9 @@ from jobs.chat import chat_for, encode_chat, problem
 from jobs.schemas import MAX_TOOLS, JobIn
 from jobs.tables import Job, Result, utcnow
 from jobs.tool_calls import ToolUse, finish_reason, parse, stream_stops, template_tools, tool_use
-from tests.conftest import API_KEY, QWEN3_TOKENIZER
+from tests.api_keys import AUTH
+from tests.conftest import QWEN3_TOKENIZER
+from tests.openai_sdk import sdk
 from worker.grammar_spec import grammar_spec
 from worker.outcome import Outcome
 from worker.sampling import sampling_params
@@ -256,10 +258,6 @@ def test_auto_is_free_unless_the_answer_has_a_format(compiler):
 # --- the service ----------------------------------------------------------------------------------------------
 
 
-def sdk(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.api_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
 def test_a_named_tool_is_called_and_its_result_answered(stack):
     """The random-weight tiny model still calls the function a request names: the grammar writes the call."""
     model, client = stack.env["CONVOQ_MODEL"], sdk(stack)
@@ -270,7 +268,7 @@ def test_a_named_tool_is_called_and_its_result_answered(stack):
     [call] = first.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] in ("Oslo", "Paris")
-    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+    with httpx.Client(base_url=stack.api_url, headers=AUTH) as http:
         stored = http.get(f"/v1/jobs/{uuid.UUID(answer.id.removeprefix('chatcmpl-'))}").json()["result"]
     assert stored["tool_calls"] == [call.model_dump()] and stored["finish_reason"] == "tool_calls"
 
@@ -296,6 +294,6 @@ def test_tool_requests_the_service_refuses(stack):
                                        tool_choice={"type": "function", "function": {"name": "refund"}})
     with pytest.raises(openai.BadRequestError, match="needs tool_call_id"):
         client.chat.completions.create(model=model, messages=[ASK, CALLED, {"role": "tool", "content": "-3 C"}])
-    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+    with httpx.Client(base_url=stack.api_url, headers=AUTH) as http:
         refused = http.post("/v1/jobs", json={"messages": [ASK, CALLED, {"role": "tool", "content": "-3 C"}]})
     assert refused.status_code == 422 and "needs tool_call_id" in refused.text
