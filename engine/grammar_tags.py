@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from engine.interface import GrammarKind, GrammarSpec, ToolSchema
 
 # a block as Qwen3 writes it (xgrammar's `qwen_3` model tag): the JSON of the call, arguments last
-CALL_BEGIN = '<tool_call>\n{{"name": "{name}", "arguments": '
+CALL_BEGIN = '<tool_call>\n{{"name": {name}, "arguments": '
 CALL_END = "}\n</tool_call>"
 # JSON in a structural tag cannot be compiled without whitespace (the engine's own JSON can): at most one blank
 # in a row, so that a model cannot spend its budget on blanks
@@ -38,7 +38,8 @@ def structural_tag(spec: GrammarSpec) -> str:
 
 
 def _call(tool: ToolSchema) -> str:
-    return _object(type='"tag"', begin=json.dumps(CALL_BEGIN.format(name=tool.name), ensure_ascii=False),
+    begin = CALL_BEGIN.format(name=json.dumps(tool.name, ensure_ascii=False))  # the name as a JSON string
+    return _object(type='"tag"', begin=json.dumps(begin, ensure_ascii=False),
                    content=_json(tool.parameters), end=json.dumps(CALL_END))
 
 

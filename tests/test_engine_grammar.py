@@ -11,7 +11,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.structured import BUDGET, SCHEMAS
-from engine.interface import GrammarKind, GrammarSpec, Request, RequestError, SamplingParams, ToolSchema
+from engine.grammar_tags import structural_tag
+from engine.interface import (
+    ANY_OBJECT,
+    GrammarKind,
+    GrammarSpec,
+    Request,
+    RequestError,
+    SamplingParams,
+    ToolSchema,
+)
 from engine.model.sampler import mask
 from engine.step import StepResult, TokenMasks
 from tests.engine_helpers import json_grammar, kv_block_bytes, make_engine, prompts, run_all
@@ -189,3 +198,14 @@ def test_host_masking_does_what_xgrammars_kernel_does():
         assert torch.equal(ours[5], logits[5])  # a row without a grammar
         assert torch.isinf(ours[0]).sum() > vocab - 200 and torch.isinf(ours[16]).sum() < 200
         assert torch.isinf(ours[38]).all() and torch.equal(ours[39], logits[39])
+
+
+def test_a_tool_call_block_is_json_whatever_the_tools_name_holds():
+    """The contract allows only plain names, but the engine's spec is for any caller: a quote or a backslash in a
+    name is escaped in the call's JSON, not spliced in as written."""
+    name = 'say "hi"\\now'
+    tag = json.loads(structural_tag(GrammarSpec(GrammarKind.FORCED_CALL, tools=(ToolSchema(name, ANY_OBJECT),))))
+    block = tag["format"]["begin"] + "{}" + tag["format"]["end"]
+    assert block.startswith("<tool_call>\n") and block.endswith("\n</tool_call>")
+    assert json.loads(block.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == {
+        "name": name, "arguments": {}}
