@@ -24,7 +24,6 @@ from engine.interface import (
     RequestError,
     Timings,
     check_prompt,
-    token_limit,
 )
 
 
@@ -117,8 +116,7 @@ class HFEngine:
         clock = _Clock()
         s = batch[0].sampling
         longest = max(len(r.prompt_ids) for r in batch)
-        budget = [token_limit(len(r.prompt_ids), r.sampling.max_new_tokens, self.max_model_len) - len(r.prompt_ids)
-                  for r in batch]
+        budget = [r.sampling.max_new_tokens for r in batch]  # each fits the context whole (`check_prompt`)
         input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for i, r in enumerate(batch):

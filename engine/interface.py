@@ -60,12 +60,6 @@ def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
     return prompt_tokens + max_new_tokens <= max_model_len
 
 
-def token_limit(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> int:
-    """The most tokens a request ever holds, prompt included: its output ends at `max_new_tokens` or at the
-    model's context, whichever comes first."""
-    return min(prompt_tokens + max_new_tokens, max_model_len)
-
-
 @dataclass
 class Request:
     request_id: str

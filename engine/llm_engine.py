@@ -24,7 +24,6 @@ from engine.interface import (
     Request,
     RequestError,
     check_prompt,
-    token_limit,
 )
 from engine.model.parallel import ALONE
 from engine.model.weight_memory import weights_bytes
@@ -85,12 +84,11 @@ class LLMEngine:
         most = self.model.shape.vocab_size if self.config.max_logprobs is None else self.config.max_logprobs
         if p.logprobs is not None and not 0 <= p.logprobs <= most:
             raise RequestError(f"logprobs must be 0..{most}, not {p.logprobs}")
-        longest = token_limit(n, p.max_new_tokens, self.max_model_len)
-        needed = self.kv_plan.blocks_per_seq(self.config.block_size, longest)
+        needed = self.kv_plan.blocks_per_seq(self.config.block_size, n + p.max_new_tokens)
         for pool, blocks in zip(self.blocks.pools, needed, strict=True):
             if blocks > pool.max_blocks:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
-        seq = Sequence(request, len(self.blocks.pools), self.max_model_len)
+        seq = Sequence(request, len(self.blocks.pools))
         if p.grammar is not None:
             seq.matcher = self._grammar_compiler().matcher(p.grammar)
             seq.constrained = not (p.grammar_after_think and self.think_ids is not None)

@@ -6,7 +6,7 @@ from enum import Enum, auto
 
 from engine.core.block_key import BlockKey, salt_root
 from engine.core.output_text import stop_ends, stop_window
-from engine.interface import Request, Timings, token_limit
+from engine.interface import Request, Timings
 
 
 class Status(Enum):
@@ -16,14 +16,15 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, request: Request, num_pools: int, max_model_len: int) -> None:
+    def __init__(self, request: Request, num_pools: int) -> None:
         self.request = request
         self.request_id = request.request_id
         self.params = request.sampling
         self.token_ids = list(request.prompt_ids)
         self.num_prompt_tokens = len(request.prompt_ids)
-        # it finishes by length once it holds this many tokens (prompt included)
-        self.token_limit = token_limit(self.num_prompt_tokens, self.params.max_new_tokens, max_model_len)
+        # it finishes by length once it holds this many tokens (prompt included); a request fits the context
+        # whole (`engine.interface.fits`), so this is all it ever holds
+        self.token_limit = self.num_prompt_tokens + self.params.max_new_tokens
         self.stop_window = stop_window(self.params.stop)  # output tokens a stop string can span
         self.stop_ends = stop_ends(self.params.stop)  # characters a token completing a stop string holds
         self.reasoning_budget = self.params.max_thinking_tokens  # None: its reasoning may run on
