@@ -89,8 +89,9 @@ def test_one_worker_per_gpu_each_pinned_restarted_when_it_dies_and_stopped_toget
                             if len(conn.execute(sa.text("SELECT pid FROM workers")).all()) == 2 else None)
         db.dispose()
         assert sorted(r.pid for r in rows) == sorted(workers)  # each its own worker, named after its pid
-        log_text = (tmp_path / "supervisor.log").read_text(errors="replace")
-        assert all(f"convoq-{pid}@" in log_text for pid in workers)  # its own Celery node name
+        # its own Celery node name, which a worker may log after its row is written
+        assert wait_for(lambda: all(f"convoq-{pid}@" in (tmp_path / "supervisor.log").read_text(errors="replace")
+                                    for pid in workers), timeout=60)
 
         # the worker on GPU 5 dies: the supervisor starts another on GPU 5
         dead = next(pid for pid, gpu in workers.items() if gpu == "5")
