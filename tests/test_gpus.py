@@ -134,6 +134,7 @@ def test_a_worker_that_cannot_start_is_started_again_ever_later_with_the_reason(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert len(gaps) >= 2 and all(later > 1.6 * earlier for earlier, later in itertools.pairwise(gaps)), gaps
+    # Each wait is at least its doubled delay; a start's own time under load only adds to it, so no upper bound.
+    assert len(gaps) >= 2 and all(gap >= 0.3 * 2**n for n, gap in enumerate(gaps)), gaps
     assert "could not start: its engine could not be built or its database not reached" in caplog.text
     assert "1 in a row" in caplog.text and "2 in a row" in caplog.text
