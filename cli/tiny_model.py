@@ -1,7 +1,8 @@
-"""Deterministic small Qwen3 checkpoints for tests, the demo and CPU benchmarks.
+"""Deterministic small checkpoints of each family we load, for tests, the demo and CPU benchmarks.
 
 A folder written here is a normal Hugging Face model folder (config.json, model.safetensors, tokenizer files
-with a chat template) and loads through exactly the path a real `Qwen/Qwen3-*` folder does. The weights are
+with a chat template) and loads through exactly the path a real `Qwen/Qwen3-*` (or Llama, Mistral, Qwen2)
+folder does. The weights are
 random, so the text it writes is gibberish; speed and correctness against transformers are what it is for.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -54,6 +55,17 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Llama 3's layout: a header per turn, each turn ended by <|eot_id|>, the whole chat after <|begin_of_text|>
+LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] if message['content'] is string else '' %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + content | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+
 # Shapes: `tiny` is the demo/benchmark model; the others exercise loader paths (untied head, sliding window);
 # `micro` is the cheapest model that still runs every part of the engine, for benchmarks of what is around
 # it (bench.pipeline --model micro); `0.6b` has Qwen3-0.6B's shapes (vocab included) with this tokenizer.
@@ -72,6 +84,19 @@ PRESETS: dict[str, dict] = {
     "qwen3-small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
                         vocab_size=151936),
+    # the other families, each with the switches that set it apart from Qwen3 (no q/k norm; Qwen2's q/k/v
+    # biases; Llama 3's rope scaling and chat template; Mistral's sliding window over every layer)
+    "tiny-llama": dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                       tie_word_embeddings=True, rope_theta=500000.0,
+                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=128)),
+    "tiny-mistral": dict(model_type="mistral", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         tie_word_embeddings=False, sliding_window=48),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       tie_word_embeddings=False),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                  vocab_size=151936),
@@ -100,17 +125,22 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int = 4096, seed: int = 0) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 4096, seed: int = 0, llama3: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained here, with Qwen3's ChatML template, or Llama 3's tokens and template."""
+    special = SPECIAL_TOKENS + (LLAMA3_SPECIAL_TOKENS if llama3 else [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if llama3:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                       pad_token="<|endoftext|>", chat_template=LLAMA3_CHAT_TEMPLATE)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -146,22 +176,29 @@ def build_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0, toke
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     real = tokenizer is not None
-    tokenizer = copy_qwen3_tokenizer(Path(tokenizer), path) if real else build_tokenizer(seed=seed)
     shape = {**PRESETS[preset], **overrides}
+    family = shape.pop("model_type", "qwen3")
+    tokenizer = (copy_qwen3_tokenizer(Path(tokenizer), path) if real
+                 else build_tokenizer(seed=seed, llama3=family == "llama"))
     shape.setdefault("vocab_size", len(tokenizer))
-    config = Qwen3Config(
+    config = AutoConfig.for_model(
+        family,
         **shape,
         rms_norm_eps=1e-6,
         # Wider than the usual 0.02 so that random logits have clear winners: greedy comparisons against
         # transformers then test the arithmetic, not float noise between near-ties.
         initializer_range=0.1,
         bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers starts biases at zero, which would leave their loading untested
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
     model.save_pretrained(path)
     if real:
         (path / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION_CONFIG, indent=2))

@@ -23,12 +23,14 @@ from engine.core.prefix_cache import PrefixCache
 from engine.core.scheduler import Scheduler
 from engine.model.activation_memory import largest_step
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
+from engine.model.decoder import CausalLM
 from engine.model.dense_decode import DenseDecodeKV
+from engine.model.families import read_shape
 from engine.model.kv_plan import KVPlan, lay_out_kv
-from engine.model.loader import load_model, read_eos_ids, read_shape
+from engine.model.loader import load_model, read_eos_ids
 from engine.model.memory_fit import fit_kv, holds_back_activations
 from engine.model.parallel import ALONE, Split
-from engine.model.qwen3 import Qwen3ForCausalLM, rank_shape
+from engine.model.shape import rank_shape
 from engine.model.step_executor import StepExecutor
 from kernels.dispatch import Ops, select_ops
 
@@ -36,7 +38,7 @@ from kernels.dispatch import Ops, select_ops
 @dataclass
 class EngineParts:
     tokenizer: PreTrainedTokenizerBase
-    model: Qwen3ForCausalLM
+    model: CausalLM
     max_model_len: int
     eos_ids: set[int]
     think_ids: tuple[int, int] | None  # a thinking model's `<think>` and `</think>`, if it has them
@@ -79,7 +81,7 @@ def build(config: EngineConfig, weights: Iterable[tuple[str, torch.Tensor]] | No
                        activation_bytes, blocks, Scheduler(config, blocks), executor)
 
 
-def piece_graphs(model: Qwen3ForCausalLM, config: EngineConfig, device: torch.device) -> PieceGraphs | None:
+def piece_graphs(model: CausalLM, config: EngineConfig, device: torch.device) -> PieceGraphs | None:
     """On CUDA with `cuda_graphs`: every size captured now, before the pool is sized, so that free memory no
     longer counts what the graphs take."""
     if device.type != "cuda" or not config.cuda_graphs:
@@ -98,7 +100,7 @@ def prefix_cache(config: EngineConfig, kv_plan: KVPlan, cache: KVCache) -> Prefi
     return PrefixCache(HostCache(cache, host_blocks) if host_blocks > 0 else None)
 
 
-def decode_graphs(model: Qwen3ForCausalLM, ops: Ops, caches: list[KVCache], kv_plan: KVPlan, config: EngineConfig,
+def decode_graphs(model: CausalLM, ops: Ops, caches: list[KVCache], kv_plan: KVPlan, config: EngineConfig,
                   max_model_len: int, pieces: PieceGraphs | None) -> DecodeGraphs | None:
     """Whole decode steps, sharing the memory pool of `pieces`: only where those are captured, and on the
     Triton path with no windowed layer (its decode syncs with the host only to plan windowed tiles)."""

@@ -43,9 +43,9 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.interface import EngineDead
-from engine.model.loader import read_shape
+from engine.model.families import read_shape
 from engine.model.parallel import Split
-from engine.model.qwen3 import rank_shape
+from engine.model.shape import rank_shape
 from engine.parts import EngineParts, build
 from engine.runtime.engine_thread import is_fatal
 from engine.step import StepPlan, StepResult

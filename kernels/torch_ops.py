@@ -29,10 +29,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(summed, weight, eps), summed
 
 
-def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                eps: float) -> torch.Tensor:
     dtype = x.dtype
-    x = rms_norm(x, weight, eps).float()
+    x = (x if weight is None else rms_norm(x, weight, eps)).float()
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty_like(x)
@@ -41,7 +41,7 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: to
     return out.to(dtype)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # broadcast over heads

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine.config import EngineConfig
 from engine.interface import Request
 from engine.llm_engine import LLMEngine
-from engine.model.loader import read_shape
+from engine.model.families import read_shape
 from engine.model.memory_fit import split_budget
 from tests.engine_helpers import greedy, make_engine, prompts, run_all
 

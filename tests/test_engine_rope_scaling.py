@@ -14,7 +14,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from cli.tiny_model import build_tiny_model
 from engine.interface import Request
-from engine.model.loader import read_shape
+from engine.model.families import read_shape
 from kernels import qk_norm_rope, torch_ops
 from kernels.qk_norm_rope import rope_tables
 from tests.conftest import QWEN3_TOKENIZER
@@ -205,8 +205,6 @@ ROPE_TYPE_REFUSALS = {
     "dynamic": {"rope_scaling": {"type": "dynamic", "factor": 2.0}},  # the legacy key
     "longrope": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 16,
                                      "long_factor": [2.0] * 16, "original_max_position_embeddings": 256}},
-    "llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
     "made-up": {"rope_scaling": {"rope_type": "made-up", "factor": 2.0}},
 }
 
@@ -215,7 +213,7 @@ ROPE_TYPE_REFUSALS = {
 def test_unimplemented_rope_types_are_refused_at_load(tmp_path, tiny_model, rope_type, edits):
     folder = _config_folder(tmp_path, tiny_model, **edits)
     with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported; supported rope types are "
-                                         "default, yarn"):
+                                         "default, yarn, llama3"):
         make_engine(folder)
 
 
@@ -236,7 +234,8 @@ FIELD_REFUSALS = {
                          r"layer types \['linear_attention'\] are not supported"),
     "layer_types-length": ({"layer_types": ["full_attention"] * 3},
                            "layer_types lists 3 layers, num_hidden_layers is 4"),
-    "model_type": ({"model_type": "qwen2"}, "model_type 'qwen2' is not supported; only 'qwen3'"),
+    "model_type": ({"model_type": "phi3"}, "model_type 'phi3' is not supported; supported are llama, mistral, "
+                                           "qwen2, qwen3"),
     "quantization_config": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
                             r"quantized checkpoints \(quantization_config\) are not supported"),
 }

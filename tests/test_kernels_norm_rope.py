@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels import qk_norm_rope, rms_norm
+from kernels import qk_norm_rope, rms_norm, torch_ops
 from tests.test_kernels_support import assert_close, interpret_kernels
 
 interpreted_kernels = interpret_kernels(rms_norm, qk_norm_rope)
@@ -35,7 +35,8 @@ def test_add_rms_norm(shape):
 
 
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(9, 6, 2, 32), (1, 4, 4, 16), (5, 16, 2, 64)])
-def test_qk_norm_rope_on_views_of_a_fused_projection(tokens, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "rope-alone"])
+def test_qk_norm_rope_on_views_of_a_fused_projection(tokens, heads, kv_heads, head_dim, norm):
     gen = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
@@ -43,8 +44,16 @@ def test_qk_norm_rope_on_views_of_a_fused_projection(tokens, heads, kv_heads, he
     q_weight, k_weight = torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen)
     cos, sin = qk_norm_rope.rope_tables(64, head_dim, 1e6)
     positions = torch.randint(0, 64, (tokens,), generator=gen)
+    if not norm:  # Llama, Mistral, Qwen2: RoPE alone
+        q_weight = k_weight = None
     args = (q, k, q_weight, k_weight, cos, sin, positions, 1e-6)
-    for out, ref in zip(qk_norm_rope.qk_norm_rope(*args), qk_norm_rope.qk_norm_rope_ref(*args), strict=True):
+    for out, ref, x in zip(qk_norm_rope.qk_norm_rope(*args), qk_norm_rope.qk_norm_rope_ref(*args), (q, k),
+                           strict=True):
+        assert_close(out, ref)
+        if not norm:  # a rotation keeps each head's length
+            assert_close(out.norm(dim=-1), x.norm(dim=-1))
+    fast = torch_ops.qk_norm_rope(*args)
+    for out, ref in zip(fast, qk_norm_rope.qk_norm_rope_ref(*args), strict=True):
         assert_close(out, ref)
 
 

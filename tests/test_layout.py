@@ -291,7 +291,7 @@ def test_each_engine_rule_catches_an_import_that_breaks_it():
         ("engine.model.sampler", "from engine.core import scheduler"),
         ("engine.model.dense_decode", "from ..core.step_rows import step_plan"),
         ("engine.model.kv_plan", "from engine.core.block_manager import BlockManager"),
-        ("engine.model.qwen3", "from engine.runtime.engine_thread import EngineThread"),
+        ("engine.model.decoder", "from engine.runtime.engine_thread import EngineThread"),
         ("engine.model.attention_batch", "import engine.llm_engine"),
         ("engine.model.loader", "from engine.parts import build"),
         ("engine.model.cuda_graphs", "from engine.hf_backend import HFEngine"),

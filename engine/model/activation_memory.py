@@ -16,12 +16,12 @@ import torch
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCache
 from engine.model.attention_batch import AttentionBatch, BatchPart
+from engine.model.decoder import CausalLM
 from engine.model.kv_plan import KVLayout
-from engine.model.qwen3 import Qwen3ForCausalLM
 from kernels.dispatch import Ops
 
 
-def largest_step(model: Qwen3ForCausalLM, ops: Ops, layout: KVLayout, config: EngineConfig,
+def largest_step(model: CausalLM, ops: Ops, layout: KVLayout, config: EngineConfig,
                  cache_dtype: torch.dtype) -> int:
     """Bytes a forward over the largest step allocates at its peak beyond its inputs and KV blocks (0 unless
     on CUDA, where the allocator can tell)."""

@@ -17,7 +17,8 @@ import torch
 
 from engine.core.kv_cache import KVCache
 from engine.model.attention_batch import AttentionBatch, BatchPart, LayerSlot
-from engine.model.qwen3 import Qwen3ForCausalLM, Rope
+from engine.model.decoder import CausalLM
+from engine.model.layers import Rope
 from kernels.dispatch import Ops
 
 # the largest step `PieceGraphs` takes: beyond it a step's arithmetic outweighs its launches
@@ -25,7 +26,7 @@ MAX_PIECE_TOKENS = 512
 
 
 class DecodeGraphs:
-    def __init__(self, model: Qwen3ForCausalLM, ops: Ops, caches: list[KVCache], layer_slots: list[LayerSlot],
+    def __init__(self, model: CausalLM, ops: Ops, caches: list[KVCache], layer_slots: list[LayerSlot],
                  max_batch: int, table_widths: list[int], pieces: PieceGraphs | None) -> None:
         """`pieces`: the piece graphs, captured already, whose memory pool these share (None: a pool of their
         own)."""
@@ -89,7 +90,7 @@ class DecodeGraphs:
 
 
 class PieceGraphs:
-    def __init__(self, model: Qwen3ForCausalLM, max_tokens: int) -> None:
+    def __init__(self, model: CausalLM, max_tokens: int) -> None:
         """Steps of up to `max_tokens` (at most `MAX_PIECE_TOKENS`). On a CPU the pieces run as plain calls
         instead of replays: the same buckets, buffers and padding, so tests check them without a GPU."""
         self.model = model
@@ -116,7 +117,7 @@ class PieceGraphs:
         return num_tokens <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Final hidden states of the step's `len(input_ids)` tokens, as `Qwen3Model.forward` computes them."""
+        """Final hidden states of the step's `len(input_ids)` tokens, as `DecoderModel.forward` computes them."""
         t = len(input_ids)
         size = next(s for s in self.sizes if s >= t)
         pieces = self.graphs.get(size) or self._capture(size)

@@ -15,7 +15,7 @@ import torch
 from engine.attention_policy import layer_policies, parse_policy, ring_window
 from engine.config import EngineConfig
 from engine.model.attention_batch import LayerSlot
-from engine.model.qwen3 import ModelShape
+from engine.model.shape import ModelShape
 from kernels.sparse import AttentionPolicy
 
 

@@ -11,8 +11,8 @@ import torch
 from engine.core.kv_cache import KVCache
 from engine.model.attention_batch import AttentionBatch, BatchPart, LayerSlot
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
+from engine.model.decoder import CausalLM
 from engine.model.dense_decode import DenseDecodeKV
-from engine.model.qwen3 import Qwen3ForCausalLM
 from engine.model.sampler import sample
 from engine.step import StepPlan, StepResult, TokenMasks
 from kernels.dispatch import Ops
@@ -43,7 +43,7 @@ class PackedStep:
 class StepExecutor:
     """Runs each `StepPlan` on the model and its KV caches (`engine.builder` makes one per engine)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, caches: list[KVCache], layer_slots: list[LayerSlot],
+    def __init__(self, model: CausalLM, caches: list[KVCache], layer_slots: list[LayerSlot],
                  ops: Ops, block_size: int, graphs: DecodeGraphs | None, pieces: PieceGraphs | None,
                  dense: DenseDecodeKV | None) -> None:
         self.model = model
