@@ -189,7 +189,7 @@ def loop_gaps(path: Path, bulk: int, arrivals: int) -> dict:
 
 def cached_compile(path: Path) -> dict:
     engine = LLMEngine(EngineConfig(model=str(path)))
-    grammars = engine._grammar_compiler()
+    grammars = engine.grammars
     spec = grammar(SCHEMAS[0])
     start = time.perf_counter()
     grammars.compiled(spec)

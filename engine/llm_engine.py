@@ -6,7 +6,6 @@ plans one (`engine.step.StepPlan`), the step executor runs it, and the `StepResu
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable
 
@@ -17,6 +16,7 @@ from engine.core.block_key import extend_keys
 from engine.core.output_text import finish_text, stops_hit
 from engine.core.sequence import Sequence
 from engine.core.step_cost import work_of
+from engine.grammar import Grammars
 from engine.interface import (
     Completion,
     EngineStats,
@@ -66,10 +66,10 @@ class LLMEngine:
         self._tokens_computed = 0
         self._peak_blocks = 0  # most KV blocks in use after any step's scheduling
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for stop strings
-        # grammars are compiled for the submitting thread (engine.grammar): the compiler is made by the first
-        # request that has one
-        self._grammars = None
-        self._grammars_lock = threading.Lock()
+        # grammars are compiled for the submitting thread (engine.grammar); the compiler is built with the engine, not at the first schema: importing xgrammar and reading the vocabulary hold
+        # the interpreter for about half a second, which would stop the step loop of a serving engine
+        self.grammars = Grammars(self.tokenizer, self.model.shape.vocab_size, self.eos_ids,
+                                 compile_s=config.grammar_compile_s, cache_bytes=config.grammar_cache_bytes)
         self._constrained: dict[str, Sequence] = {}  # sequences whose sampling a grammar constrains now
 
     def prepare(self, request: Request) -> Sequence:
@@ -90,7 +90,7 @@ class LLMEngine:
                 raise RequestError(f"needs {blocks} KV blocks; the memory budget allows {pool.max_blocks}")
         seq = Sequence(request, len(self.blocks.pools))
         if p.grammar is not None:
-            seq.matcher = self._grammar_compiler().matcher(p.grammar)
+            seq.matcher = self.grammars.matcher(p.grammar)
             seq.constrained = not (p.grammar_after_think and self.think_ids is not None)
         if self.blocks.prefix is not None:  # what admission looks the prompt up by
             extend_keys(seq.block_keys, seq.token_ids, self.config.block_size, seq.cache_root)
@@ -141,16 +141,6 @@ class LLMEngine:
         self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
 
-    def _grammar_compiler(self):
-        with self._grammars_lock:
-            if self._grammars is None:
-                from engine.grammar import Grammars  # xgrammar loads only for a model that gets a grammar
-
-                self._grammars = Grammars(self.tokenizer, self.model.shape.vocab_size, self.eos_ids,
-                                          compile_s=self.config.grammar_compile_s,
-                                          cache_bytes=self.config.grammar_cache_bytes)
-            return self._grammars
-
     def _masks(self, plan: StepPlan) -> TokenMasks | None:
         """The grammar masks of the plan's constrained sample rows, filled in one call."""
         rows, matchers, constrained = [], [], self._constrained
@@ -159,7 +149,7 @@ class LLMEngine:
             if seq is not None:
                 rows.append(j)
                 matchers.append(seq.matcher)
-        return self._grammars.masks(len(plan.sample_ids), rows, matchers) if rows else None
+        return self.grammars.masks(len(plan.sample_ids), rows, matchers) if rows else None
 
     def _record_computed(self, plan: StepPlan, start: float, end: float) -> None:
         """The tokens each row of the step computed, its sequence's timings, and the blocks it filled (indexed in

@@ -70,7 +70,7 @@ def test_a_schema_the_compiler_cannot_take_is_refused_by_name_and_a_known_one_is
     no_json = GrammarSpec(GrammarKind.FORCED_CALL, tools=(ToolSchema("f", '{"type": '),))
     with pytest.raises(RequestError, match=r"grammar: .*Failed to parse JSON"):
         engine.add_request(Request("bad", [1, 2], SamplingParams(max_new_tokens=8, grammar=no_json)))
-    grammars = engine._grammar_compiler()
+    grammars = engine.grammars
     assert grammars.compiled(json_grammar(SCHEMAS[1])) is grammars.compiled(json_grammar(SCHEMAS[1]))
 
 
@@ -162,7 +162,7 @@ def test_logprobs_under_a_grammar_count_only_what_it_allows(tiny_model):
 def test_json_strings_hold_only_what_json_and_utf8_allow(tiny_model, string):
     """No raw control character (json.loads refuses them) and no UTF-8 bytes of a surrogate (no decoder takes
     them), both of which xgrammar's own string rules let through."""
-    grammars = make_engine(tiny_model)._grammar_compiler()
+    grammars = make_engine(tiny_model).grammars
     vocab = grammars.info.decoded_vocab
     schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
 

@@ -27,7 +27,7 @@ def schema(i: int, **extra) -> dict:
 def test_a_compile_past_its_limit_fails_its_request_and_is_kept_once_done(tiny_model, monkeypatch):
     gate = threading.Event()
     monkeypatch.setattr(grammar, "grammar_of", lambda s, real=grammar.grammar_of: gate.wait(30) and real(s))
-    grammars = make_engine(tiny_model, grammar_compile_s=0.2)._grammar_compiler()
+    grammars = make_engine(tiny_model, grammar_compile_s=0.2).grammars
     with pytest.raises(RequestError, match=r"not compiled within 0.2s \(CONVOQ_GRAMMAR_COMPILE_S\)"):
         grammars.compiled(json_grammar(schema(1)))
     gate.set()
@@ -43,7 +43,6 @@ def test_running_out_of_memory_while_compiling_is_the_requests_error(tiny_model,
 
     thread = EngineThread(make_engine(tiny_model))
     try:
-        thread.engine._grammar_compiler()
         monkeypatch.setattr(grammar, "grammar_of", out_of_memory)
         failed = thread.submit(Request("r", [5, 6, 7], SamplingParams(4, grammar=json_grammar(schema(1))))).result(60)
         assert failed.finish_reason == "error" and "grammar: out of memory" in failed.error
@@ -54,7 +53,7 @@ def test_running_out_of_memory_while_compiling_is_the_requests_error(tiny_model,
 
 
 def test_the_cache_of_compiled_grammars_is_bounded_by_their_bytes(tiny_model):
-    grammars = make_engine(tiny_model)._grammar_compiler()
+    grammars = make_engine(tiny_model).grammars
     size = grammars.compiled(json_grammar(schema(0))).memory_size_bytes
     grammars.cache_bytes = int(2.5 * size)
     first, second = grammars.compiled(json_grammar(schema(1))), grammars.compiled(json_grammar(schema(2)))
