@@ -142,7 +142,8 @@ def run_demo(max_new_tokens: int) -> int:
     print(f"\nlogs: {logs}")
     print("The tiny model has random weights, so the records' strings are gibberish; that they validate all the "
           "same is the grammar's doing: the demo shows the pipeline, not the model. To run a real model, point "
-          "CONVOQ_MODEL at a Qwen3 folder (e.g. a downloaded Qwen/Qwen3-0.6B) and run `make demo` again.")
+          "CONVOQ_MODEL at a folder of a supported family (e.g. a downloaded Qwen/Qwen3-0.6B; `convoq doctor` says "
+          "whether it loads) and run `make demo` again.")
     succeeded = batch.status == "completed" and all(j.status == "succeeded" for j in chats_done)
     return 0 if succeeded and valid == len(lines) else 1
 

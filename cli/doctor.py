@@ -137,9 +137,26 @@ def check_model(settings: Settings) -> Check:
         missing.append("*.safetensors")
     if missing:
         return Check("model", False, f"{folder} lacks {', '.join(missing)}", fetch)
+    from engine.model.families import FAMILIES, read_shape
+
+    try:
+        shape = read_shape(folder)
+    except ValueError as exc:  # a family or a field the engine refuses, by name
+        return Check("model", False, str(exc), f"use a checkpoint of a supported family ({', '.join(sorted(FAMILIES))})"
+                     " in bf16, fp32 or a supported quantization")
     config = json.loads((folder / "config.json").read_text())
-    return Check("model", True, f"{folder} ({config.get('model_type', '?')}, {config.get('num_hidden_layers', '?')} "
-                 f"layers, {config.get('torch_dtype', config.get('dtype', '?'))})")
+    return Check("model", True, f"{folder} ({shape.family}, {shape.num_layers} layers, "
+                 f"{config.get('torch_dtype', config.get('dtype', '?'))}, {quantization(config)})")
+
+
+def quantization(config: dict) -> str:
+    """The checkpoint's quantization in a few words: `none`, or its method, format and block."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return "not quantized"
+    block = "x".join(str(n) for n in quant.get("weight_block_size") or ())
+    return " ".join(str(part) for part in (quant.get("quant_method"), quant.get("fmt"),
+                                           f"blocks {block}" if block else None) if part)
 
 
 def check_engine(settings: Settings) -> Check:
@@ -154,6 +171,8 @@ def check_engine(settings: Settings) -> Check:
             done = []
             while backend.has_unfinished():
                 done += backend.step()
+            report = getattr(backend, "memory_report", None)  # our engine's; transformers' has none
+            plan = f"; {memory_plan(report())}" if report is not None else ""
         finally:
             if (close := getattr(backend, "close", None)) is not None:
                 close()  # what the engine holds beyond this process (a tensor-parallel engine's other ranks)
@@ -163,7 +182,16 @@ def check_engine(settings: Settings) -> Check:
     if not done or not done[0].ok:
         return Check("engine", False, f"the step ended {done[0].finish_reason if done else 'with nothing'}"
                      f": {done[0].error if done else ''}", "see the worker's log for the engine's error")
-    return Check("engine", True, f"{settings.backend}: one request of 4 tokens generated {len(done[0].token_ids)}")
+    return Check("engine", True, f"{settings.backend}: one request of 4 tokens generated {len(done[0].token_ids)}"
+                 f"{plan}")
+
+
+def memory_plan(report: dict[str, int]) -> str:
+    """An engine's `memory_report` as an operator reads it: the weights, the KV cache and the work it holds."""
+    gib = 1 << 30
+    return (f"weights {report['weights_bytes'] / gib:.2f} GiB, KV budget {report['kv_budget_bytes'] / gib:.2f} GiB "
+            f"({report['kv_bytes_per_token']:,} B a token): {report['max_tokens']:,} tokens in all, "
+            f"{report['max_batch_at_max_len']} sequences at the full context")
 
 
 def check_broker(settings: Settings) -> Check:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli.doctor import check_broker, check_compiler, check_database, check_device, check_model
+from cli.doctor import check_broker, check_compiler, check_database, check_device, check_model, quantization
 from jobs.settings import Settings
 from worker.engine_factory import WorkerSettings
 
@@ -31,6 +31,8 @@ def test_doctor_passes_on_this_machine(service_env):
         "device", "compiler", "kernel", "model", "engine", "broker", "database"]
     assert all(line.startswith("ok") for line in lines)
     assert "rms_norm on cpu" in out.stdout and "at migration" in out.stdout
+    assert "(qwen3, 4 layers, " in out.stdout and "not quantized)" in out.stdout  # the family and quantization
+    assert "GiB, KV budget " in out.stdout and "sequences at the full context" in out.stdout  # the memory plan
 
 
 def test_each_failure_says_what_to_do(empty_database, tiny_model, tmp_path):
@@ -53,6 +55,13 @@ def test_each_failure_says_what_to_do(empty_database, tiny_model, tmp_path):
     assert not model.ok and model.found == f"{folder} lacks tokenizer.json, model-00002-of-00002.safetensors"
     assert "hf download" in model.fix
     assert check_model(Settings(model=str(tiny_model))).ok
+    other = tmp_path / "phi"  # a family the engine does not load is found before any weight is read
+    shutil.copytree(tiny_model, other)
+    (other / "config.json").write_text(json.dumps(json.loads((tiny_model / "config.json").read_text())
+                                                  | {"model_type": "phi3"}))
+    refused = check_model(Settings(model=str(other)))
+    assert not refused.ok and "model_type 'phi3' is not supported; supported are" in refused.found
+    assert "llama" in refused.fix and "qwen3" in refused.fix
     absent = check_model(Settings(model=str(tmp_path / "nothing-here")))
     assert not absent.ok and "neither an existing folder nor a Hugging Face hub id" in absent.found
 
@@ -78,3 +87,9 @@ def test_a_tensor_parallel_worker_needs_as_many_gpus_as_ranks(monkeypatch, tiny_
     device = check_device(WorkerSettings(model=str(tiny_model), device="cuda", tensor_parallel=2))
     assert not device.ok and "CONVOQ_TENSOR_PARALLEL=2 splits the model over 2 GPUs; 1 visible here" in device.found
     assert "--gpus" in device.fix
+
+
+def test_the_quantization_in_a_few_words():
+    assert quantization({}) == "not quantized"
+    assert quantization({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                                 "activation_scheme": "dynamic"}}) == "fp8 e4m3 blocks 128x128"
