@@ -87,6 +87,10 @@ class FakeCost:
         pass
 
     @property
+    def cheapest(self) -> float:
+        return self.fixed
+
+    @property
     def coefficients(self) -> dict[str, float]:
         return {"step_fixed_s": self.fixed, "step_per_token_s": self.per_token, "step_per_row_s": self.per_row,
                 "step_per_context_s": self.per_context}

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine.core.kv_cache import GROWTH
-from engine.core.step_cost import Work, work_of
+from engine.core.step_cost import StepCost, Work, work_of
 from engine.interface import Request
 from tests.engine_helpers import (
     FakeCost,
@@ -178,6 +178,30 @@ def test_steps_with_an_urgent_chat_keep_its_latency_target_and_bulk_fills_the_re
     assert chat == Work() and bulk_entries > 0
     # interactive traffic is about: a bulk step stays short enough for the next urgent request
     assert cost.predict(total) <= cost.fixed / engine.config.bulk_step_overhead + 1e-12
+
+
+def test_bulk_work_never_waits_out_the_interactive_window(tiny_model):
+    """A fit whose fixed part came out zero once sized every bulk step after a chat to nothing: bulk waited
+    the whole window (30 s) while the loop planned empty steps. Each step carries work whatever the limit."""
+    engine = make_engine(tiny_model, max_num_seqs=16)
+    engine.scheduler.cost = FakeCost(fixed=0.0, per_row=0.0)
+    engine.add_request(Request("chat", prompts(1, 40, 40, seed=9)[0], greedy(4), priority=9, interactive=True))
+    run_until(engine, "chat")
+    for i, ids in enumerate(prompts(8, 100, 200)):
+        engine.add_request(Request(f"bulk{i}", ids, greedy(16), priority=1))
+    for _ in range(2000):  # 8 prompts of at most 200 tokens: a block or a row a step needs about 230
+        engine.step()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished(), "bulk work made no progress within 2,000 steps"
+
+
+def test_the_cheapest_recent_step_bounds_a_window_step_from_below():
+    cost = StepCost()
+    assert cost.cheapest == pytest.approx(cost.predict(Work()))  # before any step: the prior's fixed part
+    for seconds in (0.010, 0.003, 0.020):
+        cost.observe(Work(decode_rows=4, decode_longest=100), seconds)
+    assert cost.cheapest == 0.003
 
 
 def test_an_absolute_per_token_target_replaces_the_slowdown(tiny_model):

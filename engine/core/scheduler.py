@@ -134,7 +134,8 @@ class Scheduler:
         else:
             decodes.sort(key=lambda s: (s.last_step < self._step - 1, s.last_step, s.admitted))
             for i, seq in enumerate(decodes):
-                if planning.tokens_left < 1 or (limit < math.inf
+                # a step always carries some work: the first row goes in whatever the limit says
+                if planning.tokens_left < 1 or (limit < math.inf and planning.scheduled
                                                 and self.cost.predict(plus(planning.work, seq, 1)) > limit):
                     self.num_rows_deferred += len(decodes) - i  # the rest would not fit either
                     break
@@ -142,7 +143,8 @@ class Scheduler:
         for seq in sorted(prefills, key=lambda s: s.admitted):
             if seq.status is Status.RUNNING:
                 self._schedule(seq, self._chunk(seq, planning, limit), planning)
-        if min(planning.tokens_left, self._spare_tokens(planning, limit)) > 0:  # else ordering the backlog is wasted
+        if not planning.scheduled or min(planning.tokens_left, self._spare_tokens(planning, limit)) > 0:
+            # else ordering the backlog is wasted
             bulk = self._admission_order([s for s in self.waiting if not s.interactive], now)
             self._admit(bulk, planning, limit, now)
         if not planning.scheduled:
@@ -159,7 +161,9 @@ class Scheduler:
         if not planning.scheduled:
             if now - self.last_interactive > c.interactive_window:
                 return math.inf
-            return self.cost.predict(Work()) / c.bulk_step_overhead
+            # sized from the cheapest recent step too: with the fitted fixed part alone, a fit that brought it
+            # near zero sized every step to nothing, and bulk work waited out the whole window
+            return max(self.cost.predict(Work()), self.cost.cheapest) / c.bulk_step_overhead
         alone = self.cost.predict(planning.work)
         limits = []
         if planning.work.decode_rows:
@@ -183,6 +187,8 @@ class Scheduler:
         n = min(seq.num_uncomputed if uncomputed is None else uncomputed, self.config.prefill_chunk_size,
                 planning.tokens_left)
         timed = min(n, self._spare_tokens(planning, limit))
+        if not planning.scheduled:  # a step always carries some work: a block's worth whatever the limit says
+            timed = max(timed, min(n, self.blocks.block_size))
         return timed if timed == n or timed >= self.blocks.block_size else 0
 
     def _schedule(self, seq: Sequence, n: int, planning: Planning) -> None:

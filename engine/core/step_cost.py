@@ -10,6 +10,7 @@ that matter are about small steps, which the many large bulk steps would otherwi
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +50,7 @@ class StepCost:
         self.weights = self.prior.copy()
         self._seconds = self._per_unit()
         self.observed = 0
+        self._recent: deque[float] = deque(maxlen=256)  # the last steps' seconds, for `cheapest`
 
     def _per_unit(self) -> tuple[float, ...]:
         # a coefficient fitted below zero would promise free work; plain floats: the planner asks per row
@@ -61,6 +63,7 @@ class StepCost:
                 + context * work.decode_rows * work.decode_longest)
 
     def observe(self, work: Work, seconds: float) -> None:
+        self._recent.append(seconds)
         if self.observed >= 20:
             # a rare stall (a pool growing, the collector, another process) must not teach the fit that every
             # step is slow: clip it to a few times the prediction; a real slowdown still pulls the fit up fast
@@ -71,6 +74,13 @@ class StepCost:
         self.weights = np.linalg.solve(self.xx + self.ridge, self.xy + self.ridge @ self.prior)
         self._seconds = self._per_unit()
         self.observed += 1
+
+    @property
+    def cheapest(self) -> float:
+        """The shortest of the last steps: a bound the fixed part cannot exceed, and a measure of it that no
+        fit can bring to zero (the fitted fixed part is the least certain coefficient, near zero when the
+        steps' sizes vary together). The fixed part's guess before any step."""
+        return min(self._recent, default=float(self.prior[0] * SCALE[0]))
 
     @property
     def coefficients(self) -> dict[str, float]:
