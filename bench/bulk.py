@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
+from tqdm import tqdm
 
 from api.http.client import Client
 from bench.common import report, scraped, tiny_model
 from bench.engine_alone import through_engine
 from cli.batch import follow
-from cli.demo import SAMPLES
+from cli.demo import SAMPLES, send_chats
 from cli.servers import free_port
 from cli.stack import Stack
 from jobs.schemas import JobIn
@@ -57,21 +59,19 @@ def loop_gap_ms(metrics_url: str) -> float:
     return gap
 
 
-def through_service(lines: list[dict], settings: Settings, model: Path, engine_process: bool = True
-                    ) -> tuple[float, int, float]:
-    metrics_port = free_port()
-    env = {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
-           "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
-           "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_WORKER_METRICS_PORT": str(metrics_port),
-           "CONVOQ_ENGINE_PROCESS": str(engine_process).lower()}
-    with Stack(env, Path(tempfile.mkdtemp(prefix="convoq-bulk-"))) as stack:
-        stack.start_api()
-        stack.start_worker()
-        with Client(stack.api_url, KEY, timeout=600) as client:
-            start = datetime.now(UTC)
-            batch = client.create_batch("\n".join(json.dumps(x) for x in lines).encode(), name="bench.jsonl")
-            batch = follow(client, str(batch.id), poll=0.5)
-        gap_ms = loop_gap_ms(f"http://127.0.0.1:{metrics_port}/metrics")
+def service_env(settings: Settings, model: Path, metrics_port: int, engine_process: bool = True) -> dict[str, str]:
+    return {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
+            "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
+            "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_WORKER_METRICS_PORT": str(metrics_port),
+            "CONVOQ_ENGINE_PROCESS": str(engine_process).lower()}
+
+
+def run_batch(client: Client, lines: list[dict], settings: Settings) -> tuple[float, int]:
+    """One batch of `lines` through the API: seconds from the upload until it completed in the database (its
+    last result stored, not the client's next poll), and its generated tokens."""
+    start = datetime.now(UTC)
+    batch = client.create_batch("\n".join(json.dumps(x) for x in lines).encode(), name="bench.jsonl")
+    batch = follow(client, str(batch.id), poll=0.5)
     if batch.request_counts.completed != len(lines):
         raise RuntimeError(f"the service finished only {batch.request_counts.completed}/{len(lines)}: {batch}")
     engine = sa.create_engine(settings.database_url.get_secret_value())
@@ -80,19 +80,69 @@ def through_service(lines: list[dict], settings: Settings, model: Path, engine_p
                               .where(Job.batch_id == batch.id)).scalar_one()
         completed = conn.execute(sa.select(Batch.completed_at).where(Batch.id == batch.id)).scalar_one()
     engine.dispose()
-    # until the batch completed in the database (its last result stored), not until the client next polled
-    return (as_utc(completed) - start).total_seconds(), int(tokens), gap_ms
+    return (as_utc(completed) - start).total_seconds(), int(tokens)
+
+
+def through_service(lines: list[dict], settings: Settings, model: Path, engine_process: bool = True
+                    ) -> tuple[float, int, float]:
+    metrics_port = free_port()
+    with Stack(service_env(settings, model, metrics_port, engine_process),
+               Path(tempfile.mkdtemp(prefix="convoq-bulk-"))) as stack:
+        stack.start_api()
+        stack.start_worker()
+        with Client(stack.api_url, KEY, timeout=600) as client:
+            seconds, tokens = run_batch(client, lines, settings)
+        gap_ms = loop_gap_ms(f"http://127.0.0.1:{metrics_port}/metrics")
+    return seconds, tokens, gap_ms
+
+
+def repeated(lines: list[dict], settings: Settings, model: Path, repeats: int) -> dict:
+    """The same batch `repeats` times on one warm service (API and worker started once), after a warm-up
+    batch, with a round of customer chats before each repeat: whatever a run leaves behind (the scheduler's
+    state, the step-cost fit, the pools, the host tier, the collector) shows as a slower repeat. Each repeat's
+    engine steps and steps under a time limit (the worker's counters) tell a slower engine from a slower plan."""
+    port = free_port()
+    metrics = f"http://127.0.0.1:{port}/metrics"
+
+    def counters() -> tuple[float, float]:
+        return tuple(scraped(metrics, f"convoq_engine_{name}_total").get((), 0.0) for name in ("steps", "limited_steps"))
+
+    with Stack(service_env(settings, model, port), Path(tempfile.mkdtemp(prefix="convoq-bulk-"))) as stack:
+        stack.start_api()
+        stack.start_worker()
+        with Client(stack.api_url, KEY, timeout=600) as client:
+            run_batch(client, lines, settings)
+            seconds, steps, limited, load = [], [], [], []
+            for r in tqdm(range(repeats), desc="repeats", disable=None):
+                for chat in send_chats(client, ticket=1000 * (r + 1)):
+                    client.wait(chat, timeout=300)
+                before = counters()
+                load.append(round(os.getloadavg()[0], 2))
+                seconds.append(round(run_batch(client, lines, settings)[0], 2))
+                after = counters()
+                steps.append(int(after[0] - before[0]))
+                limited.append(int(after[1] - before[1]))
+    return {"transcripts": len(lines), "repeats": repeats, "repeat_s": seconds, "repeat_steps": steps,
+            "repeat_limited_steps": limited, "repeat_load_average": load,
+            "slowest_over_fastest": round(max(seconds) / min(seconds), 3)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transcripts", type=int, default=500)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="run the batch this many times on one warm service, chats between repeats, and "
+                             "report each repeat's time (the default --transcripts is then 96)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line")
     args = parser.parse_args()
     settings = Settings()
     model = tiny_model()
     upgrade(settings.database_url.get_secret_value())
+    if args.repeats:
+        transcripts = 96 if args.transcripts == parser.get_default("transcripts") else args.transcripts
+        report(repeated(workload(transcripts, args.max_new_tokens), settings, model, args.repeats), args.json)
+        return
     lines = workload(args.transcripts, args.max_new_tokens)
     jobs = [JobIn(kind="summarize", priority=1, messages=x["transcript"], sampling={"max_new_tokens": x["max_new_tokens"]})
             for x in lines]
