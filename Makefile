@@ -1,9 +1,10 @@
-# `make demo` runs the main job end to end on embedded defaults; `make test` runs the whole suite.
+# `make demo` runs the main job end to end on embedded defaults; `make test` runs the whole suite (the docs site's
+# strict build among it); `make docs` serves the documentation site as you edit it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint compose-check clean
+.PHONY: demo test lint docs compose-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,8 +22,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# port 8001: the API's examples use 8000
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8001
+
 compose-check:
 	docker-compose --env-file .env.example -f docker-compose.yml config -q
 
 clean:
-	rm -rf $(VENV) .convoq
+	rm -rf $(VENV) .convoq site

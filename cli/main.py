@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from api.http.client import Client
     from api.schemas.jobs import JobOut
 
-app = typer.Typer(help="convoq: queue-fed batch inference for Qwen3 models.", no_args_is_help=True)
+app = typer.Typer(help="convoq: queue-fed batch inference for Qwen3, Qwen2, Llama and Mistral models.",
+                  no_args_is_help=True)
 app.add_typer(batch_app, name="batch")
 
 
@@ -222,6 +223,16 @@ def tune(
     typer.echo(f"use: CONVOQ_MAX_NUM_SEQS={best.max_num_seqs} CONVOQ_MAX_NUM_BATCHED_TOKENS={best.max_num_batched_tokens}"
                f"  ({best.tok_s:.0f} tok/s, p95 {best.latency_p95_s:.2f} s, peak KV {best.peak_kv_usage:.0%})")
     typer.echo(json.dumps({"trials": [t.__dict__ for t in trials], "recommended": best.__dict__}))
+
+
+@app.command("config-docs")
+def config_docs(
+    check: Annotated[bool, typer.Option(help="only compare: exit 1 when the page is out of date")] = False,
+) -> None:
+    """Write the configuration reference (docs/configuration.md) from the settings and the engine's knobs."""
+    from cli.config_docs import main
+
+    raise typer.Exit(main(["--check"] if check else []))
 
 
 @app.command("tiny-model")

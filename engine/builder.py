@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, NamedTuple, get_type_hints
 
-from engine.config import EngineConfig
+from engine.config import BOUNDS, CHOICES, EngineConfig, field_docs
 from engine.interface import EngineDead, EngineRunner, EngineStalled, StepEngine
 from engine.runtime.engine_process import EngineProcess
 from engine.runtime.engine_thread import EngineThread
@@ -25,10 +25,21 @@ SERVICE_FIELDS = ("model", "max_logprobs")
 Resolve = Callable[..., Path | str]
 
 
-def knobs() -> dict[str, tuple[Any, Any]]:
-    """Each knob's type and default: every `EngineConfig` field but `SERVICE_FIELDS`."""
-    hints = get_type_hints(EngineConfig)
-    return {f.name: (hints[f.name], f.default) for f in fields(EngineConfig) if f.name not in SERVICE_FIELDS}
+class Knob(NamedTuple):
+    """What a service needs to declare a knob as a setting, and to document it."""
+
+    type: Any
+    default: Any
+    doc: str  # the field's docstring
+    bound: dict[str, float]  # ge, gt, le, lt: `engine.config.BOUNDS`
+    choices: tuple[str, ...]  # the names it takes, if only a few: `engine.config.CHOICES`
+
+
+def knobs() -> dict[str, Knob]:
+    """Every `EngineConfig` field but `SERVICE_FIELDS`, by name."""
+    hints, docs = get_type_hints(EngineConfig), field_docs(EngineConfig)
+    return {f.name: Knob(hints[f.name], f.default, docs.get(f.name, ""), BOUNDS.get(f.name, {}), CHOICES.get(f.name, ()))
+            for f in fields(EngineConfig) if f.name not in SERVICE_FIELDS}
 
 
 def check_knobs(values: Mapping[str, Any]) -> None:

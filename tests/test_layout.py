@@ -435,15 +435,18 @@ def test_only_the_engines_grammar_code_imports_xgrammar():
     assert xgrammar_importers({"worker/bridge.py": ast.parse("from xgrammar.structural_tag import OrFormat")})
 
 
-def concept_map_paths(readme: str) -> list[str]:
-    """The files and folders the README's map of concepts names."""
-    table = readme.split("Where each concept lives", 1)[1].split("\n\n", 2)[1]
-    return [path for row in table.splitlines() for path in re.findall(r"`([\w/]+(?:\.py)?/?)`", row.split("|")[2])
-            if "/" in path]
+def concept_map_paths(page: str) -> list[str]:
+    """The files and folders the architecture page's map of concepts names: the second column of the first table
+    under its "Where each concept lives" heading."""
+    after = page.split("## Where each concept lives", 1)[1]
+    table = after[after.index("\n|"):].split("\n\n", 1)[0]
+    return [path for row in table.strip().splitlines()[2:]
+            for path in re.findall(r"`([\w/]+(?:\.py)?/?)`", row.split("|")[2]) if "/" in path]
 
 
-def test_the_readme_s_map_of_concepts_names_files_that_exist():
-    paths = concept_map_paths((ROOT / "README.md").read_text())
+def test_the_architecture_map_of_concepts_names_files_that_exist():
+    paths = concept_map_paths((ROOT / "docs" / "architecture.md").read_text())
     assert len(paths) >= 25
     assert [path for path in paths if not (ROOT / path).exists()] == []
-    assert concept_map_paths("Where each concept lives:\n\n| a | b |\n|---|---|\n| x | `jobs/gone.py` |\n") == ["jobs/gone.py"]
+    assert concept_map_paths("## Where each concept lives\n\nOne file each:\n\n| a | b |\n|---|---|\n"
+                             "| x | `jobs/gone.py` |\n\nAfter.\n") == ["jobs/gone.py"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import create_model, model_validator
+from pydantic import Field, create_model, model_validator
 
 from engine import builder
 from engine.interface import EngineDead, EngineRunner, EngineStalled, StepEngine
@@ -30,9 +30,11 @@ class _CheckedByTheEngine(Settings):
         return self
 
 
-# `Settings` plus every engine knob as `CONVOQ_<FIELD>` (what `convoq worker` and `convoq tune` read)
+# `Settings` plus every engine knob as `CONVOQ_<FIELD>` (what `convoq worker` and `convoq tune` read), each described
+# by its docstring in `engine.config`; the bounds are the engine's to check
 WorkerSettings = create_model("WorkerSettings", __base__=_CheckedByTheEngine, __module__=__name__,
-                              **builder.knobs())
+                              **{name: (knob.type, Field(knob.default, description=knob.doc))
+                                 for name, knob in builder.knobs().items()})
 
 
 def engine_options(settings: Settings) -> dict[str, Any]:

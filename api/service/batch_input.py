@@ -76,7 +76,7 @@ class OpenAIBody(BaseModel):
     conversation_id: Key | None = None
 
 
-# OpenAI's options that change nothing convoq answers, accepted and ignored on purpose (the README says why)
+# OpenAI's options that change nothing convoq answers, accepted and ignored on purpose (docs/openai.md says why)
 IGNORED = frozenset({"model", "user", "store", "service_tier", "metadata"})
 # what an option left at OpenAI's default is sent as: it asks for nothing
 DEFAULTS: dict[str, Any] = {"stream": False}
@@ -118,8 +118,8 @@ def openai_job(body: OpenAIBody, priority: int) -> JobIn:
     """A chat job from an OpenAI chat-completions request body (a batch line's, or `POST /v1/chat/completions`);
     a `ValueError` (or pydantic's `ValidationError`) says what it cannot run."""
     if names := unsupported(body):
-        raise ValueError(f"not supported: {', '.join(names)} (convoq implements the options its README lists; "
-                         "the rest are refused rather than ignored)")
+        raise ValueError(f"not supported: {', '.join(names)} (convoq implements the options its OpenAI "
+                         "compatibility page lists; the rest are refused rather than ignored)")
     sampling: dict[str, Any] = {name: value for name in SHARED_SAMPLING if (value := getattr(body, name)) is not None}
     max_new = body.max_completion_tokens or body.max_tokens
     if max_new is not None:
