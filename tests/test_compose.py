@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,3 +31,11 @@ def test_the_image_can_build_tritons_launchers():
     """Triton compiles each kernel's launcher with a C compiler the first time it runs on a GPU."""
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "apt-get install" in dockerfile and " gcc " in dockerfile
+
+
+def test_the_api_reads_the_model_folder_the_worker_loads():
+    """The API counts a prompt's tokens with the model's tokenizer to refuse one that cannot fit: it needs the
+    same folder as the worker, or every too-long prompt is queued and fails only on a worker."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    models = [v for v in services["worker"]["volumes"] if v.endswith(":/models:ro")]
+    assert models and models[0] in services["api"]["volumes"]
