@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,14 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                        tie_word_embeddings=False),
+    # what FP8 copies are written from (`write_fp8`): `tiny-blocks` in whole 128x128 blocks, head_dim 128 as in
+    # Qwen3's FP8 checkpoints; `tiny-blocks-ragged` with shards off the blocks (64-row K and V projections, an MLP
+    # of 4.5 blocks)
+    "tiny-blocks": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, tie_word_embeddings=True),
+    "tiny-blocks-ragged": dict(hidden_size=256, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                               tie_word_embeddings=False),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                  vocab_size=151936),
@@ -207,3 +216,35 @@ def build_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0, toke
     (path / "convoq-tiny.json").write_text(json.dumps({"preset": preset, "seed": seed, "qwen3_tokenizer": real,
                                                        **overrides}))
     return path
+
+
+# Qwen's `*-FP8` checkpoints' quantization_config
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+
+
+def write_fp8(source: str | Path, path: str | Path, dequantized: str | Path) -> tuple[Path, Path]:
+    """An FP8 copy of checkpoint folder `source` in `path`, laid out as Qwen's `*-FP8` checkpoints are (each layer
+    projection's weight in float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block, everything else in
+    bf16), and in `dequantized` the same values as an ordinary float32 checkpoint, for transformers to run."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.model.fp8 import SCALES, dequantize_weight, quantize_weight
+
+    source, path, dequantized = Path(source), Path(path), Path(dequantized)
+    quantized, plain = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if _PROJECTION.fullmatch(name):
+            quantized[name], quantized[name.replace(".weight", f".{SCALES}")] = quantize_weight(tensor)
+            plain[name] = dequantize_weight(*quantize_weight(tensor))
+        else:
+            quantized[name] = tensor.to(torch.bfloat16)
+            plain[name] = quantized[name].float()
+    config = json.loads((source / "config.json").read_text())
+    for folder, tensors, extra in ((path, quantized, {"quantization_config": FP8_QUANTIZATION, "dtype": "bfloat16"}),
+                                   (dequantized, plain, {})):
+        shutil.copytree(source, folder, dirs_exist_ok=True)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
+    return path, dequantized
