@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -221,7 +220,6 @@ def build_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0, toke
 # Qwen's `*-FP8` checkpoints' quantization_config
 FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                     "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
-_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 
 
 def write_fp8(source: str | Path, path: str | Path, dequantized: str | Path) -> tuple[Path, Path]:
@@ -230,18 +228,16 @@ def write_fp8(source: str | Path, path: str | Path, dequantized: str | Path) -> 
     bf16), and in `dequantized` the same values as an ordinary float32 checkpoint, for transformers to run."""
     from safetensors.torch import load_file, save_file
 
-    from engine.model.fp8 import SCALES, dequantize_weight, quantize_weight
+    from engine.model.fp8 import FP8, SCALES, dequantize_weight, quantize_checkpoint
 
     source, path, dequantized = Path(source), Path(path), Path(dequantized)
-    quantized, plain = {}, {}
-    for name, tensor in load_file(source / "model.safetensors").items():
-        if _PROJECTION.fullmatch(name):
-            quantized[name], quantized[name.replace(".weight", f".{SCALES}")] = quantize_weight(tensor)
-            plain[name] = dequantize_weight(*quantize_weight(tensor))
-        else:
-            quantized[name] = tensor.to(torch.bfloat16)
-            plain[name] = quantized[name].float()
     config = json.loads((source / "config.json").read_text())
+    quantized = {name: tensor if tensor.dtype == FP8 or name.endswith(SCALES) else tensor.to(torch.bfloat16)
+                 for name, tensor in quantize_checkpoint(load_file(source / "model.safetensors").items(),
+                                                         config["num_hidden_layers"])}
+    plain = {name: dequantize_weight(tensor, quantized[name.replace(".weight", f".{SCALES}")])
+             if tensor.dtype == FP8 else tensor.float()
+             for name, tensor in quantized.items() if not name.endswith(SCALES)}
     for folder, tensors, extra in ((path, quantized, {"quantization_config": FP8_QUANTIZATION, "dtype": "bfloat16"}),
                                    (dequantized, plain, {})):
         shutil.copytree(source, folder, dirs_exist_ok=True)

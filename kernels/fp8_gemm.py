@@ -40,13 +40,25 @@ def block_quantize(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor,
     return quantized.view(padded.shape)[:m, :k].contiguous(), scales
 
 
+def fp8_halves(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 `q`'s values over 256, in float16: each byte's exponent and mantissa moved into float16's places
+    (whose exponent bias is 8 more), its sign kept. Exact for every finite value, subnormals included, and on a
+    CPU several times faster than PyTorch's cast, which converts fp8 one value at a time; e4m3fn's one NaN
+    pattern, which no quantized weight holds, reads as 480."""
+    bits = q.view(torch.int8).to(torch.int16)  # sign-extended: the sign lands on float16's sign bit
+    sign = bits & -32768
+    return bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
+
+
 def block_dequantize(q: torch.Tensor, scales: torch.Tensor, scale_rows: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of fp8 `q [M, K]`: each row's fp8 values times the scales of its row of `scales` (which
     `scale_rows [M]` names), one per 128 columns; the product is taken in float32, then cast to `dtype`."""
     m, k = q.shape
-    values = F.pad(q.to(torch.float32), (0, -k % BLOCK)).view(m, -1, BLOCK)
-    values.mul_(scales.index_select(0, scale_rows.long())[:, :, None])
+    values = fp8_halves(q).float()
+    values = (F.pad(values, (0, -k % BLOCK)) if k % BLOCK else values).view(m, -1, BLOCK)
+    # times 256 undoes fp8_halves' division exactly (a power of two), so each product rounds once, as fp8 * scale
+    values.mul_(scales.index_select(0, scale_rows.long())[:, :, None] * 256)
     return values.view(m, -1)[:, :k].to(dtype).contiguous()
 
 

@@ -66,7 +66,7 @@ def test_w8a8_gemm_matches_reference(m, shards, k):
 @pytest.mark.usefixtures("poisoned_allocations")
 def test_fp8_linear_matches_reference_over_any_leading_shape():
     gen = torch.Generator().manual_seed(3)
-    x = exact_activations(2 * 9, 256, gen).view(2, 9, 256) * 1e-3
+    x = exact_activations(2 * 9, 256, gen).view(2, 9, 256)
     weight, scales, rows = weights([128, 64], 256, gen)
     bias = torch.randn(192, generator=gen)
     out = fp8_gemm.fp8_linear(x, weight, scales, rows, bias)
@@ -86,6 +86,17 @@ def test_block_quantize_keeps_each_value_within_an_fp8_step():
     scale = scales.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
     assert ((back - w).abs() <= w.abs() / 16 + scale * 2.0**-10).all()
     assert torch.equal(back[128:256, 128:], torch.zeros(128, 72))
+
+
+def test_dequantized_values_are_each_fp8_value_times_its_scale_bit_for_bit():
+    """The dequantizing path reads fp8 through float16 (`fp8_halves`): every finite e4m3 value, normal and
+    subnormal, times scales large and small, rounds as PyTorch's own cast times the scale does."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8)
+    finite = every[every.float().isfinite()]
+    q = finite.repeat(3, 1)
+    scales = torch.tensor([[1e-3, 7.3], [0.011, 3e-5], [2.5e-7, 1.0]])
+    expected = q.float() * scales.repeat_interleave(fp8_gemm.BLOCK, 1)[:, :finite.numel()]
+    assert finite.numel() == 254 and torch.equal(fp8_gemm.block_dequantize(q, scales, torch.arange(3)), expected)
 
 
 def test_dequant_linear_multiplies_by_each_shards_dequantized_rows():

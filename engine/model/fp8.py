@@ -14,6 +14,8 @@ so every split must fall on a block boundary: `check_block_split` refuses one th
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -42,6 +44,29 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A checkpoint's `weight` and `weight_scale_inv` for `weight [out, in]`: fp8 values and one scale per
     128x128 block, its largest magnitude over 448."""
     return block_quantize(weight, BLOCK, BLOCK)
+
+
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+
+
+def projection_names(num_layers: int) -> list[str]:
+    """The modules an FP8 checkpoint quantizes, by their names in the checkpoint."""
+    return [f"model.layers.{i}.{p}" for i in range(num_layers) for p in _PROJECTIONS]
+
+
+def quantize_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]],
+                        num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors as an FP8 checkpoint holds them: each layer projection's weight in fp8 followed by
+    its `weight_scale_inv`, every other tensor as it is."""
+    projections = {f"{name}.weight" for name in projection_names(num_layers)}
+    for name, tensor in tensors:
+        if name in projections:
+            weight, scales = quantize_weight(tensor)
+            yield name, weight
+            yield name.replace(".weight", f".{SCALES}"), scales
+        else:
+            yield name, tensor
 
 
 def dequantize_weight(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

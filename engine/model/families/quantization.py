@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from engine.model.families.common import refuse
+from engine.model.fp8 import projection_names
 from kernels.fp8_gemm import BLOCK
 
 # key -> the one value the engine implements (None: the key may be absent)
@@ -27,8 +28,6 @@ _ACCEPTED = {
     "modules_to_convert": (None, []),
 }
 _SKIP_LISTS = ("modules_to_not_convert", "ignored_layers")  # the modules left unquantized (MiniMax's name)
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")
 
 
 def reads_fp8(model_path: str | Path, c: dict) -> bool:
@@ -53,11 +52,6 @@ def reads_fp8(model_path: str | Path, c: dict) -> bool:
         raise refuse(model_path, f"quantization_config leaves {kept[:3]} unquantized: the engine loads every "
                                  "layer's projections in FP8 or none")
     return True
-
-
-def projection_names(num_layers: int) -> list[str]:
-    """The modules an FP8 checkpoint quantizes, by their names in the checkpoint."""
-    return [f"model.layers.{i}.{p}" for i in range(num_layers) for p in _PROJECTIONS]
 
 
 def skipped(name: str, patterns: list[str]) -> bool:
