@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tqdm import tqdm
+
 from cli.tiny_model import build_tiny_model
+from engine.interface import Request, SamplingParams
 
 if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
     from jobs.schemas import JobIn
 
 # The data folder's models (`jobs.settings.DATA_DIR / "models"`, where the service's default model is), not
@@ -35,6 +40,26 @@ def qwen3_vocabulary_model() -> Path:
         print(f"building the qwen3-small checkpoint in {path}", file=sys.stderr)
         build_tiny_model(path, preset="qwen3-small", tokenizer=QWEN3_TOKENIZER)
     return path
+
+
+def prompt(i: int) -> list[int]:
+    """The i-th of a fixed set of prompts of 16 to 63 ordinary token ids."""
+    return [(i * 7919 + j * 104729) % 3000 + 10 for j in range(16 + i % 48)]
+
+
+def tokens_per_s(engine: LLMEngine, requests: int, new_tokens: int, tag: str) -> tuple[float, list[list[int]]]:
+    """Generated tokens/s of the requests run together, and their outputs."""
+    for i in range(requests):
+        engine.add_request(Request(f"{tag}{i}", prompt(i), SamplingParams(new_tokens, ignore_eos=True)))
+    done, start = {}, time.perf_counter()
+    with tqdm(total=requests, desc=tag, file=sys.stderr, leave=False) as bar:
+        while engine.has_unfinished():
+            for completion in engine.step():
+                done[completion.request_id] = completion
+                bar.update()
+    elapsed = time.perf_counter() - start
+    outputs = [done[f"{tag}{i}"].token_ids for i in range(requests)]
+    return sum(map(len, outputs)) / elapsed, outputs
 
 
 def batch_of(jobs: list[JobIn]) -> bytes:

@@ -20,6 +20,10 @@ is rewritten after every part, so a run cut short still leaves what it measured:
 7. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
    memory against weights + KV budget + the activations the profiling step held back + the graphs' memory,
    and the device.
+8. `fp8`: `bench.fp8` (an FP8 checkpoint's weight bytes and tokens/s beside its dequantized twin), and decode
+   ms/token at batch 1 of Qwen3-8B's shapes with bf16 and with FP8 weights (random, quantized on the device):
+   FP8 halves the bytes each step reads (target: >= 1.4x faster). The FP8 GEMM's checks and timings are in
+   `kernels`.
 
 The last line printed is a JSON summary: each part's verdict.
 """
@@ -38,12 +42,15 @@ from pathlib import Path
 import torch
 
 from bench import engine_vs_hf, gpu_e2e, gpu_kernels, mixed, step_overhead
+from bench import fp8 as bench_fp8
 from bench.common import tiny_model
+from cli.tiny_model import FP8_QUANTIZATION
 from engine.config import EngineConfig, model_dtype
 from engine.hf_backend import HFEngine
 from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.cuda_graphs import PieceGraphs
+from engine.model.fp8 import quantize_checkpoint
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
@@ -52,7 +59,8 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
 DRY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
                  vocab_size=4096, rope_theta=1000000.0)
-TARGETS = {"vs_generate": 10.0, "vs_generate_batch": 1.5, "decode_vs_floor": 1.5, "host_ms_per_step": 1.0}
+TARGETS = {"vs_generate": 10.0, "vs_generate_batch": 1.5, "decode_vs_floor": 1.5, "host_ms_per_step": 1.0,
+           "fp8_decode_speedup": 1.4}
 
 
 class Check:
@@ -126,10 +134,15 @@ def engine_vs_transformers(check: Check) -> dict:
     }
 
 
-def _decode_ms_per_token(shape: dict, check: Check, bandwidth_gbs: float | None) -> dict:
+def _decode_ms_per_token(shape: dict, check: Check, bandwidth_gbs: float | None, fp8: bool = False) -> dict:
+    """`fp8`: the projections quantized to FP8 blocks as they are drawn, the config saying so."""
     with tempfile.TemporaryDirectory() as folder:
         gpu_e2e.write_config(Path(folder), shape)
         weights = gpu_e2e.random_weights(torch.Generator(check.device).manual_seed(0), shape, check.device)
+        if fp8:
+            config = json.loads((Path(folder) / "config.json").read_text())
+            (Path(folder) / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION}))
+            weights = quantize_checkpoint(weights, shape["num_hidden_layers"])
         engine = LLMEngine(EngineConfig(model=folder, device=check.device, dtype=check.dtype,
                                         initial_blocks=1 << 30, max_num_seqs=8), weights)
     new_tokens = 8 if check.dry else 64
@@ -247,9 +260,21 @@ def memory(check: Check) -> dict:
     return result
 
 
+def fp8(check: Check) -> dict:
+    load = dict(requests=4, new_tokens=4) if check.dry else dict(requests=64, new_tokens=64)
+    result = bench_fp8.run("tiny-blocks", check.device, rounds=1, gemm=False, **load)
+    bandwidth = None if check.dry else gpu_e2e.copy_bandwidth_gbs()
+    shape = DRY_SHAPE if check.dry else QWEN3_8B
+    decode = {name: _decode_ms_per_token(shape, check, bandwidth, fp8=name == "fp8") for name in ("bf16", "fp8")}
+    speedup = decode["bf16"]["ms_per_token"] / decode["fp8"]["ms_per_token"]
+    return {**result, "decode_8b": decode, "decode_fp8_speedup": speedup,
+            "ok": None if check.dry else speedup >= TARGETS["fp8_decode_speedup"]}
+
+
 PARTS: dict[str, Callable[[Check], dict]] = {
     "kernels": kernels, "engine_vs_hf": engine_vs_transformers, "decode_floor": decode_floor,
     "step_overhead": host_overhead, "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
+    "fp8": fp8,
 }
 
 

@@ -1,5 +1,7 @@
 """GPU check of every Triton kernel: correctness against the PyTorch references (fp32 and bf16), then timings
-against the PyTorch path (SDPA / eager) and against the memory-bandwidth floor measured in the same run.
+against the PyTorch path (SDPA / eager, a bf16 matmul for the FP8 GEMM) and against the memory-bandwidth floor
+measured in the same run. The FP8 kernels are checked and timed on GPUs with FP8 tensor cores (compute
+capability 8.9 and up) only.
 
     python -m bench.gpu_kernels [gpu_kernels.json]
 
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels import qk_norm_rope, rms_norm
+from kernels import fp8_gemm, qk_norm_rope, rms_norm
 from kernels.attention import paged_attention
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
 from kernels.kv_store import store_kv
@@ -28,6 +30,7 @@ from kernels.swiglu import swiglu, swiglu_ref
 DECODE_BANDWIDTH_TARGET = 0.70  # of measured copy bandwidth, 8k-token contexts
 SPARSE_SPEEDUP_TARGET = 8.0  # 1k-window prefill on 32k tokens vs dense causal SDPA
 SWIGLU_SPEEDUP_TARGET = 1.3  # vs eager gate/up matmuls, silu, multiply
+FP8_DECODE_SPEEDUP_TARGET = 1.5  # the W8A8 GEMM (activations quantized too) at 16 rows vs a bf16 matmul
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
@@ -181,6 +184,46 @@ def fused_checks(dtype: torch.dtype) -> list[Check]:
     return [Check(name, str(dtype), rel_error(*pair), TOLERANCE[dtype]) for name, pair in pairs.items()]
 
 
+def fp8_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 activations `[m, k]`, and a weight `[n, k]` in fp8 with its 128x128 block scales and scale rows."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weight, scales = fp8_gemm.block_quantize(torch.randn(n, k, device="cuda") / k**0.5, fp8_gemm.BLOCK, fp8_gemm.BLOCK)
+    rows = torch.arange(n, device="cuda", dtype=torch.int32) // fp8_gemm.BLOCK
+    return x, weight, scales, rows
+
+
+def fp8_checks() -> list[Check]:
+    """The activation quantizer (its fp8 bytes: the same rounding as PyTorch's cast), the W8A8 GEMM on the same
+    fp8 operands (float32 out), and the whole FP8 linear in bf16, each against its reference."""
+    x, weight, scales, rows = fp8_operands(300, 2 * 1536, 4096 + 64)  # a partial K step
+    xq, x_scales = fp8_gemm.quantize_groups(x)
+    xq_ref, x_scales_ref = fp8_gemm.quantize_groups_ref(x)
+    mismatched = (xq.view(torch.uint8) != xq_ref.view(torch.uint8)).float().mean().item()
+    gemm = fp8_gemm.w8a8_gemm(xq_ref, x_scales_ref, weight, scales, rows, torch.float32)
+    gemm_ref = fp8_gemm.w8a8_gemm_ref(xq_ref, x_scales_ref, weight, scales, rows, torch.float32)
+    linear = fp8_gemm.fp8_linear(x, weight, scales, rows)
+    return [Check("fp8-quantize-groups-bytes", "bfloat16", mismatched, 1e-3),
+            Check("fp8-quantize-groups-scales", "float32", rel_error(x_scales, x_scales_ref), 1e-6),
+            Check("fp8-w8a8-gemm", "float32", rel_error(gemm, gemm_ref), 1e-4),
+            Check("fp8-linear", "bfloat16", rel_error(linear, fp8_gemm.fp8_linear_ref(x, weight, scales, rows)),
+                  TOLERANCE[torch.bfloat16])]
+
+
+def time_fp8_gemm(m: int, n: int, k: int, label: str) -> Timing:
+    """The FP8 linear (the activations' quantization included) against a bf16 matmul of the same shape."""
+    x, weight, scales, rows = fp8_operands(m, n, k)
+    w_bf16 = fp8_gemm.block_dequantize(weight, scales, rows, torch.bfloat16)
+    ours = bench_ms(lambda: fp8_gemm.fp8_linear(x, weight, scales, rows))
+    bf16 = bench_ms(lambda: F.linear(x, w_bf16))
+    return Timing(f"fp8-gemm-{label}-{m}x{n}x{k}", ours, "bf16 matmul", bf16, n * k + 2 * m * (k + n))
+
+
+def time_fp8_gemms(quick: bool) -> list[Timing]:
+    """Qwen3-32B's MLP projections (gate/up fused, down) at a decode step's 16 rows and a prefill's many."""
+    shapes = {"gate-up": (2 * 25600, 5120), "down": (5120, 25600)}
+    return [time_fp8_gemm(m, n, k, label) for m in (16, 512 if quick else 4096) for label, (n, k) in shapes.items()]
+
+
 def time_decode(context: int, batch: int) -> Timing:
     """Qwen3-8B shapes (32 query heads, 8 KV heads, head_dim 128), bf16 cache, one new token per sequence."""
     cache = paged(batch, context, 8, 128, torch.bfloat16)
@@ -242,17 +285,21 @@ def time_norms(rows: int) -> list[Timing]:
 def run(quick: bool) -> dict:
     checks = [c for dtype in (torch.float32, torch.bfloat16)
               for c in (*attention_checks(dtype), *store_kv_checks(dtype), *fused_checks(dtype))]
+    checks += fp8_checks() if fp8_gemm.has_fp8_tensor_cores("cuda") else []
     copy_gbs = copy_bandwidth_gbs()
     context, batch, tokens = (2048, 8, 8192) if quick else (8192, 32, 32768)
     decode = time_decode(context, batch)
     sparse, dense = time_prefill(tokens, 1024)
     swiglus = [time_swiglu(rows) for rows in ((16, 512) if quick else (16, 256, 4096))]
-    timings = [decode, sparse, dense, *swiglus, *time_norms(4096 if quick else 16384)]
+    fp8 = time_fp8_gemms(quick) if fp8_gemm.has_fp8_tensor_cores("cuda") else []
+    timings = [decode, sparse, dense, *swiglus, *time_norms(4096 if quick else 16384), *fp8]
     targets = {
         "decode_fraction_of_copy_bandwidth": (decode.bandwidth_gbs() / copy_gbs, DECODE_BANDWIDTH_TARGET),
         "sparse_prefill_speedup_vs_sdpa": (sparse.speedup(), SPARSE_SPEEDUP_TARGET),
         "swiglu_best_speedup_vs_eager": (max(t.speedup() for t in swiglus), SWIGLU_SPEEDUP_TARGET),
     }
+    if fp8:
+        targets["fp8_decode_gemm_speedup_vs_bf16"] = (min(t.speedup() for t in fp8[:2]), FP8_DECODE_SPEEDUP_TARGET)
     return {
         "device": torch.cuda.get_device_name(),
         "quick": quick,

@@ -13,34 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
 
-from tqdm import tqdm
-
-from bench.common import report, tiny_model
+from bench.common import report, tiny_model, tokens_per_s
 from engine.config import EngineConfig
-from engine.interface import Request, SamplingParams
 from engine.llm_engine import LLMEngine
-
-
-def prompt(i: int) -> list[int]:
-    return [(i * 7919 + j * 104729) % 3000 + 10 for j in range(16 + i % 48)]
-
-
-def tokens_per_s(engine: LLMEngine, requests: int, new_tokens: int, tag: str) -> tuple[float, list[list[int]]]:
-    """Generated tokens/s of the requests run together, and their outputs."""
-    for i in range(requests):
-        engine.add_request(Request(f"{tag}{i}", prompt(i), SamplingParams(new_tokens, ignore_eos=True)))
-    done, start = {}, time.perf_counter()
-    with tqdm(total=requests, desc=tag, file=sys.stderr, leave=False) as bar:
-        while engine.has_unfinished():
-            for completion in engine.step():
-                done[completion.request_id] = completion
-                bar.update()
-    elapsed = time.perf_counter() - start
-    outputs = [done[f"{tag}{i}"].token_ids for i in range(requests)]
-    return sum(map(len, outputs)) / elapsed, outputs
 
 
 def main() -> None:

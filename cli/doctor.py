@@ -143,7 +143,7 @@ def check_model(settings: Settings) -> Check:
         shape = read_shape(folder)
     except ValueError as exc:  # a family or a field the engine refuses, by name
         return Check("model", False, str(exc), f"use a checkpoint of a supported family ({', '.join(sorted(FAMILIES))})"
-                     " in bf16, fp32 or a supported quantization")
+                     " in bf16, fp32 or FP8 with 128x128 weight blocks (as Qwen's *-FP8)")
     config = json.loads((folder / "config.json").read_text())
     return Check("model", True, f"{folder} ({shape.family}, {shape.num_layers} layers, "
                  f"{config.get('torch_dtype', config.get('dtype', '?'))}, {quantization(config)})")

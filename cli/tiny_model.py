@@ -97,6 +97,14 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                        tie_word_embeddings=False),
+    # what FP8 copies are written from (`write_fp8`): `tiny-blocks` in whole 128x128 blocks, head_dim 128 as in
+    # Qwen3's FP8 checkpoints; `tiny-blocks-ragged` with shards off the blocks (64-row K and V projections, an MLP
+    # of 4.5 blocks)
+    "tiny-blocks": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, tie_word_embeddings=True),
+    "tiny-blocks-ragged": dict(hidden_size=256, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                               tie_word_embeddings=False),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                  vocab_size=151936),
@@ -207,3 +215,32 @@ def build_tiny_model(path: str | Path, preset: str = "tiny", seed: int = 0, toke
     (path / "convoq-tiny.json").write_text(json.dumps({"preset": preset, "seed": seed, "qwen3_tokenizer": real,
                                                        **overrides}))
     return path
+
+
+# Qwen's `*-FP8` checkpoints' quantization_config
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+
+
+def write_fp8(source: str | Path, path: str | Path, dequantized: str | Path) -> tuple[Path, Path]:
+    """An FP8 copy of checkpoint folder `source` in `path`, laid out as Qwen's `*-FP8` checkpoints are (each layer
+    projection's weight in float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block, everything else in
+    bf16), and in `dequantized` the same values as an ordinary float32 checkpoint, for transformers to run."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.model.fp8 import FP8, SCALES, dequantize_weight, quantize_checkpoint
+
+    source, path, dequantized = Path(source), Path(path), Path(dequantized)
+    config = json.loads((source / "config.json").read_text())
+    quantized = {name: tensor if tensor.dtype == FP8 or name.endswith(SCALES) else tensor.to(torch.bfloat16)
+                 for name, tensor in quantize_checkpoint(load_file(source / "model.safetensors").items(),
+                                                         config["num_hidden_layers"])}
+    plain = {name: dequantize_weight(tensor, quantized[name.replace(".weight", f".{SCALES}")])
+             if tensor.dtype == FP8 else tensor.float()
+             for name, tensor in quantized.items() if not name.endswith(SCALES)}
+    for folder, tensors, extra in ((path, quantized, {"quantization_config": FP8_QUANTIZATION, "dtype": "bfloat16"}),
+                                   (dequantized, plain, {})):
+        shutil.copytree(source, folder, dirs_exist_ok=True)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
+    return path, dequantized

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import attention, kv_store, qk_norm_rope, rms_norm, swiglu
+from kernels import attention, fp8_gemm, kv_store, qk_norm_rope, rms_norm, swiglu
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,17 @@ def _attention_builds() -> list[Build]:
     return builds
 
 
+def _fp8_builds() -> list[Build]:
+    gemm = dict(a="*fp8e4nv", a_scales="*fp32", w="*fp8e4nv", w_scales="*fp32", scale_rows="*i32", out="*bf16")
+    return [
+        Build("fp8-quantize-groups", fp8_gemm._quantize_groups_kernel,
+              dict(x="*bf16", out="*fp8e4nv", scales="*fp32"), dict(ROWS=16, GROUP=128, LIMIT=448.0, EPSILON=1e-10)),
+        *(Build(f"fp8-gemm-{label}", fp8_gemm._w8a8_kernel, gemm,
+                dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=128, GROUP_M=8, EVEN_K=True), dict(num_warps=warps, num_stages=stages))
+          for label, m, n, warps, stages in (("decode", 16, 128, 4, 4), ("prefill", 64, 256, 8, 3))),
+    ]
+
+
 def builds() -> list[Build]:
     bf16_norm = dict(x="*bf16", residual="*bf16", weight="*bf16", out="*bf16", residual_out="*bf16")
     qk = dict(q="*bf16", k="*bf16", q_out="*bf16", k_out="*bf16", q_weight="*bf16", k_weight="*bf16",
@@ -60,6 +71,7 @@ def builds() -> list[Build]:
     store = {"k": "*bf16", "v": "*bf16", "slot_mapping": "*i64", "k_scale": "*fp32", "v_scale": "*fp32"}
     return [
         *_attention_builds(),
+        *_fp8_builds(),
         Build("store-kv-bf16", kv_store._store_kv_kernel, {**store, "k_cache": "*bf16", "v_cache": "*bf16"},
               dict(HEADS=8, HEADS_PAD=8, HEAD_DIM=128, SCALED=False, LIMIT=0.0)),
         Build("store-kv-fp8", kv_store._store_kv_kernel, {**store, "k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"},

@@ -1,8 +1,10 @@
 """The one place that picks the kernels: Triton on CUDA, fast plain-PyTorch ops on CPU, or the references.
 
 The engine asks once, `ops = select_ops(backend, device, head_dim)`, then calls `ops.paged_attention(...)`,
-`ops.store_kv(...)`, `ops.rms_norm(...)`, `ops.add_rms_norm(...)`, `ops.qk_norm_rope(...)` and `ops.swiglu(...)`;
-every set takes the same arguments and gives the same results. Three sets exist: the Triton kernels, their
+`ops.store_kv(...)`, `ops.rms_norm(...)`, `ops.add_rms_norm(...)`, `ops.qk_norm_rope(...)`, `ops.swiglu(...)` and,
+for FP8 checkpoints, `ops.fp8_linear(...)`; every set takes the same arguments and gives the same results, but
+for `fp8_linear` where a device has no FP8 tensor cores: there the weight is dequantized for each matmul and the
+activations stay unquantized (`kernels.fp8_gemm.dequant_linear`). Three sets exist: the Triton kernels, their
 PyTorch references (the readable ground truth) and `kernels.torch_ops` (the references organised for speed,
 for CPUs). Importing this module imports no Triton: ask for the ops at run time, not at import time, since
 Triton's interpreter mode (tests) is fixed when Triton is first imported.
@@ -25,10 +27,11 @@ class Ops:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     swiglu: Callable[..., torch.Tensor]
+    fp8_linear: Callable[..., torch.Tensor]
 
 
 def reference_ops() -> Ops:
-    from kernels import attention_ref, qk_norm_rope, rms_norm, swiglu
+    from kernels import attention_ref, fp8_gemm, qk_norm_rope, rms_norm, swiglu
 
     return Ops(
         backend="reference",
@@ -38,13 +41,14 @@ def reference_ops() -> Ops:
         add_rms_norm=rms_norm.add_rms_norm_ref,
         qk_norm_rope=qk_norm_rope.qk_norm_rope_ref,
         swiglu=swiglu.swiglu_ref,
+        fp8_linear=fp8_gemm.fp8_linear_ref,
     )
 
 
 def triton_ops() -> Ops:
     """The Triton kernels. They take CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before
     Triton was first imported (Triton's interpreter: slow, for tests)."""
-    from kernels import attention, kv_store, qk_norm_rope, rms_norm, swiglu
+    from kernels import attention, fp8_gemm, kv_store, qk_norm_rope, rms_norm, swiglu
 
     return Ops(
         backend="triton",
@@ -54,6 +58,7 @@ def triton_ops() -> Ops:
         add_rms_norm=rms_norm.add_rms_norm,
         qk_norm_rope=qk_norm_rope.qk_norm_rope,
         swiglu=swiglu.swiglu,
+        fp8_linear=fp8_gemm.fp8_linear,
     )
 
 
@@ -69,16 +74,23 @@ def select_ops(backend: str, device: torch.device | str, head_dim: int, scaled_k
     `torch_ops` elsewhere, "torch" forces `torch_ops`, "triton" forces Triton on any device (CPU tensors run in
     Triton's interpreter: tests). `scaled_kv`: the K/V cache is fp8 with per-head scales."""
     if backend == "triton":
-        return triton_ops()
+        return _fp8_for(triton_ops(), device)
     # the Triton attention kernels take power-of-two head dims of at least 16
     triton_shapes = head_dim >= 16 and head_dim & (head_dim - 1) == 0
     ops = get_ops(device, force_reference=backend == "torch" or not triton_shapes)
     if ops.backend == "triton":
-        return ops
-    from kernels import torch_ops
+        return _fp8_for(ops, device)
+    from kernels import fp8_gemm, torch_ops
 
     fast = replace(ops, backend="torch", rms_norm=torch_ops.rms_norm, add_rms_norm=torch_ops.add_rms_norm,
-                   qk_norm_rope=torch_ops.qk_norm_rope)
+                   qk_norm_rope=torch_ops.qk_norm_rope, fp8_linear=fp8_gemm.dequant_linear)
     if scaled_kv:  # the fast CPU attention reads unscaled caches only; the references dequantize fp8
         return fast
     return replace(fast, paged_attention=torch_ops.paged_attention, store_kv=torch_ops.store_kv)
+
+
+def _fp8_for(ops: Ops, device: torch.device | str) -> Ops:
+    """The Triton set's FP8 linear where `device` has FP8 tensor cores, else the dequantizing one."""
+    from kernels import fp8_gemm
+
+    return ops if fp8_gemm.has_fp8_tensor_cores(device) else replace(ops, fp8_linear=fp8_gemm.dequant_linear)

@@ -12,10 +12,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.tile_order import grouped_tile
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of the gate and up projections' outputs side by side, `[..., 2 * intermediate]`."""
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
 
 def swiglu_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = (x @ w_gate_up.T).chunk(2, -1)
-    return F.silu(gate) * up
+    return silu_and_mul(x @ w_gate_up.T)
 
 
 @triton.jit
@@ -25,15 +32,7 @@ def _swiglu_kernel(
     PRECISION: tl.constexpr,
 ):
     # M_BUCKET only keys the autotuner, so batch sizes in one power-of-two range share a tuned config.
-    pid = tl.program_id(0)
-    # Grouped order: consecutive programs share weight columns while they sweep GROUP_M row tiles (L2 reuse).
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

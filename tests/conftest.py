@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli.tiny_model import build_tiny_model
+from cli.tiny_model import build_tiny_model, write_fp8
 from tests.api_keys import API_KEY
 
 
@@ -24,6 +24,16 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models) -> Path:
     return tiny_models["tiny"]
+
+
+@pytest.fixture(scope="session")
+def fp8_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """By preset (`tiny-blocks`: whole 128-blocks, head_dim 128; `tiny-blocks-ragged`: 64-row K/V shards, an
+    MLP of 4.5 blocks): an FP8 checkpoint laid out as Qwen's `*-FP8`, and its weights dequantized to an
+    ordinary float32 checkpoint."""
+    root = tmp_path_factory.mktemp("fp8")
+    return {name: write_fp8(build_tiny_model(root / name, preset=name), root / f"{name}-fp8", root / f"{name}-fp32")
+            for name in ("tiny-blocks", "tiny-blocks-ragged")}
 
 
 QWEN3_TOKENIZER = Path(__file__).parent / "data" / "qwen3-tokenizer"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
 from engine.interface import Completion, GrammarKind, GrammarSpec, Request, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.model.families import read_shape
 from engine.step import SamplingInputs
 
 
@@ -62,6 +64,45 @@ def transformers_greedy(path: Path, prompts: list[list[int]], new_tokens: list[i
         row = generated[0, len(ids):].tolist()
         rows.append(row[: row.index(eos)] if eos in row else row)
     return rows
+
+
+def assert_packed_logits_match(path: Path, reference: Path) -> None:
+    """Four sequences packed into one forward of the engine on `path` (the longest, 200 tokens, crosses the
+    tiny models' windows several times) give the logits transformers gives on `reference` for each alone."""
+    engine = make_engine(path, initial_blocks=32)
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
+    for i, prompt in ids.items():
+        engine.add_request(Request(str(i), prompt, greedy(1)))
+    step = engine.executor.pack(engine.scheduler.schedule(time.monotonic()))
+    assert len(step.request_ids) == 4 and step.num_decodes == 0
+    logits = engine.model.compute_logits(engine.executor.forward(step))
+    for i, request_id in enumerate(step.request_ids):
+        with torch.inference_mode():
+            expected = hf(torch.tensor([ids[int(request_id)]])).logits[0]
+        torch.testing.assert_close(logits[step.cu_seqlens[i]:step.cu_seqlens[i + 1]], expected, atol=1e-4, rtol=0)
+
+
+def rank_block_bytes(path: Path, world: int = 1) -> int:
+    """One 16-token KV block's bytes on one of `world` ranks (its KV heads' share, at least one head), fp32."""
+    c = json.loads((path / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    heads = max(1, c["num_key_value_heads"] // world)
+    return 2 * c["num_hidden_layers"] * heads * head_dim * 4 * 16
+
+
+def tight(path: Path, world: int = 1) -> dict:
+    """40 blocks for a few thousand tokens of work (12 where a window keeps each sequence's blocks few), 64-token
+    prefill chunks, 96 tokens a step: chunked prefill and pre-emption on every run."""
+    blocks = 12 if read_shape(path).windows[0] else 40
+    return dict(kv_cache_memory=blocks * rank_block_bytes(path, world), initial_blocks=8, max_num_batched_tokens=96,
+                prefill_chunk_size=64, max_num_seqs=32)
+
+
+def greedy_requests(prompts: list[list[int]], new_tokens: list[int]) -> list[Request]:
+    """Each prompt greedy for its number of new tokens, stopping at EOS, request ids "0", "1", ..."""
+    return [Request(str(i), ids, greedy(n, ignore_eos=False))
+            for i, (ids, n) in enumerate(zip(prompts, new_tokens, strict=True))]
 
 
 def sampling_rows(rows: list) -> SamplingInputs:

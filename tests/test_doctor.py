@@ -93,3 +93,16 @@ def test_the_quantization_in_a_few_words():
     assert quantization({}) == "not quantized"
     assert quantization({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                                                  "activation_scheme": "dynamic"}}) == "fp8 e4m3 blocks 128x128"
+
+
+def test_an_fp8_checkpoint_is_named_and_a_quantization_the_engine_lacks_is_refused(fp8_models, tmp_path):
+    fp8, _ = fp8_models["tiny-blocks"]
+    model = check_model(Settings(model=str(fp8)))
+    assert model.ok and model.found.endswith("(qwen3, 2 layers, bfloat16, fp8 e4m3 blocks 128x128)")
+    other = tmp_path / "int4"
+    shutil.copytree(fp8, other)
+    (other / "config.json").write_text(json.dumps(json.loads((fp8 / "config.json").read_text())
+                                                  | {"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    refused = check_model(Settings(model=str(other)))
+    assert not refused.ok and "quant_method 'awq' is not supported; only 'fp8'" in refused.found
+    assert "FP8 with 128x128 weight blocks" in refused.fix

@@ -6,21 +6,27 @@ text in it."""
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from cli.tiny_model import build_tiny_model
-from engine.interface import Request
 from engine.model.families import read_shape
 from jobs.chat import encode_chat
 from kernels.qk_norm_rope import rope_tables
-from tests.engine_helpers import greedy, make_engine, prompts, run_all, transformers_greedy
+from tests.engine_helpers import (
+    assert_packed_logits_match,
+    greedy_requests,
+    make_engine,
+    prompts,
+    rank_block_bytes,
+    run_all,
+    tight,
+    transformers_greedy,
+)
 from tests.test_prefix_cache import converse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -41,27 +47,6 @@ def hf_outputs(family_models) -> dict[str, list[list[int]]]:
     return {preset: transformers_greedy(path, PROMPTS, NEW_TOKENS) for preset, path in family_models.items()}
 
 
-def block_bytes(path: Path, world: int = 1) -> int:
-    """One 16-token KV block's bytes on one of `world` ranks, fp32."""
-    c = json.loads((path / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    heads = max(1, c["num_key_value_heads"] // world)
-    return 2 * c["num_hidden_layers"] * heads * head_dim * 4 * 16
-
-
-def tight(path: Path, world: int = 1) -> dict:
-    """40 blocks for ~4k tokens of work (12 where a window keeps each sequence's blocks few), 64-token prefill
-    chunks, 96 tokens a step: chunked prefill and pre-emption on every run."""
-    blocks = 12 if read_shape(path).windows[0] else 40
-    return dict(kv_cache_memory=blocks * block_bytes(path, world), initial_blocks=8, max_num_batched_tokens=96,
-                prefill_chunk_size=64, max_num_seqs=32)
-
-
-def requests() -> list[Request]:
-    return [Request(str(i), ids, greedy(n, ignore_eos=False))
-            for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
-
-
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_each_family_reads_its_switches(family_models, preset):
     shape = read_shape(family_models[preset])
@@ -73,20 +58,7 @@ def test_each_family_reads_its_switches(family_models, preset):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_packed_forward_logits_match_transformers(family_models, preset):
-    path = family_models[preset]
-    engine = make_engine(path, initial_blocks=32)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # four sequences in one forward; the longest crosses Mistral's window (48) several times
-    ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
-    for i, prompt in ids.items():
-        engine.add_request(Request(str(i), prompt, greedy(1)))
-    step = engine.executor.pack(engine.scheduler.schedule(time.monotonic()))
-    assert len(step.request_ids) == 4
-    logits = engine.model.compute_logits(engine.executor.forward(step))
-    for i, request_id in enumerate(step.request_ids):
-        with torch.inference_mode():
-            expected = hf(torch.tensor([ids[int(request_id)]])).logits[0]
-        torch.testing.assert_close(logits[step.cu_seqlens[i]:step.cu_seqlens[i + 1]], expected, atol=1e-4, rtol=0)
+    assert_packed_logits_match(family_models[preset], family_models[preset])
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -94,7 +66,7 @@ def test_packed_forward_logits_match_transformers(family_models, preset):
 def test_greedy_matches_transformers(family_models, hf_outputs, preset, pressure):
     path = family_models[preset]
     engine = make_engine(path, **(tight(path) if pressure else {}))
-    done = run_all(engine, requests())
+    done = run_all(engine, greedy_requests(PROMPTS, NEW_TOKENS))
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs[preset]
     assert engine.stats().preemptions > 0 or not pressure
 
@@ -105,7 +77,7 @@ def test_prefix_reuse_gives_the_tokens_of_no_reuse(family_models, tmp_path, pres
     path = (build_tiny_model(tmp_path / "full", preset=preset, sliding_window=None) if preset == "tiny-mistral"
             else family_models[preset])
     system = prompts(1, 40, 40, seed=5)[0]
-    small = dict(kv_cache_memory=40 * block_bytes(path), initial_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
+    small = dict(kv_cache_memory=40 * rank_block_bytes(path), initial_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
     reference = converse(make_engine(path, enable_prefix_cache=False, **small), system, 4, 5, seed=1)
     engine = make_engine(path, **small)
     assert converse(engine, system, 4, 5, seed=1) == reference
@@ -118,7 +90,7 @@ def test_two_ranks_give_transformers_tokens(family_models, hf_outputs, preset):
     path = family_models[preset]
     engine = make_engine(path, tensor_parallel=2, **tight(path, 2))
     try:
-        done = run_all(engine, requests())
+        done = run_all(engine, greedy_requests(PROMPTS, NEW_TOKENS))
     finally:
         engine.close()
     assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs[preset]

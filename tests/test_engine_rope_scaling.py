@@ -236,8 +236,8 @@ FIELD_REFUSALS = {
                            "layer_types lists 3 layers, num_hidden_layers is 4"),
     "model_type": ({"model_type": "phi3"}, "model_type 'phi3' is not supported; supported are llama, mistral, "
                                            "qwen2, qwen3"),
-    "quantization_config": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-                            r"quantized checkpoints \(quantization_config\) are not supported"),
+    "quantization_config": ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+                            r"quantization_config quant_method 'awq' is not supported; only 'fp8' \(128x128 blocks\)"),
 }
 
 

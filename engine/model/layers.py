@@ -1,7 +1,8 @@
 """The layers every family is built from, over packed batches (`[num_tokens, ...]`, no padding).
 
 Projections that read the same input are fused (q/k/v, gate/up) so each layer is a handful of matrix
-multiplies; the loader fills the fused weights shard by shard from the checkpoint's separate tensors. Under
+multiplies; the loader fills the fused weights shard by shard from the checkpoint's separate tensors. An FP8
+checkpoint's projections keep their fp8 weights and block scales (engine.model.fp8). Under
 tensor parallelism (engine.model.parallel) a rank's modules hold its slices; attention and MLP each end in an
 all-reduce, the embedding too.
 """
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.fp8 import Fp8Linear
 from engine.model.parallel import Split, all_reduce
 from engine.model.shape import ModelShape
 from kernels.dispatch import Ops
@@ -64,6 +66,21 @@ class MergedLinear(Linear):
         start = sum(self.shard_sizes[:index])
         getattr(self, leaf).data[start:start + self.shard_sizes[index]].copy_(tensor)
 
+    def swiglu(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """The MLP's `silu(x @ gate.T) * (x @ up.T)`, this being the gate and up projections stacked."""
+        return ops.swiglu(x, self.weight)
+
+
+def projection(in_features: int, shard_sizes: list[int], shape: ModelShape, ops: Ops,
+               bias: bool = False) -> Linear | Fp8Linear:
+    """One projection, or several of one input fused: fp8 with block scales when the checkpoint's are, else in
+    the model's dtype."""
+    if shape.fp8:
+        return Fp8Linear(in_features, shard_sizes, ops, bias)
+    if len(shard_sizes) > 1:
+        return MergedLinear(in_features, shard_sizes, bias)
+    return Linear(in_features, shard_sizes[0], bias=bias)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: Ops) -> None:
@@ -86,8 +103,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim ** -0.5
         self.eps = shape.rms_norm_eps  # of q_norm and k_norm, which run fused with RoPE
-        self.qkv_proj = MergedLinear(shape.hidden_size, [self.q_size, self.kv_size, self.kv_size], shape.qkv_bias)
-        self.o_proj = Linear(self.q_size, shape.hidden_size)
+        self.qkv_proj = projection(shape.hidden_size, [self.q_size, self.kv_size, self.kv_size], shape, ops,
+                                   shape.qkv_bias)
+        self.o_proj = projection(self.q_size, [shape.hidden_size], shape, ops)
         # Qwen3: a per-head RMSNorm of q and k over head_dim, after the projection and before RoPE
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops) if shape.qk_norm else None
@@ -107,11 +125,11 @@ class MLP(nn.Module):
     def __init__(self, shape: ModelShape, ops: Ops, split: Split) -> None:
         super().__init__()
         self.ops, self.split = ops, split
-        self.gate_up_proj = MergedLinear(shape.hidden_size, [shape.intermediate_size] * 2)
-        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size)
+        self.gate_up_proj = projection(shape.hidden_size, [shape.intermediate_size] * 2, shape, ops)
+        self.down_proj = projection(shape.intermediate_size, [shape.hidden_size], shape, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(self.ops.swiglu(x, self.gate_up_proj.weight)), self.split)
+        return all_reduce(self.down_proj(self.gate_up_proj.swiglu(x, self.ops)), self.split)
 
 
 class Embedding(nn.Module):

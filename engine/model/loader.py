@@ -2,8 +2,10 @@
 `engine.model.decoder.CausalLM`.
 
 Modules are built directly on the target device and dtype with empty parameters, and each checkpoint tensor
-is copied straight into its parameter (or its shard of a fused one), so the weights exist once. A tensor-parallel
-rank reads only its slice of each tensor (`safe_open`'s slices are read from the memory-mapped file).
+is copied straight into its parameter (or its shard of a fused one), so the weights exist once; an FP8
+checkpoint's projections stay fp8, with their block scales (engine.model.fp8). A tensor-parallel rank reads only
+its slice of each tensor (`safe_open`'s slices are read from the memory-mapped file), and of a projection's
+scales the rows or columns that go with it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from safetensors import safe_open
 
 from engine.model.decoder import CausalLM
 from engine.model.families import read_shape
+from engine.model.fp8 import SCALES, Fp8Linear, check_checkpoint_tensor, scale_slice
 from engine.model.layers import MergedLinear
 from engine.model.parallel import ALONE, Split, kv_head_start, kv_heads_per_rank
 from engine.model.shape import ModelShape, rank_shape
@@ -126,7 +129,8 @@ def load_model(
     missing = _checkpoint_names(model)
 
     def part(name: str) -> Slice:
-        return rank_slice(name, shape, split)
+        where = rank_slice(name, shape, split)
+        return scale_slice(*where) if where is not None and name.endswith(f".{SCALES}") else where
 
     source = _checkpoint_tensors(model_path, part) if tensors is None else _sliced(tensors, part)
     for name, tensor in source:
@@ -138,9 +142,11 @@ def load_model(
         if proj in CausalLM.packed_modules:
             fused, shard = CausalLM.packed_modules[proj]
             module = model.get_submodule(f"{parent}.{fused}")
-            assert isinstance(module, MergedLinear)
+            assert isinstance(module, MergedLinear | Fp8Linear)
+            check_checkpoint_tensor(name, tensor, getattr(module, leaf))
             module.load_shard(shard, tensor, leaf)
         else:
+            check_checkpoint_tensor(name, tensor, params[name])
             params[name].data.copy_(tensor)
     if missing:
         raise ValueError(f"checkpoint in {model_path} lacks {sorted(missing)[:5]}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.model.fp8 import check_block_split
 from engine.model.parallel import Split, check_split, kv_heads_per_rank
 from kernels.qk_norm_rope import Llama3Rope, Yarn
 
@@ -31,6 +32,7 @@ class ModelShape:
     qk_norm: bool = True  # a per-head RMSNorm of q and k before RoPE (Qwen3)
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     family: str = "qwen3"  # config.json's model_type, for reports
+    fp8: bool = False  # the layers' projections are fp8 with a scale per 128x128 block (engine.model.fp8)
 
 
 def rank_shape(shape: ModelShape, split: Split) -> ModelShape:
@@ -39,6 +41,14 @@ def rank_shape(shape: ModelShape, split: Split) -> ModelShape:
     if not split.parallel:
         return shape
     check_split(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, split.world)
-    return replace(shape, num_heads=shape.num_heads // split.world,
-                   num_kv_heads=kv_heads_per_rank(shape.num_kv_heads, split.world),
-                   intermediate_size=shape.intermediate_size // split.world)
+    ranked = replace(shape, num_heads=shape.num_heads // split.world,
+                     num_kv_heads=kv_heads_per_rank(shape.num_kv_heads, split.world),
+                     intermediate_size=shape.intermediate_size // split.world)
+    if shape.fp8:
+        d = shape.head_dim
+        check_block_split(split.world, {
+            "q_proj and o_proj": (ranked.num_heads * d, shape.num_heads * d),
+            "k_proj and v_proj": (ranked.num_kv_heads * d, shape.num_kv_heads * d),
+            "gate_proj, up_proj and down_proj": (ranked.intermediate_size, shape.intermediate_size),
+        })
+    return ranked

@@ -1,14 +1,17 @@
 """The checkpoint families the engine loads, by config.json's `model_type`: each reads its config into a
-`ModelShape` of switches over the shared layers; anything else is refused by name."""
+`ModelShape` of switches over the shared layers, any of them in block FP8 (engine.model.families.quantization);
+anything else is refused by name."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from engine.model.families.common import refuse
 from engine.model.families.llama import llama_shape, mistral_shape
+from engine.model.families.quantization import reads_fp8
 from engine.model.families.qwen2 import qwen2_shape
 from engine.model.families.qwen3 import qwen3_shape
 from engine.model.shape import ModelShape
@@ -29,6 +32,4 @@ def read_shape(model_path: str | Path) -> ModelShape:
     if model_type not in FAMILIES:
         raise refuse(model_path, f"model_type {model_type!r} is not supported; supported are "
                                  f"{', '.join(sorted(FAMILIES))}")
-    if c.get("quantization_config"):
-        raise refuse(model_path, "quantized checkpoints (quantization_config) are not supported")
-    return FAMILIES[model_type](model_path, c)
+    return replace(FAMILIES[model_type](model_path, c), fp8=reads_fp8(model_path, c))
