@@ -9,6 +9,9 @@ Its speed comes from what the engine guarantees, that pools start zeroed and onl
 masked key needs no scrubbing (its weight is exactly zero); from gathering blocks as whole rows with
 `index_select`; and from shaping every SDPA call so that PyTorch picks its fused kernel. Decodes attend in one
 batched call (a sliding window gathers only the blocks it can see); prefill chunks go one sequence at a time.
+
+A mixture-of-experts layer sorts its (token, expert) pairs by expert, as the Triton kernel does, and runs each
+expert that any token chose as two matmuls over its own rows: a step costs what its chosen experts cost.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_ref import visible
+from kernels.fused_moe_ref import expert_mlp
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,3 +121,21 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
     k_pos = torch.arange(first * block_size, longest, device=q.device)
     mask = visible(lens - 1, k_pos, window, sinks, stride)  # [B, L]
     return decode_attention(q, k, v, mask[:, None, None, :], scale)
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    tokens = order // ids.shape[1]
+    rows = x.index_select(0, tokens)  # the pairs' inputs, sorted by expert
+    out = torch.empty_like(rows)
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            out[start:start + count] = expert_mlp(rows[start:start + count], w_gate_up[expert], w_down[expert])
+            start += count
+    out.mul_(weights.flatten()[order, None])
+    # pairs added in expert order, as the reference adds them
+    return torch.zeros_like(x).index_add_(0, tokens, out)
