@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,23 @@ def transformers_greedy(path: Path, prompts: list[list[int]], new_tokens: list[i
         row = generated[0, len(ids):].tolist()
         rows.append(row[: row.index(eos)] if eos in row else row)
     return rows
+
+
+def assert_packed_forward_matches_transformers(path: Path) -> None:
+    """Four prompts packed into one prefill forward (the longest, 200 tokens, crosses a 48- or 64-token window
+    several times) give, prompt by prompt, the logits transformers computes for each alone (fp32)."""
+    engine = make_engine(path, initial_blocks=32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
+    for i, prompt in ids.items():
+        engine.add_request(Request(str(i), prompt, greedy(1)))
+    step = engine.executor.pack(engine.scheduler.schedule(time.monotonic()))
+    assert len(step.request_ids) == 4 and step.num_decodes == 0
+    logits = engine.model.compute_logits(engine.executor.forward(step))
+    for i, request_id in enumerate(step.request_ids):
+        with torch.inference_mode():
+            expected = hf(torch.tensor([ids[int(request_id)]])).logits[0]
+        torch.testing.assert_close(logits[step.cu_seqlens[i]:step.cu_seqlens[i + 1]], expected, atol=1e-4, rtol=0)
 
 
 def sampling_rows(rows: list) -> SamplingInputs:

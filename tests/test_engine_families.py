@@ -7,12 +7,11 @@ text in it."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from cli.tiny_model import build_tiny_model
@@ -20,8 +19,15 @@ from engine.interface import Request
 from engine.model.families import read_shape
 from jobs.chat import encode_chat
 from kernels.qk_norm_rope import rope_tables
-from tests.engine_helpers import greedy, make_engine, prompts, run_all, transformers_greedy
-from tests.test_prefix_cache import converse
+from tests.engine_helpers import (
+    assert_packed_forward_matches_transformers,
+    greedy,
+    make_engine,
+    prompts,
+    run_all,
+    transformers_greedy,
+)
+from tests.test_prefix_cache import assert_reuse_gives_the_tokens_of_no_reuse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -73,20 +79,7 @@ def test_each_family_reads_its_switches(family_models, preset):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_packed_forward_logits_match_transformers(family_models, preset):
-    path = family_models[preset]
-    engine = make_engine(path, initial_blocks=32)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # four sequences in one forward; the longest crosses Mistral's window (48) several times
-    ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
-    for i, prompt in ids.items():
-        engine.add_request(Request(str(i), prompt, greedy(1)))
-    step = engine.executor.pack(engine.scheduler.schedule(time.monotonic()))
-    assert len(step.request_ids) == 4
-    logits = engine.model.compute_logits(engine.executor.forward(step))
-    for i, request_id in enumerate(step.request_ids):
-        with torch.inference_mode():
-            expected = hf(torch.tensor([ids[int(request_id)]])).logits[0]
-        torch.testing.assert_close(logits[step.cu_seqlens[i]:step.cu_seqlens[i + 1]], expected, atol=1e-4, rtol=0)
+    assert_packed_forward_matches_transformers(family_models[preset])
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -104,13 +97,7 @@ def test_prefix_reuse_gives_the_tokens_of_no_reuse(family_models, tmp_path, pres
     # the prefix cache holds full-attention pools only: Mistral without a window (as v0.3 and later ship)
     path = (build_tiny_model(tmp_path / "full", preset=preset, sliding_window=None) if preset == "tiny-mistral"
             else family_models[preset])
-    system = prompts(1, 40, 40, seed=5)[0]
-    small = dict(kv_cache_memory=40 * block_bytes(path), initial_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
-    reference = converse(make_engine(path, enable_prefix_cache=False, **small), system, 4, 5, seed=1)
-    engine = make_engine(path, **small)
-    assert converse(engine, system, 4, 5, seed=1) == reference
-    stats = engine.stats()
-    assert stats.prefix_cache_hit_tokens > 0.4 * stats.prefix_cache_queries_tokens
+    assert_reuse_gives_the_tokens_of_no_reuse(path, block_bytes(path))
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

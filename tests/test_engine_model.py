@@ -3,40 +3,29 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.interface import Request
 from engine.llm_engine import LLMEngine
 from engine.model.families import read_shape
 from engine.model.memory_fit import split_budget
-from tests.engine_helpers import greedy, make_engine, prompts, run_all
+from tests.engine_helpers import (
+    assert_packed_forward_matches_transformers,
+    greedy,
+    make_engine,
+    prompts,
+    run_all,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-untied", "tiny-swa"])
 def test_packed_forward_logits_match_transformers(tiny_models, preset):
-    path = tiny_models[preset]
-    engine = make_engine(path, initial_blocks=32)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # three sequences packed into one forward; the longest crosses the sliding window (64) twice over
-    ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
-    for i, prompt in ids.items():
-        engine.add_request(Request(str(i), prompt, greedy(1)))
-    step = engine.executor.pack(engine.scheduler.schedule(time.monotonic()))
-    assert len(step.request_ids) == 4 and step.num_decodes == 0
-    logits = engine.model.compute_logits(engine.executor.forward(step))
-    for i, request_id in enumerate(step.request_ids):
-        with torch.inference_mode():
-            expected = hf(torch.tensor([ids[int(request_id)]])).logits[0]
-        ours = logits[step.cu_seqlens[i]:step.cu_seqlens[i + 1]]
-        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    assert_packed_forward_matches_transformers(tiny_models[preset])
 
 
 def test_config_forms(tmp_path, tiny_models):

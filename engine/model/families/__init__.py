@@ -11,10 +11,12 @@ from engine.model.families.common import refuse
 from engine.model.families.llama import llama_shape, mistral_shape
 from engine.model.families.qwen2 import qwen2_shape
 from engine.model.families.qwen3 import qwen3_shape
+from engine.model.families.qwen3_moe import qwen3_moe_shape
 from engine.model.shape import ModelShape
 
 FAMILIES: dict[str, Callable[[str | Path, dict], ModelShape]] = {
     "qwen3": qwen3_shape,
+    "qwen3_moe": qwen3_moe_shape,
     "qwen2": qwen2_shape,
     "llama": llama_shape,
     "mistral": mistral_shape,
