@@ -11,7 +11,8 @@ masked key needs no scrubbing (its weight is exactly zero); from gathering block
 batched call (a sliding window gathers only the blocks it can see); prefill chunks go one sequence at a time.
 
 A mixture-of-experts layer sorts its (token, expert) pairs by expert, as the Triton kernel does, and runs each
-expert that any token chose as two matmuls over its own rows: a step costs what its chosen experts cost.
+expert that any token chose as two matmuls over its own rows: a step costs what its chosen experts cost, and
+never asks an expert no token chose for its tokens.
 """
 
 from __future__ import annotations
@@ -126,16 +127,17 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
     flat = ids.flatten()
-    order = flat.argsort(stable=True)
+    order = flat.argsort(stable=True)  # the pairs by expert
     tokens = order // ids.shape[1]
-    rows = x.index_select(0, tokens)  # the pairs' inputs, sorted by expert
-    out = torch.empty_like(rows)
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    scale = weights.flatten()[order, None]
+    out = torch.zeros_like(x)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
         if count:
-            out[start:start + count] = expert_mlp(rows[start:start + count], w_gate_up[expert], w_down[expert])
-            start += count
-    out.mul_(weights.flatten()[order, None])
-    # pairs added in expert order, as the reference adds them
-    return torch.zeros_like(x).index_add_(0, tokens, out)
+            # each expert's rows gathered, computed and added while they are in cache, in the reference's order
+            end = start + count
+            rows = tokens[start:end]
+            part = expert_mlp(x.index_select(0, rows), w_gate_up[expert], w_down[expert])
+            out.index_add_(0, rows, part.mul_(scale[start:end]))
+            start = end
+    return out
