@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_dry_run_writes_one_report_with_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     # the slow parts (transformers' generate, the mixed-load phases) run in `--dry-run` without `--parts`
-    chosen = ["kernels", "decode_floor", "step_overhead", "graphs_identity", "memory"]
+    chosen = ["kernels", "decode_floor", "step_overhead", "graphs_identity", "memory", "moe_graphs"]
     assert gpu_check.main(["--dry-run", "--parts", ",".join(chosen), str(out)]) == 0
     parts = json.loads(out.read_text())["parts"]
     assert list(parts) == chosen
@@ -33,6 +33,8 @@ def test_dry_run_writes_one_report_with_every_part(tmp_path):
     memory = parts["memory"]
     assert memory["pool_bytes_end"] > memory["pool_bytes_start"]  # the load made the pool grow
     assert memory["ok"] and memory["pool_bytes_end"] <= memory["kv_budget_bytes"]
+    moe = parts["moe_graphs"]
+    assert moe["ok"] and moe["requests"] == 6 and 0 < moe["piece_graph_steps"] <= moe["steps"]
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
