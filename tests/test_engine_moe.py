@@ -8,6 +8,7 @@ mixture-of-experts designs are refused by name."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from engine.model.families import read_shape
 from engine.model.loader import load_model
 from engine.model.moe import Router
 from engine.model.parallel import ALONE, Split
-from engine.model.shape import MoEShape
+from engine.model.shape import MoEShape, rank_shape
 from jobs.chat import encode_chat
 from kernels.dispatch import select_ops
 from tests.engine_helpers import (
@@ -139,6 +140,15 @@ def test_two_ranks_give_transformers_tokens(moe_model, chat_prompts, new_tokens,
     finally:
         engine.close()
     assert [done[str(i)].token_ids for i in range(len(chat_prompts))] == hf_outputs
+
+
+def test_ranks_that_cannot_split_an_expert_are_refused_with_its_width(moe_model, tmp_path):
+    shape = read_shape(_config_folder(tmp_path, moe_model, moe_intermediate_size=250))
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 does not divide its expert width 250$"):
+        rank_shape(shape, Split(0, 4))
+    assert rank_shape(shape, Split(0, 2)).moe.intermediate_size == 125
+    all_sparse = replace(shape, intermediate_size=251, moe=replace(shape.moe, sparse=(True,) * 4))
+    assert rank_shape(all_sparse, Split(0, 2)).num_heads == 4  # no layer is dense: its odd MLP width is unused
 
 
 def stacked_copy(folder: Path, to: Path) -> Path:
