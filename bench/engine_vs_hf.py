@@ -1,8 +1,9 @@
 """Our engine against transformers' `generate` (static batches of 16) on the same workload, in one run.
 
-    python -m bench.engine_vs_hf --json [--model tiny|0.6b] [--device cpu]
+    python -m bench.engine_vs_hf --json [--model tiny|moe|0.6b] [--device cpu]
 
-The models are `cli.tiny_model` presets with random weights, built once into `.convoq/models/`. Every request
+The models are `cli.tiny_model` presets with random weights, built once into `.convoq/models/`: `tiny` (Qwen3),
+`moe` (`tiny-moe`, Qwen3-MoE: 8 experts, 2 a token, a dense first layer) and `0.6b` (Qwen3-0.6B's shapes). Every request
 ignores EOS, so both sides generate exactly the drawn number of tokens; tokens/s counts generated tokens over
 wall time from submission to the last completion. Progress goes to stderr; the last stdout line is JSON.
 """
@@ -28,6 +29,8 @@ from engine.llm_engine import LLMEngine
 
 # model -> (requests, prompt length range, output length range)
 WORKLOADS = {"tiny": (64, (16, 512), (16, 128)), "0.6b": (32, (16, 256), (16, 128))}
+WORKLOADS["moe"] = WORKLOADS["tiny"]  # the dense model's work, at the same hidden size and depth
+PRESETS = {"tiny": "tiny", "moe": "tiny-moe", "0.6b": "0.6b"}  # model -> its `cli.tiny_model` preset
 
 def make_requests(preset: str, vocab: int, seed: int, tag: str, count: int | None = None) -> list[Request]:
     """The preset's workload (its first `count` requests, when given)."""
@@ -86,7 +89,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    path = tiny_model(args.model)
+    path = tiny_model(PRESETS[args.model])
 
     engine = LLMEngine(EngineConfig(model=str(path), device=args.device, dtype=args.dtype))
     vocab = len(engine.tokenizer)

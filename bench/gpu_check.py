@@ -24,6 +24,8 @@ is rewritten after every part, so a run cut short still leaves what it measured:
    ms/token at batch 1 of Qwen3-8B's shapes with bf16 and with FP8 weights (random, quantized on the device):
    FP8 halves the bytes each step reads (target: >= 1.4x faster). The FP8 GEMM's checks and timings are in
    `kernels`.
+9. `moe_graphs`: `graphs_identity` on the `tiny-moe` checkpoint (Qwen3-MoE), whose expert kernels run inside
+   the piece and decode graphs whatever the routing of the step they replay.
 
 The last line printed is a JSON summary: each part's verdict.
 """
@@ -210,8 +212,9 @@ def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[in
     return [done[r.request_id] for r in requests], steps
 
 
-def graphs_identity(check: Check) -> dict:
-    path = tiny_model(check.preset)
+def graphs_identity(check: Check, preset: str | None = None) -> dict:
+    """On the check's model, or on the `preset` checkpoint."""
+    path = tiny_model(preset or check.preset)
     prompts = [r.prompt_ids for r in engine_vs_hf.make_requests(check.preset, 4096, 11, "g", 6 if check.dry else 24)]
     with_graphs, steps = _greedy_tokens(path, check, True, prompts)
     without, _ = _greedy_tokens(path, check, False, prompts)
@@ -275,6 +278,7 @@ PARTS: dict[str, Callable[[Check], dict]] = {
     "kernels": kernels, "engine_vs_hf": engine_vs_transformers, "decode_floor": decode_floor,
     "step_overhead": host_overhead, "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
     "fp8": fp8,
+    "moe_graphs": lambda check: graphs_identity(check, "tiny-moe"),
 }
 
 

@@ -20,9 +20,12 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from bench.moe import moe_inputs
 from kernels import fp8_gemm, qk_norm_rope, rms_norm
 from kernels.attention import paged_attention
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from kernels.fused_moe import fused_moe
+from kernels.fused_moe_ref import fused_moe_ref
 from kernels.kv_store import store_kv
 from kernels.swiglu import swiglu, swiglu_ref
 
@@ -31,6 +34,8 @@ DECODE_BANDWIDTH_TARGET = 0.70  # of measured copy bandwidth, 8k-token contexts
 SPARSE_SPEEDUP_TARGET = 8.0  # 1k-window prefill on 32k tokens vs dense causal SDPA
 SWIGLU_SPEEDUP_TARGET = 1.3  # vs eager gate/up matmuls, silu, multiply
 FP8_DECODE_SPEEDUP_TARGET = 1.5  # the W8A8 GEMM (activations quantized too) at 16 rows vs a bf16 matmul
+# Qwen3-30B-A3B's experts: 128 of hidden 2048 and width 768, 8 a token
+QWEN3_30B_EXPERTS = dict(experts=128, top_k=8, hidden=2048, intermediate=768)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
@@ -224,6 +229,28 @@ def time_fp8_gemms(quick: bool) -> list[Timing]:
     return [time_fp8_gemm(m, n, k, label) for m in (16, 512 if quick else 4096) for label, (n, k) in shapes.items()]
 
 
+def moe_checks(dtype: torch.dtype) -> list[Check]:
+    """The experts' kernels at a decode's and a prefill's token counts (tiles of 16 and 64 rows)."""
+    checks = []
+    for tokens in (5, 300):
+        inputs = moe_inputs(tokens, **QWEN3_30B_EXPERTS, dtype=dtype, device="cuda")
+        checks.append(Check(f"fused-moe-{tokens}-tokens", str(dtype), rel_error(fused_moe(*inputs),
+                                                                                  fused_moe_ref(*inputs)),
+                            TOLERANCE[dtype]))
+    return checks
+
+
+def time_moe(tokens: int) -> Timing:
+    """One layer's experts against the per-expert loop; the bytes are the chosen experts' weights."""
+    inputs = moe_inputs(tokens, **QWEN3_30B_EXPERTS, dtype=torch.bfloat16, device="cuda")
+    ours = bench_ms(lambda: fused_moe(*inputs))
+    loop = bench_ms(lambda: fused_moe_ref(*inputs))
+    shape = QWEN3_30B_EXPERTS
+    chosen = inputs[-1].unique().numel()
+    return Timing(f"fused-moe-{tokens}x{shape['experts']}e-top{shape['top_k']}", ours, "per-expert loop", loop,
+                  chosen * 3 * shape["hidden"] * shape["intermediate"] * 2)
+
+
 def time_decode(context: int, batch: int) -> Timing:
     """Qwen3-8B shapes (32 query heads, 8 KV heads, head_dim 128), bf16 cache, one new token per sequence."""
     cache = paged(batch, context, 8, 128, torch.bfloat16)
@@ -284,7 +311,7 @@ def time_norms(rows: int) -> list[Timing]:
 
 def run(quick: bool) -> dict:
     checks = [c for dtype in (torch.float32, torch.bfloat16)
-              for c in (*attention_checks(dtype), *store_kv_checks(dtype), *fused_checks(dtype))]
+              for c in (*attention_checks(dtype), *store_kv_checks(dtype), *fused_checks(dtype), *moe_checks(dtype))]
     checks += fp8_checks() if fp8_gemm.has_fp8_tensor_cores("cuda") else []
     copy_gbs = copy_bandwidth_gbs()
     context, batch, tokens = (2048, 8, 8192) if quick else (8192, 32, 32768)
@@ -292,7 +319,8 @@ def run(quick: bool) -> dict:
     sparse, dense = time_prefill(tokens, 1024)
     swiglus = [time_swiglu(rows) for rows in ((16, 512) if quick else (16, 256, 4096))]
     fp8 = time_fp8_gemms(quick) if fp8_gemm.has_fp8_tensor_cores("cuda") else []
-    timings = [decode, sparse, dense, *swiglus, *time_norms(4096 if quick else 16384), *fp8]
+    moes = [time_moe(tokens) for tokens in ((8, 512) if quick else (8, 64, 512, 4096))]
+    timings = [decode, sparse, dense, *swiglus, *moes, *time_norms(4096 if quick else 16384), *fp8]
     targets = {
         "decode_fraction_of_copy_bandwidth": (decode.bandwidth_gbs() / copy_gbs, DECODE_BANDWIDTH_TARGET),
         "sparse_prefill_speedup_vs_sdpa": (sparse.speedup(), SPARSE_SPEEDUP_TARGET),

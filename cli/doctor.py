@@ -189,9 +189,10 @@ def check_engine(settings: Settings) -> Check:
 def memory_plan(report: dict[str, int]) -> str:
     """An engine's `memory_report` as an operator reads it: the weights, the KV cache and the work it holds."""
     gib = 1 << 30
-    return (f"weights {report['weights_bytes'] / gib:.2f} GiB, KV budget {report['kv_budget_bytes'] / gib:.2f} GiB "
-            f"({report['kv_bytes_per_token']:,} B a token): {report['max_tokens']:,} tokens in all, "
-            f"{report['max_batch_at_max_len']} sequences at the full context")
+    experts = f" ({report['expert_bytes'] / gib:.2f} GiB of them experts)" if report["expert_bytes"] else ""
+    return (f"weights {report['weights_bytes'] / gib:.2f} GiB{experts}, "
+            f"KV budget {report['kv_budget_bytes'] / gib:.2f} GiB ({report['kv_bytes_per_token']:,} B a token): "
+            f"{report['max_tokens']:,} tokens in all, {report['max_batch_at_max_len']} sequences at the full context")
 
 
 def check_broker(settings: Settings) -> Check:

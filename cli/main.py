@@ -244,8 +244,8 @@ def tiny_model(
         help="a folder with the real Qwen3 tokenizer files (e.g. tests/data/qwen3-tokenizer) instead of a small "
              "trained one")] = None,
 ) -> None:
-    """Write a small random checkpoint folder of a preset (`tiny`, Qwen3; `tiny-llama`, `tiny-mistral`,
-    `tiny-qwen2`, ...), which loads like a real one of its family."""
+    """Write a small random checkpoint folder of a preset (`tiny`, Qwen3; `tiny-moe`, Qwen3-MoE; `tiny-llama`,
+    `tiny-mistral`, `tiny-qwen2`, ...), which loads like a real one of its family."""
     from cli.tiny_model import build_tiny_model
 
     typer.echo(str(build_tiny_model(path, preset=preset, seed=seed, tokenizer=tokenizer)))

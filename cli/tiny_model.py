@@ -105,6 +105,12 @@ PRESETS: dict[str, dict] = {
     "tiny-blocks-ragged": dict(hidden_size=256, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
                                tie_word_embeddings=False),
+    # Qwen3-MoE: 8 experts of which each token takes 2 (renormalized), and a dense first layer as
+    # mlp_only_layers allows; its experts are half the dense MLP's width, as Qwen3-30B-A3B's are an eighth
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                     tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                     norm_topk_prob=True, mlp_only_layers=[0]),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                  vocab_size=151936),

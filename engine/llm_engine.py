@@ -26,7 +26,7 @@ from engine.interface import (
     check_prompt,
 )
 from engine.model.parallel import ALONE
-from engine.model.weight_memory import weights_bytes
+from engine.model.weight_memory import expert_bytes, weights_bytes
 from engine.parts import build
 from engine.step import StepPlan, StepResult, TokenMasks
 from engine.tensor_parallel import Ranks
@@ -303,6 +303,7 @@ class LLMEngine:
         full = [p.max_blocks for p, w in zip(pools, self.windows, strict=True) if w == 0]
         return {
             "weights_bytes": weights_bytes(self.model),
+            "expert_bytes": expert_bytes(self.model),  # of the weights: every expert of a mixture-of-experts model
             "activation_bytes": self.activation_bytes,  # held back from a fractional budget (CUDA only)
             "graph_bytes": self.executor.pieces.nbytes if self.executor.pieces is not None else 0,
             "kv_bytes_per_token": self.kv_plan.kv_bytes_per_token,

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import attention, fp8_gemm, kv_store, qk_norm_rope, rms_norm, swiglu
+from kernels import attention, fp8_gemm, fused_moe, kv_store, qk_norm_rope, rms_norm, swiglu
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,23 @@ def _fp8_builds() -> list[Build]:
     ]
 
 
+def _moe_builds() -> list[Build]:
+    """Each expert kernel at the tile it runs with: gate/up at a prefill's 64 rows (its two accumulators are the
+    most registers), down at a decode's 16."""
+    routing = dict(sorted_pairs="*i32", tile_experts="*i32")
+    builds = []
+    for name, kernel, pointers, rows, extra in [
+        ("fused-moe-gate-up", fused_moe._gate_up_kernel, dict(x="*bf16", w="*bf16", out="*bf16"), 64, {"TOP_K": 8}),
+        ("fused-moe-down", fused_moe._down_kernel, dict(h="*bf16", w="*bf16", out="*bf16", weights="*bf16"), 16, {}),
+    ]:
+        launch = fused_moe.launch_options(rows, on_gpu=True)
+        tiles = {key: value for key, value in launch.items() if key.startswith("BLOCK")}
+        options = {key: value for key, value in launch.items() if not key.startswith("BLOCK")}
+        builds.append(Build(name, kernel, {**pointers, **routing},
+                            {**extra, **tiles, "BLOCK_M": rows, "PRECISION": "tf32"}, options))
+    return builds
+
+
 def builds() -> list[Build]:
     bf16_norm = dict(x="*bf16", residual="*bf16", weight="*bf16", out="*bf16", residual_out="*bf16")
     qk = dict(q="*bf16", k="*bf16", q_out="*bf16", k_out="*bf16", q_weight="*bf16", k_weight="*bf16",
@@ -83,6 +100,7 @@ def builds() -> list[Build]:
         Build("swiglu", swiglu._swiglu_kernel, dict(x="*bf16", w="*bf16", out="*bf16"),
               dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, PRECISION="tf32"),
               dict(num_warps=8, num_stages=3)),
+        *_moe_builds(),
     ]
 
 

@@ -1,10 +1,11 @@
 """The one place that picks the kernels: Triton on CUDA, fast plain-PyTorch ops on CPU, or the references.
 
 The engine asks once, `ops = select_ops(backend, device, head_dim)`, then calls `ops.paged_attention(...)`,
-`ops.store_kv(...)`, `ops.rms_norm(...)`, `ops.add_rms_norm(...)`, `ops.qk_norm_rope(...)`, `ops.swiglu(...)` and,
-for FP8 checkpoints, `ops.fp8_linear(...)`; every set takes the same arguments and gives the same results, but
-for `fp8_linear` where a device has no FP8 tensor cores: there the weight is dequantized for each matmul and the
-activations stay unquantized (`kernels.fp8_gemm.dequant_linear`). Three sets exist: the Triton kernels, their
+`ops.store_kv(...)`, `ops.rms_norm(...)`, `ops.add_rms_norm(...)`, `ops.qk_norm_rope(...)`, `ops.swiglu(...)`,
+`ops.fused_moe(...)` (a mixture-of-experts layer's experts) and, for FP8 checkpoints, `ops.fp8_linear(...)`;
+every set takes the same arguments and gives the same results, but for `fp8_linear` where a device has no FP8
+tensor cores: there the weight is dequantized for each matmul and the activations stay unquantized
+(`kernels.fp8_gemm.dequant_linear`). Three sets exist: the Triton kernels, their
 PyTorch references (the readable ground truth) and `kernels.torch_ops` (the references organised for speed,
 for CPUs). Importing this module imports no Triton: ask for the ops at run time, not at import time, since
 Triton's interpreter mode (tests) is fixed when Triton is first imported.
@@ -27,11 +28,12 @@ class Ops:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     swiglu: Callable[..., torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]
     fp8_linear: Callable[..., torch.Tensor]
 
 
 def reference_ops() -> Ops:
-    from kernels import attention_ref, fp8_gemm, qk_norm_rope, rms_norm, swiglu
+    from kernels import attention_ref, fp8_gemm, fused_moe_ref, qk_norm_rope, rms_norm, swiglu
 
     return Ops(
         backend="reference",
@@ -41,6 +43,7 @@ def reference_ops() -> Ops:
         add_rms_norm=rms_norm.add_rms_norm_ref,
         qk_norm_rope=qk_norm_rope.qk_norm_rope_ref,
         swiglu=swiglu.swiglu_ref,
+        fused_moe=fused_moe_ref.fused_moe_ref,
         fp8_linear=fp8_gemm.fp8_linear_ref,
     )
 
@@ -48,7 +51,7 @@ def reference_ops() -> Ops:
 def triton_ops() -> Ops:
     """The Triton kernels. They take CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before
     Triton was first imported (Triton's interpreter: slow, for tests)."""
-    from kernels import attention, fp8_gemm, kv_store, qk_norm_rope, rms_norm, swiglu
+    from kernels import attention, fp8_gemm, fused_moe, kv_store, qk_norm_rope, rms_norm, swiglu
 
     return Ops(
         backend="triton",
@@ -58,6 +61,7 @@ def triton_ops() -> Ops:
         add_rms_norm=rms_norm.add_rms_norm,
         qk_norm_rope=qk_norm_rope.qk_norm_rope,
         swiglu=swiglu.swiglu,
+        fused_moe=fused_moe.fused_moe,
         fp8_linear=fp8_gemm.fp8_linear,
     )
 
@@ -82,8 +86,11 @@ def select_ops(backend: str, device: torch.device | str, head_dim: int, scaled_k
         return _fp8_for(ops, device)
     from kernels import fp8_gemm, torch_ops
 
+    # torch_ops' experts ask the host how many rows each expert has, which no CUDA graph can hold: on CUDA the
+    # experts run the Triton kernel whatever the other ops are (its shapes are not the attention kernels')
+    moe = triton_ops().fused_moe if torch.device(device).type == "cuda" else torch_ops.fused_moe
     fast = replace(ops, backend="torch", rms_norm=torch_ops.rms_norm, add_rms_norm=torch_ops.add_rms_norm,
-                   qk_norm_rope=torch_ops.qk_norm_rope, fp8_linear=fp8_gemm.dequant_linear)
+                   qk_norm_rope=torch_ops.qk_norm_rope, fused_moe=moe, fp8_linear=fp8_gemm.dequant_linear)
     if scaled_kv:  # the fast CPU attention reads unscaled caches only; the references dequantize fp8
         return fast
     return replace(fast, paged_attention=torch_ops.paged_attention, store_kv=torch_ops.store_kv)

@@ -2,7 +2,8 @@
 epilogue (Triton), and its PyTorch reference.
 
 The weight is the gate and up projections stacked, `w_gate_up = cat([gate, up]) [2 * intermediate, hidden]`,
-so each program reads the matching gate and up rows and never writes the two intermediate products.
+so each program reads the matching gate and up rows and never writes the two intermediate products. One tile
+of it (`swiglu_tile`) is what the experts' kernel (kernels.fused_moe) runs against each tile's expert.
 """
 
 from __future__ import annotations
@@ -26,6 +27,29 @@ def swiglu_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def swiglu_tile(x_rows, w, rows_ok, rn, N, K, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """`silu(x @ gate.T) * (x @ up.T)` for one tile, in float32: `x_rows` points at each row's first element
+    (`rows_ok` masks rows past the end), `rn` are the tile's columns of the stacked `w [2 * N, K]`."""
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_rows + rk[None, :]
+    gate_ptrs = w + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] of gate.T
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=rows_ok[:, None] & (rk[None, :] < k_left), other=0.0)
+        w_mask = (rk[:, None] < k_left) & (rn[None, :] < N)
+        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    return acc_gate * tl.sigmoid(acc_gate) * acc_up
+
+
+@triton.jit
 def _swiglu_kernel(
     x, w, out, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -36,22 +60,8 @@ def _swiglu_kernel(
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    gate_ptrs = w + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] of gate.T
-    up_ptrs = gate_ptrs + N * stride_wn
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
-        w_mask = (rk[:, None] < k_left) & (rn[None, :] < N)
-        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    result = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    result = swiglu_tile(x + rm.to(tl.int64)[:, None] * stride_xm, w, rm < M, rn, N, K, stride_wn,
+                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     o_ptrs = out + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 

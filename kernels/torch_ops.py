@@ -9,6 +9,10 @@ Its speed comes from what the engine guarantees, that pools start zeroed and onl
 masked key needs no scrubbing (its weight is exactly zero); from gathering blocks as whole rows with
 `index_select`; and from shaping every SDPA call so that PyTorch picks its fused kernel. Decodes attend in one
 batched call (a sliding window gathers only the blocks it can see); prefill chunks go one sequence at a time.
+
+A mixture-of-experts layer sorts its (token, expert) pairs by expert, as the Triton kernel does, and runs each
+expert that any token chose as two matmuls over its own rows: a step costs what its chosen experts cost, and
+never asks an expert no token chose for its tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_ref import visible
+from kernels.fused_moe_ref import expert_mlp
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,3 +122,22 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
     k_pos = torch.arange(first * block_size, longest, device=q.device)
     mask = visible(lens - 1, k_pos, window, sinks, stride)  # [B, L]
     return decode_attention(q, k, v, mask[:, None, None, :], scale)
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # the pairs by expert
+    tokens = order // ids.shape[1]
+    scale = weights.flatten()[order, None]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
+        if count:
+            # each expert's rows gathered, computed and added while they are in cache, in the reference's order
+            end = start + count
+            rows = tokens[start:end]
+            part = expert_mlp(x.index_select(0, rows), w_gate_up[expert], w_down[expert])
+            out.index_add_(0, rows, part.mul_(scale[start:end]))
+            start = end
+    return out

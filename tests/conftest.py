@@ -16,9 +16,11 @@ from tests.api_keys import API_KEY
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Checkpoint folders by preset name: `tiny` (tied), `tiny-untied` (untied, GQA 1), `tiny-swa` (windows)."""
+    """Checkpoint folders by preset name: `tiny` (tied), `tiny-untied` (untied, GQA 1), `tiny-swa` (windows),
+    `tiny-moe` (Qwen3-MoE)."""
     root = tmp_path_factory.mktemp("models")
-    return {name: build_tiny_model(root / name, preset=name) for name in ("tiny", "tiny-untied", "tiny-swa")}
+    return {name: build_tiny_model(root / name, preset=name)
+            for name in ("tiny", "tiny-untied", "tiny-swa", "tiny-moe")}
 
 
 @pytest.fixture(scope="session")

@@ -66,11 +66,12 @@ def transformers_greedy(path: Path, prompts: list[list[int]], new_tokens: list[i
     return rows
 
 
-def assert_packed_logits_match(path: Path, reference: Path) -> None:
+def assert_packed_logits_match(path: Path, reference: Path | None = None) -> None:
     """Four sequences packed into one forward of the engine on `path` (the longest, 200 tokens, crosses the
-    tiny models' windows several times) give the logits transformers gives on `reference` for each alone."""
+    tiny models' windows several times) give the logits transformers gives (fp32) on `reference` (by default
+    the same folder) for each alone."""
     engine = make_engine(path, initial_blocks=32)
-    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(reference or path, dtype=torch.float32).eval()
     ids = dict(enumerate([*prompts(3, 5, 200, seed=1), *prompts(1, 200, 200, seed=2)]))
     for i, prompt in ids.items():
         engine.add_request(Request(str(i), prompt, greedy(1)))

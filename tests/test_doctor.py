@@ -10,7 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli.doctor import check_broker, check_compiler, check_database, check_device, check_model, quantization
+from cli.doctor import (
+    check_broker,
+    check_compiler,
+    check_database,
+    check_device,
+    check_engine,
+    check_model,
+    quantization,
+)
 from jobs.settings import Settings
 from worker.engine_factory import WorkerSettings
 
@@ -33,6 +41,15 @@ def test_doctor_passes_on_this_machine(service_env):
     assert "rms_norm on cpu" in out.stdout and "at migration" in out.stdout
     assert "(qwen3, 4 layers, " in out.stdout and "not quantized)" in out.stdout  # the family and quantization
     assert "GiB, KV budget " in out.stdout and "sequences at the full context" in out.stdout  # the memory plan
+
+
+def test_a_mixture_of_experts_folder_gets_its_family_and_a_memory_plan_counting_its_experts(tiny_models):
+    settings = WorkerSettings(model=str(tiny_models["tiny-moe"]))
+    model = check_model(settings)
+    assert model.ok and "(qwen3_moe, 4 layers, float32, not quantized)" in model.found
+    engine = check_engine(settings)  # the engine the worker builds, through engine.builder
+    assert engine.ok, engine.found
+    assert "GiB (0.02 GiB of them experts), KV budget " in engine.found  # 3 layers of 8 experts: 18.9 MB in fp32
 
 
 def test_each_failure_says_what_to_do(empty_database, tiny_model, tmp_path):

@@ -27,7 +27,7 @@ from tests.engine_helpers import (
     tight,
     transformers_greedy,
 )
-from tests.test_prefix_cache import converse
+from tests.test_prefix_cache import assert_reuse_gives_the_tokens_of_no_reuse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -58,7 +58,7 @@ def test_each_family_reads_its_switches(family_models, preset):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_packed_forward_logits_match_transformers(family_models, preset):
-    assert_packed_logits_match(family_models[preset], family_models[preset])
+    assert_packed_logits_match(family_models[preset])
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -76,13 +76,7 @@ def test_prefix_reuse_gives_the_tokens_of_no_reuse(family_models, tmp_path, pres
     # the prefix cache holds full-attention pools only: Mistral without a window (as v0.3 and later ship)
     path = (build_tiny_model(tmp_path / "full", preset=preset, sliding_window=None) if preset == "tiny-mistral"
             else family_models[preset])
-    system = prompts(1, 40, 40, seed=5)[0]
-    small = dict(kv_cache_memory=40 * rank_block_bytes(path), initial_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
-    reference = converse(make_engine(path, enable_prefix_cache=False, **small), system, 4, 5, seed=1)
-    engine = make_engine(path, **small)
-    assert converse(engine, system, 4, 5, seed=1) == reference
-    stats = engine.stats()
-    assert stats.prefix_cache_hit_tokens > 0.4 * stats.prefix_cache_queries_tokens
+    assert_reuse_gives_the_tokens_of_no_reuse(path, rank_block_bytes(path))
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-untied", "tiny-swa"])
 def test_packed_forward_logits_match_transformers(tiny_models, preset):
-    assert_packed_logits_match(tiny_models[preset], tiny_models[preset])
+    assert_packed_logits_match(tiny_models[preset])
 
 
 def test_config_forms(tmp_path, tiny_models):

@@ -1,17 +1,18 @@
-"""The engine on the Triton kernels (Triton's interpreter on CPU, fp32): greedy output equals the torch path's."""
+"""The engine on the Triton kernels (Triton's interpreter on CPU, fp32): greedy output equals the torch path's,
+for a dense model, a sliding-window one and a mixture of experts."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.interface import Request
-from kernels import attention, kv_store, qk_norm_rope, rms_norm, swiglu
+from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, swiglu
 from tests.engine_helpers import greedy, make_engine, prompts, run_all
 from tests.test_kernels_support import interpret_kernels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-interpreted_kernels = interpret_kernels(attention, kv_store, qk_norm_rope, rms_norm, swiglu)
+interpreted_kernels = interpret_kernels(attention, kv_store, qk_norm_rope, rms_norm, swiglu, fused_moe)
 
 # prompts longer than the windows (tiny-swa's 64, the policy's 32) and than one block, in two prefill chunks
 PROMPTS = prompts(2, 50, 90, seed=5)
@@ -34,7 +35,8 @@ def generate(path, backend: str, **settings) -> list[list[int]]:
     ("tiny", {}),
     # the model's sliding-window layers, and attention sinks on its full-attention layers
     ("tiny-swa", {"attention_policy": "streaming:32:4"}),
-], ids=["dense", "sliding-window-model-streaming"])
+    ("tiny-moe", {}),  # the experts' grouped kernels beside the dense MLP's
+], ids=["dense", "sliding-window-model-streaming", "mixture-of-experts"])
 def test_triton_greedy_matches_torch(tiny_models, preset, settings):
     path = tiny_models[preset]
     assert generate(path, "triton", **settings) == generate(path, "torch", **settings)

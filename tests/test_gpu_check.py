@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_dry_run_writes_one_report_with_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     # the slow parts (transformers' generate, the mixed-load phases) run in `--dry-run` without `--parts`
-    chosen = ["kernels", "decode_floor", "step_overhead", "graphs_identity", "memory", "fp8"]
+    chosen = ["kernels", "decode_floor", "step_overhead", "graphs_identity", "memory", "fp8", "moe_graphs"]
     assert gpu_check.main(["--dry-run", "--parts", ",".join(chosen), str(out)]) == 0
     parts = json.loads(out.read_text())["parts"]
     assert list(parts) == chosen
@@ -36,6 +36,8 @@ def test_dry_run_writes_one_report_with_every_part(tmp_path):
     fp8 = parts["fp8"]
     assert fp8["identical"] and fp8["fp8_linear"] == "dequant_linear" and fp8["projections_fp8_over_bf16"] < 0.51
     assert fp8["decode_8b"]["fp8"]["weights_bytes"] < fp8["decode_8b"]["bf16"]["weights_bytes"]
+    moe = parts["moe_graphs"]
+    assert moe["ok"] and moe["requests"] == 6 and 0 < moe["piece_graph_steps"] <= moe["steps"]
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):

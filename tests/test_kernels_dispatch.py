@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention, kv_store, qk_norm_rope, rms_norm, swiglu, torch_ops
+from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, swiglu, torch_ops
 from kernels.attention_ref import paged_attention_ref
 from kernels.dispatch import get_ops, reference_ops, select_ops, triton_ops
 from kernels.qk_norm_rope import rope_tables
 from tests.test_kernels_support import assert_close, interpret_kernels
 
-interpreted_kernels = interpret_kernels(attention, kv_store, rms_norm, qk_norm_rope, swiglu)
+interpreted_kernels = interpret_kernels(attention, kv_store, rms_norm, qk_norm_rope, swiglu, fused_moe)
 
 
 def test_cpu_and_forced_reference_get_the_reference():
@@ -27,6 +27,10 @@ def test_engine_backends_choose_their_ops_in_one_place():
     assert fp8.paged_attention is paged_attention_ref and fp8.rms_norm is torch_ops.rms_norm
     assert select_ops("auto", "cuda", head_dim=48).backend == "torch"  # no Triton kernel for this head size
     assert select_ops("triton", "cpu", head_dim=32).backend == "triton"
+    # experts: the grouped CPU version, and on CUDA the Triton kernel whatever the attention's shapes, since the
+    # CPU version's host sync could not sit in a CUDA graph
+    assert fast.fused_moe is torch_ops.fused_moe
+    assert select_ops("torch", "cuda", head_dim=48).fused_moe is fused_moe.fused_moe
 
 
 def _step(ops, caches, k_new, v_new, q, slots, cu, lens, tables, window):
@@ -57,6 +61,9 @@ def test_triton_ops_agree_with_reference_ops():
         q, k = torch.randn(3, heads, head_dim, generator=gen), torch.randn(3, kv_heads, head_dim, generator=gen)
         results.extend(ops.qk_norm_rope(q, k, weight[:head_dim], weight[-head_dim:], cos, sin, torch.tensor([0, 5, 31]), 1e-6))
         results.append(ops.swiglu(x, torch.randn(48, 32, generator=gen) / 6))
+        weights, ids = torch.randn(3, 4, generator=gen).softmax(-1).topk(2)
+        results.append(ops.fused_moe(x, torch.randn(4, 48, 32, generator=gen) / 6,
+                                     torch.randn(4, 32, 24, generator=gen) / 5, weights, ids))
         outputs[ops.backend] = results
     for ours, ref in zip(outputs["triton"], outputs["reference"], strict=True):
         assert_close(ours, ref)

@@ -5,6 +5,7 @@ sharing nothing, in either tier."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,18 @@ def converse(engine: LLMEngine, system: list[int], conversations: int, turns: in
             history[int(request.conversation_id[1:])] += reply
             replies.append(reply)
     return replies
+
+
+def assert_reuse_gives_the_tokens_of_no_reuse(path: Path, block_bytes: int) -> None:
+    """Four five-turn conversations on one system prompt, two at a time in a pool of 40 blocks of
+    `block_bytes`: the same replies with the prefix cache as without, most prompt tokens served from it."""
+    system = prompts(1, 40, 40, seed=5)[0]
+    small = dict(kv_cache_memory=40 * block_bytes, initial_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
+    reference = converse(make_engine(path, enable_prefix_cache=False, **small), system, 4, 5, seed=1)
+    engine = make_engine(path, **small)
+    assert converse(engine, system, 4, 5, seed=1) == reference
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens > 0.4 * stats.prefix_cache_queries_tokens
 
 
 def test_ten_turn_conversations_match_without_cache(tiny_model):

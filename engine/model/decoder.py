@@ -1,8 +1,9 @@
 """A decoder-only transformer from the shared layers: the model every family loads into.
 
-The forward is a chain of pieces, each everything between two attentions, so that CUDA graphs can replay the
-pieces (engine.model.cuda_graphs). Under tensor parallelism a rank's modules hold its slices and its shape
-(`rank_shape`) counts its own heads and MLP width; the LM head gathers the logits.
+A layer's MLP is dense, or a sparse mixture of experts (engine.model.moe) where the shape says so. The forward
+is a chain of pieces, each everything between two attentions, so that CUDA graphs can replay the pieces
+(engine.model.cuda_graphs). Under tensor parallelism a rank's modules hold its slices and its shape
+(`rank_shape`) counts its own heads and MLP widths; the LM head gathers the logits.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from engine.model.attention_batch import AttentionBatch
 from engine.model.layers import MLP, QKV, Attention, Embedding, Linear, RMSNorm, Rope
+from engine.model.moe import SparseMoE
 from engine.model.parallel import ALONE, Split, all_reduce, gather_columns
 from engine.model.shape import ModelShape
 from kernels.dispatch import Ops
@@ -21,13 +23,13 @@ from kernels.qk_norm_rope import rope_tables
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, ops: Ops, split: Split) -> None:
+    def __init__(self, shape: ModelShape, ops: Ops, split: Split, index: int) -> None:
         super().__init__()
         self.split = split
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
         self.self_attn = Attention(shape, ops, split)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
-        self.mlp = MLP(shape, ops, split)
+        self.mlp = SparseMoE(shape, ops, split) if shape.sparse(index) else MLP(shape, ops, split)
 
     # A layer is split at its attention, whose work depends on the batch's sequences and not only on its token
     # count; the rest is row by row. Residual adds are deferred into the next norm (one fused kernel on GPU).
@@ -47,7 +49,7 @@ class DecoderModel(nn.Module):
     def __init__(self, shape: ModelShape, ops: Ops, split: Split) -> None:
         super().__init__()
         self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size, split)
-        self.layers = nn.ModuleList(DecoderLayer(shape, ops, split) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(shape, ops, split, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, rope: Rope, batch: AttentionBatch) -> torch.Tensor:

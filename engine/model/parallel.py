@@ -1,11 +1,12 @@
 """Tensor parallelism inside the model: which slice of each weight a rank holds, and the collectives between ranks.
 
 With N ranks (Megatron's split, as vLLM and nano-vllm do it) each rank holds 1/N of the attention heads (its
-q/k/v rows and o_proj columns: column- then row-parallel), 1/N of the MLP (gate/up rows, down columns) and 1/N
-of the vocabulary (embedding and LM head rows). A layer's attention and MLP each end in one all-reduce of the
-hidden states; the embedding in one all-reduce (a token's row lives on one rank, the others add zeros); the LM
-head's logits are gathered. With more ranks than KV heads, each KV head is held by N / kv_heads ranks
-(replicated, as vLLM does), so a rank's query heads always find their KV head locally.
+q/k/v rows and o_proj columns: column- then row-parallel), 1/N of the MLP (gate/up rows, down columns), 1/N
+of every expert's MLP likewise (each rank holds every expert and the whole router, so all ranks route alike)
+and 1/N of the vocabulary (embedding and LM head rows). A layer's attention and MLP (dense or experts) each
+end in one all-reduce of the hidden states; the embedding in one all-reduce (a token's row lives on one rank,
+the others add zeros); the LM head's logits are gathered. With more ranks than KV heads, each KV head is held
+by N / kv_heads ranks (replicated, as vLLM does), so a rank's query heads always find their KV head locally.
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ class Split:
 ALONE = Split()  # one rank: no parallelism
 
 
-def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, world: int) -> None:
-    """Refuses a model that `world` ranks cannot split evenly, naming the numbers."""
+def check_split(num_heads: int, num_kv_heads: int, mlp_widths: dict[str, int], vocab_size: int, world: int) -> None:
+    """Refuses a model that `world` ranks cannot split evenly, naming the numbers. `mlp_widths`: each MLP
+    width the model uses, by name (the dense MLP's, an expert's)."""
     problems = []
     if num_heads % world:
         problems.append(f"its {num_heads} attention heads")
     if num_kv_heads % world and world % num_kv_heads:
         problems.append(f"its {num_kv_heads} KV heads (nor does {world} split into them)")
-    if intermediate_size % world:
-        problems.append(f"its MLP width {intermediate_size}")
+    problems += [f"its {name} {width}" for name, width in mlp_widths.items() if width % world]
     if vocab_size % world:
         problems.append(f"its vocabulary of {vocab_size}")
     if problems:

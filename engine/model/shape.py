@@ -14,6 +14,18 @@ from kernels.qk_norm_rope import Llama3Rope, Yarn
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The experts of a mixture-of-experts model (Qwen3-MoE): which layers route to them instead of the dense
+    MLP, and how."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's MLP width
+    norm_topk_prob: bool  # a token's top-k weights renormalized to sum to one
+    sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
+
+
+@dataclass(frozen=True)
 class ModelShape:
     vocab_size: int
     hidden_size: int
@@ -33,17 +45,34 @@ class ModelShape:
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     family: str = "qwen3"  # config.json's model_type, for reports
     fp8: bool = False  # the layers' projections are fp8 with a scale per 128x128 block (engine.model.fp8)
+    moe: MoEShape | None = None  # None: every layer's MLP is dense
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` routes to experts."""
+        return self.moe is not None and self.moe.sparse[layer]
+
+    def mlp_widths(self) -> dict[str, int]:
+        """The MLP widths some layer uses, by name: the dense MLP's and each expert's."""
+        sparse = [self.sparse(i) for i in range(self.num_layers)]
+        widths = {}
+        if not all(sparse):
+            widths["MLP width"] = self.intermediate_size
+        if any(sparse):
+            widths["expert width"] = self.moe.intermediate_size
+        return widths
 
 
 def rank_shape(shape: ModelShape, split: Split) -> ModelShape:
-    """What one of `split.world` ranks computes: its share of the heads and of the MLP (the vocabulary and the
-    hidden size stay whole: the embedding and the LM head split their rows themselves)."""
+    """What one of `split.world` ranks computes: its share of the heads, of the MLP and of every expert's MLP
+    (the vocabulary and the hidden size stay whole: the embedding and the LM head split their rows themselves;
+    every rank holds every expert and the whole router)."""
     if not split.parallel:
         return shape
-    check_split(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.vocab_size, split.world)
+    check_split(shape.num_heads, shape.num_kv_heads, shape.mlp_widths(), shape.vocab_size, split.world)
+    moe = shape.moe and replace(shape.moe, intermediate_size=shape.moe.intermediate_size // split.world)
     ranked = replace(shape, num_heads=shape.num_heads // split.world,
                      num_kv_heads=kv_heads_per_rank(shape.num_kv_heads, split.world),
-                     intermediate_size=shape.intermediate_size // split.world)
+                     intermediate_size=shape.intermediate_size // split.world, moe=moe)
     if shape.fp8:
         d = shape.head_dim
         check_block_split(split.world, {

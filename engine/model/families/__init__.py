@@ -14,10 +14,12 @@ from engine.model.families.llama import llama_shape, mistral_shape
 from engine.model.families.quantization import reads_fp8
 from engine.model.families.qwen2 import qwen2_shape
 from engine.model.families.qwen3 import qwen3_shape
+from engine.model.families.qwen3_moe import qwen3_moe_shape
 from engine.model.shape import ModelShape
 
 FAMILIES: dict[str, Callable[[str | Path, dict], ModelShape]] = {
     "qwen3": qwen3_shape,
+    "qwen3_moe": qwen3_moe_shape,
     "qwen2": qwen2_shape,
     "llama": llama_shape,
     "mistral": mistral_shape,
@@ -32,4 +34,9 @@ def read_shape(model_path: str | Path) -> ModelShape:
     if model_type not in FAMILIES:
         raise refuse(model_path, f"model_type {model_type!r} is not supported; supported are "
                                  f"{', '.join(sorted(FAMILIES))}")
-    return replace(FAMILIES[model_type](model_path, c), fp8=reads_fp8(model_path, c))
+    shape = FAMILIES[model_type](model_path, c)
+    fp8 = reads_fp8(model_path, c)
+    if fp8 and shape.moe is not None:
+        raise refuse(model_path, "FP8 mixture-of-experts checkpoints are not supported; FP8 is supported for dense "
+                                 "models")
+    return replace(shape, fp8=fp8)

@@ -26,6 +26,13 @@ def refuse(model_path: str | Path, what: str) -> ValueError:
     return ValueError(f"{Path(model_path) / 'config.json'}: {what}")
 
 
+def no_bias(model_path: str | Path, c: dict, *fields: str) -> None:
+    """Refuses a config that gives the projections `fields` name a bias, which ours do not add."""
+    for field in fields:
+        if c.get(field):
+            raise refuse(model_path, f"{field}: true is not supported; the projections have no bias")
+
+
 def _yarn(c: dict, rope: dict) -> Yarn:
     """The YaRN parameters, each defaulted as transformers' configs and `_compute_yarn_parameters` do."""
     # transformers prefers a top-level original_max_position_embeddings (Phi3's layout) to the rope dict's

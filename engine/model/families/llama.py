@@ -5,23 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.model.families.common import base_shape, refuse
+from engine.model.families.common import base_shape, no_bias, refuse
 from engine.model.shape import ModelShape
 
 
-def _no_biases(model_path: str | Path, c: dict) -> None:
-    for field in ("attention_bias", "mlp_bias"):
-        if c.get(field):
-            raise refuse(model_path, f"{field}: true is not supported; the projections have no bias")
-
-
 def llama_shape(model_path: str | Path, c: dict) -> ModelShape:
-    _no_biases(model_path, c)
+    no_bias(model_path, c, "attention_bias", "mlp_bias")
     return base_shape(model_path, c, (0,) * c["num_hidden_layers"], qk_norm=False)
 
 
 def mistral_shape(model_path: str | Path, c: dict) -> ModelShape:
-    _no_biases(model_path, c)
+    no_bias(model_path, c, "attention_bias", "mlp_bias")
     if c.get("layer_types"):
         raise refuse(model_path, "layer_types is not supported for model_type 'mistral' (Ministral's alternating "
                                  "attention); every layer follows sliding_window")
