@@ -63,7 +63,9 @@ def service_env(settings: Settings, model: Path, metrics_port: int, engine_proce
     return {"CONVOQ_DATABASE_URL": settings.database_url.get_secret_value(),
             "CONVOQ_BROKER_URL": settings.broker_url.get_secret_value(),
             "CONVOQ_MODEL": str(model), "CONVOQ_API_KEYS": KEY, "CONVOQ_WORKER_METRICS_PORT": str(metrics_port),
-            "CONVOQ_ENGINE_PROCESS": str(engine_process).lower()}
+            "CONVOQ_ENGINE_PROCESS": str(engine_process).lower(),
+            # the worker's counters are read before and after each batch: fresh each time
+            "CONVOQ_METRICS_REFRESH_S": "0.2"}
 
 
 def run_batch(client: Client, lines: list[dict], settings: Settings) -> tuple[float, int]:

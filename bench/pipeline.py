@@ -207,6 +207,8 @@ def run(n_jobs: int, max_new_tokens: int, concurrency: int, rate: float, preset:
         "CONVOQ_MODEL": str(model),
         "CONVOQ_API_KEYS": KEY,
         "CONVOQ_WORKER_METRICS_PORT": str(metrics_port),
+        # the worker's figures are read before and after each burst, a few seconds long: fresh each time
+        "CONVOQ_METRICS_REFRESH_S": "0.2",
     }
     jobs = [JobIn(messages=[{"role": "user", "content": f"Where is my order {i}? It is late."}], priority=i % 10,
                   sampling={"max_new_tokens": max_new_tokens}) for i in range(n_jobs)]
