@@ -10,6 +10,7 @@ from engine.attention_policy import parse_policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+SPECULATIVE = ("off", "ngram")  # `speculative`, and a request's `SamplingParams.speculative`
 
 
 def model_dtype(name: str, device: str) -> torch.dtype:
@@ -89,6 +90,16 @@ class EngineConfig:
     grammar_compile_s: float = 30.0
     # compiled grammars kept for reuse, in bytes (a grammar is a few KB to tens of MB for a 150k vocabulary)
     grammar_cache_bytes: int = 1 << 30
+    # Draft-free speculative decoding (engine.core.drafts): "ngram" lets a decoding request carry draft tokens,
+    # the text its grammar forces next and tokens copied from after an earlier occurrence of its last
+    # `speculative_ngram_min`..`speculative_ngram_max` tokens (prompt and output), up to `speculative_tokens`
+    # of them, which one forward verifies; each step proposes only the drafts its fitted cost says are worth it.
+    # "off": never. A request's `SamplingParams.speculative` overrides it. The service sets it
+    # (CONVOQ_SPECULATIVE, jobs.settings); the other three are knobs.
+    speculative: str = "ngram"
+    speculative_tokens: int = 8
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
     # The most alternatives a request may ask the log-probabilities of (`SamplingParams.logprobs`); None: up to
     # the vocabulary. Not a knob: the service passes its contract's bound.
     max_logprobs: int | None = None
@@ -112,6 +123,11 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected 'auto' or one of {sorted(DTYPES)}")
         if self.tensor_parallel < 1:
             raise ValueError("tensor_parallel must be at least 1")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"unknown speculative {self.speculative!r}; expected one of {list(SPECULATIVE)}")
+        if self.speculative_tokens < 1 or not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("speculative_tokens must be at least 1, and 1 <= speculative_ngram_min <= "
+                             "speculative_ngram_max")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
         # both raise on a value they do not know

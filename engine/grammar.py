@@ -9,6 +9,11 @@ grammars are kept in an LRU keyed by the spec, bounded by their bytes (a few KB 
 vocabulary), so a schema seen before costs a lookup. Each step, the loop fills the bitmasks of the rows that
 sample under a grammar in one batched call (`masks`), which the sampler applies to the logits on their device
 before penalties; rows without a grammar pay nothing.
+
+For speculation (engine.core.drafts) a matcher proposes the tokens of the text its grammar forces next (`forced`:
+xgrammar's jump-forward tokens, read without filling a mask; where the forced text is empty, in a string's free
+text, the check costs a microsecond) and checks drafts (`valid`); a row with drafts has a mask per position,
+each filled after its drafts before it are accepted, and the matcher rolled back after.
 """
 
 from __future__ import annotations
@@ -117,9 +122,38 @@ class Grammars:
         """A fresh matcher for `spec`."""
         return xgr.GrammarMatcher(self.compiled(spec))
 
-    def masks(self, num_rows: int, rows: list[int], matchers: list[xgr.GrammarMatcher]) -> TokenMasks:
-        """The next-token bitmasks of `matchers`, those of sample rows `rows` out of `num_rows`, filled in one
-        call (the rows of the others are left as they are: the sampler never reads them)."""
+    def masks(self, num_rows: int, rows: list[int], matchers: list[xgr.GrammarMatcher],
+              walks: list[tuple[int, xgr.GrammarMatcher, list[int]]] = ()) -> TokenMasks:
+        """The next-token bitmasks of `matchers`, those of sample positions `rows` out of `num_rows`, filled in
+        one call (the rows of the others are left as they are: the sampler never reads them). `walks` holds (row,
+        its matcher, drafts) for those of `rows` with drafts: the positions after such a row are its drafts',
+        each masked as the matcher stands once the drafts before it are accepted."""
         bitmask = torch.empty((num_rows, self.words), dtype=torch.int32)
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return TokenMasks(rows, bitmask)
+        drafted = []
+        for row, matcher, drafts in walks:
+            for j, token in enumerate(drafts, 1):
+                matcher.accept_token(token)
+                matcher.fill_next_token_bitmask(bitmask, row + j)
+                drafted.append(row + j)
+            matcher.rollback(len(drafts))
+        return TokenMasks(rows + drafted, bitmask)
+
+    def forced(self, matcher: xgr.GrammarMatcher, limit: int) -> list[int]:
+        """At most `limit` tokens of the text the grammar forces next: where it allows a single token, that one;
+        where the forced text splits into tokens more than one way, the longest tokens (xgrammar's jump-forward
+        tokens), which a model writes the way its tokenizer would."""
+        if limit <= 0 or not matcher.find_jump_forward_string():
+            return []
+        return matcher.find_jump_forward_tokens()[:limit]
+
+    def valid(self, matcher: xgr.GrammarMatcher, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts in turn; the matcher is left as it was."""
+        accepted = 0
+        for token in tokens:
+            if not matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return accepted

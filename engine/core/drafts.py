@@ -1,0 +1,91 @@
+"""Which draft tokens a decoding sequence carries into a step, where one forward verifies them all.
+
+A decode row that carries k drafts becomes a row of 1 + k tokens whose every position samples; the tokens it
+keeps are those sampled up to the first that differs from the draft before it (`engine.model.acceptance`),
+so the output is what decoding one token a step gives, and a step yields up to k + 1 tokens of the sequence.
+
+Drafts cost no model of their own:
+
+- the tokens its grammar forces next (`GrammarDrafts.forced`: a JSON key, a brace, the tail of an enum's value),
+  certain where the grammar allows a single token;
+- then tokens copied from after the last earlier occurrence of its last few tokens (`engine.core.ngram`), each
+  accepted with a chance this sequence's record estimates.
+
+Whether a draft is worth its place is the step cost's call (`engine.core.step_cost`): a token the step yields
+costs the step's time over the tokens it yields; a draft token costs the fit's per-token time. The j-th n-gram
+draft is proposed while its chance of being reached and accepted (the record's rate to the power j) times the
+first exceeds the second: on a small step almost every match is worth it, while a large batch, whose step time a
+few more tokens per row raises in proportion, proposes nothing, as vLLM turns drafting off past a batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from engine.core.sequence import Sequence
+from engine.core.step_cost import StepCost, Work
+
+DECAY = 0.8  # a verified step's weight in a sequence's record against the one before it
+PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0  # a new sequence's n-gram drafts are accepted half the time
+
+
+class GrammarDrafts(Protocol):
+    """What drafting asks of a sequence's grammar matcher (`engine.grammar.Grammars`)."""
+
+    def forced(self, matcher: object, limit: int) -> list[int]:
+        """At most `limit` tokens of the text the grammar forces next."""
+
+    def valid(self, matcher: object, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts in turn (the matcher left as it was)."""
+
+
+def token_value(cost: StepCost, work: Work, rows: int) -> float:
+    """What a token the planned step yields costs (its predicted time over its `rows` sampling rows), over what
+    one more token of it costs: a draft accepted with a chance above 1 / this is worth proposing."""
+    per_token = cost.predict(Work(work.prefill_tokens + 1, work.decode_rows, work.decode_longest)) - cost.predict(work)
+    return cost.predict(work) / max(rows, 1) / max(per_token, 1e-12)
+
+
+class Drafter:
+    def __init__(self, grammar: GrammarDrafts | None, stop_ids: set[int], think_close: int | None) -> None:
+        self.grammar = grammar
+        self.stop_ids = stop_ids
+        self.think_close = think_close
+
+    def acceptance(self, seq: Sequence) -> float:
+        """The chance an n-gram draft of `seq` is accepted, given the ones before it were."""
+        return (seq.draft_hits + PRIOR_HITS) / (seq.draft_tries + PRIOR_TRIES)
+
+    def propose(self, seq: Sequence, cap: int, value: float) -> list[int]:
+        """Up to `cap` drafts for `seq` (its last token not yet computed), those the grammar forces first;
+        `value` is `token_value` of the step. Sets `seq.forced`."""
+        constrained = seq.matcher is not None and seq.constrained
+        drafts = self.grammar.forced(seq.matcher, cap) if constrained and self.grammar is not None else []
+        seq.forced = len(drafts)
+        worth = math.floor(math.log(value) / -math.log(self.acceptance(seq)))
+        more = seq.ngram.propose(seq.token_ids, drafts, min(cap - len(drafts), worth))
+        drafts += self._before_an_end(seq, more)
+        if constrained and self.grammar is not None and drafts:
+            drafts = drafts[:self.grammar.valid(seq.matcher, drafts)]
+        return drafts
+
+    def _before_an_end(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """`tokens` up to a stop token, and up to a `</think>` where a grammar waits for it: a draft after either
+        would be sampled as if nothing had ended, and the sampled end itself closes the step's row anyway."""
+        ends = set() if seq.params.ignore_eos else self.stop_ids
+        if seq.matcher is not None and not seq.constrained and self.think_close is not None:
+            ends = ends | {self.think_close}
+        for i, t in enumerate(tokens):
+            if t in ends:
+                return tokens[:i]
+        return tokens
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Fold a verified row into `seq`'s record: of its `drafted` drafts (`seq.forced` of them forced, first)
+        `accepted` were. Only n-gram drafts count, and only those reached."""
+        ngram = drafted - seq.forced
+        hits = max(0, accepted - seq.forced)
+        tries = min(ngram, hits + 1) if accepted >= seq.forced else 0
+        seq.draft_hits = DECAY * seq.draft_hits + hits
+        seq.draft_tries = DECAY * seq.draft_tries + tries
