@@ -5,8 +5,10 @@ tokens after an earlier occurrence of the output's last few tokens are often the
 `min_n`-gram of the sequence (prompt and output) to where it last ended, and chains every end to the end before
 it of the same n-gram, so a lookup reads the most recent occurrences first without scanning the history. Of
 those it keeps the one whose match, extended backwards, is longest (up to `max_n` tokens; the most recent on a
-tie) and proposes the tokens that followed it. The index is brought up to date as it is read, a token at a time,
-so a step that proposes nothing pays nothing for the tokens it did not look at.
+tie) and proposes the tokens that followed it; where those run into the end of the sequence (a loop: its last
+tokens repeat what came just before them) the proposal goes on repeating that period. The index is brought up
+to date as it is read, a token at a time, so a step that proposes nothing pays nothing for the tokens it did
+not look at.
 """
 
 from __future__ import annotations
@@ -65,4 +67,11 @@ class NgramIndex:
                 if length == len(tail):
                     break
             end = self.before[end]
-        return tokens[best:best + k] if best >= 0 else []
+        if best < 0:
+            return []
+        n, m = len(tokens), len(extra)
+        proposed = tokens[best:best + k]
+        for i in range(len(proposed), k):  # past the end: the same period again
+            at = best + i
+            proposed.append(extra[at - n] if at < n + m else proposed[at - n - m])
+        return proposed
