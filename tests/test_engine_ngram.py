@@ -63,16 +63,29 @@ def test_proposals_are_those_of_a_scan_of_the_whole_history(min_n, max_n):
             assert index.propose(tokens, extra, k) == brute_force(tokens, extra, k, min_n, max_n)
 
 
-def test_a_lookup_reads_only_the_tokens_added_since_the_last(monkeypatch):
+class CountingTokens(list):
+    """A sequence's tokens that count the reads of single positions and of slices."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(tokens)
+        self.read = 0
+
+    def __getitem__(self, at):
+        self.read += 1
+        return super().__getitem__(at)
+
+
+def test_a_lookup_reads_only_the_tokens_added_since_the_last():
+    tokens = CountingTokens(random.Random(1).randrange(50) for _ in range(5000))
     index = NgramIndex(2, 4)
-    tokens = [random.Random(1).randrange(50) for _ in range(5000)]
     index.update(tokens)
-    keyed = []
-    key = NgramIndex._key
-    monkeypatch.setattr(NgramIndex, "_key", lambda self, t, end: keyed.append(end) or key(self, t, end))
+    assert tokens.read == 4998  # a slice for each position but the first two
+    tokens.read = 0
     tokens.append(7)
     index.propose(tokens, [], 4)
-    assert len(keyed) == 2 and keyed[0] == 5000  # the new position, then the lookup: the 5,000 before are not read
+    # the new position, the last tokens, at most `CANDIDATES` matches compared back three tokens each, and what
+    # followed the best: the 5,000 tokens before are not read again
+    assert tokens.read <= 1 + 1 + CANDIDATES * 3 + 1
 
 
 def test_bounds_are_checked():
@@ -119,7 +132,27 @@ def test_a_sequences_record_sets_how_many_ngram_drafts_are_worth_proposing():
     for _ in range(20):
         drafter.record(seq, 6, 0)  # the first rejected each time
     assert drafter.propose(seq, 8, 3.0) == []
-    seq.forced = 2  # forced drafts are not the n-grams' record: two forced accepted, then the first n-gram rejected
-    hits, tries = seq.draft_hits, seq.draft_tries
+    seq.forced = 2  # each kind its own record: two forced drafts accepted, then the first n-gram draft rejected
+    copied, forced = (seq.copied_record.hits, seq.copied_record.tries), (seq.forced_record.hits, seq.forced_record.tries)
     drafter.record(seq, 5, 2)
-    assert (seq.draft_hits, seq.draft_tries) == pytest.approx((0.8 * hits, 0.8 * tries + 1))
+    assert (seq.copied_record.hits, seq.copied_record.tries) == pytest.approx((0.8 * copied[0], 0.8 * copied[1] + 1))
+    assert (seq.forced_record.hits, seq.forced_record.tries) == pytest.approx((0.8 * forced[0] + 2, 0.8 * forced[1] + 2))
+    seq.forced = 3  # the second of three forced drafts rejected: the n-gram drafts after it were never reached
+    drafter.record(seq, 6, 1)
+    assert seq.forced_record.tries == pytest.approx(0.8 * (0.8 * forced[1] + 2) + 2)
+    assert seq.copied_record.tries == pytest.approx(0.8 * copied[1] + 1)  # unchanged: nothing it can tell
+
+
+def test_a_sequence_with_nothing_to_copy_looks_up_less_and_less_often(monkeypatch):
+    drafter = Drafter(None, set(), None)
+    seq = sequence(list(range(100, 140)))  # nothing repeats
+    lookups = []
+    propose = NgramIndex.propose
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, *a: lookups.append(1) or propose(self, *a))
+    for token in range(200, 300):  # a hundred steps of output that repeats nothing
+        assert drafter.propose(seq, 8, 100.0) == []
+        seq.token_ids.append(token)
+    assert len(lookups) < 20  # waits of 1, 2, ... 8 steps between lookups after each miss
+    seq.token_ids += seq.token_ids[-6:]  # now it repeats itself: drafts again within the longest wait
+    found = [drafter.propose(seq, 8, 100.0) for _ in range(9)]
+    assert any(found)

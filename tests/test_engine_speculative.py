@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.draft_record import Record
 from engine.interface import Request, SamplingParams
 from engine.runtime.engine_thread import EngineThread
 from jobs.schemas import JobIn
@@ -57,10 +58,16 @@ def run(engine, requests: list[Request], reference: dict | None = None, wrong: i
         engine.add_request(request)
         seq = engine._seqs[request.request_id]
         if reference is not None and seq.ngram is not None:
-            seq.ngram = Oracle(seq.num_prompt_tokens, reference[request.request_id], wrong)
-    if reference is not None and trusted:
-        engine.scheduler.drafter.acceptance = lambda seq: 0.95
+            oracle(seq, reference[request.request_id], wrong, trusted)
     return run_all(engine, [], check)
+
+
+def oracle(seq, reference: list[int], wrong: int, trusted: bool = True) -> None:
+    """`seq`'s n-gram drafts from an `Oracle`; `trusted`: its record says they are accepted 95 times in 100, so
+    that every one it offers is worth proposing."""
+    seq.ngram = Oracle(seq.num_prompt_tokens, reference, wrong)
+    if trusted:
+        seq.copied_record = Record(95.0, 100.0)
 
 
 def outcome(done: dict) -> dict:
@@ -205,9 +212,7 @@ def test_a_cancel_between_steps_keeps_the_tokens_that_stood(tiny_model):
     requests = greedy_requests()
     for request in requests:
         engine.add_request(request)
-        seq = engine._seqs[request.request_id]
-        seq.ngram = Oracle(seq.num_prompt_tokens, reference[request.request_id], wrong=3)
-    engine.scheduler.drafter.acceptance = lambda seq: 0.95
+        oracle(engine._seqs[request.request_id], reference[request.request_id], wrong=3)
     done = {}
     for _ in range(6):
         done.update((c.request_id, c) for c in engine.step())
@@ -414,9 +419,7 @@ def test_sampling_with_drafts_draws_from_the_models_distribution(tiny_model):
     samples = 4000
     for i in range(samples):
         engine.add_request(Request(str(i), [CHAIN[0]], SamplingParams(4, temperature=1.0, ignore_eos=True)))
-        seq = engine._seqs[str(i)]
-        seq.ngram = Oracle(1, [CHAIN[i % 6], CHAIN[i // 6 % 6], CHAIN[i // 36 % 6]], wrong=10**9)
-    engine.scheduler.drafter.acceptance = lambda seq: 0.95
+        oracle(engine._seqs[str(i)], [CHAIN[i % 6], CHAIN[i // 6 % 6], CHAIN[i // 36 % 6]], wrong=10**9)
     done = [c.token_ids for c in run_all(engine, []).values()]
     index = {token: i for i, token in enumerate(CHAIN)}
     marginal = TRANSITIONS[0]  # of the first token, which follows the prompt's

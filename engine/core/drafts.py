@@ -6,28 +6,27 @@ so the output is what decoding one token a step gives, and a step yields up to k
 
 Drafts cost no model of their own:
 
-- the tokens its grammar forces next (`GrammarDrafts.forced`: a JSON key, a brace, the tail of an enum's value),
-  certain where the grammar allows a single token;
-- then tokens copied from after the last earlier occurrence of its last few tokens (`engine.core.ngram`), each
-  accepted with a chance this sequence's record estimates.
+- the tokens of the text its grammar forces next (`GrammarDrafts.forced`: a JSON key, a brace, the tail of an
+  enum's value), certain where the grammar allows a single token, and where it allows several ways to split
+  the text the longest tokens, which a model writes the way its tokenizer would;
+- then tokens copied from after the last earlier occurrence of its last few tokens (`engine.core.ngram`).
 
 Whether a draft is worth its place is the step cost's call (`engine.core.step_cost`): a token the step yields
-costs the step's time over the tokens it yields; a draft token costs the fit's per-token time. The j-th n-gram
-draft is proposed while its chance of being reached and accepted (the record's rate to the power j) times the
-first exceeds the second: on a small step almost every match is worth it, while a large batch, whose step time a
-few more tokens per row raises in proportion, proposes nothing, as vLLM turns drafting off past a batch size.
+costs the step's time over the tokens it yields; a draft token costs the fit's per-token time. The j-th draft of
+a kind is proposed while its chance of being reached and accepted (`engine.core.draft_record`: the sequence's own
+record of that kind) times the first exceeds the second: on a small step almost every match is worth it, while a
+large batch, whose step time a few more tokens per row raises in proportion, proposes nothing, as vLLM turns
+drafting off past a batch size.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 from engine.core.sequence import Sequence
 from engine.core.step_cost import StepCost, Work
 
-DECAY = 0.8  # a verified step's weight in a sequence's record against the one before it
-PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0  # a new sequence's n-gram drafts are accepted half the time
+MAX_WAIT = 8  # the most steps a sequence whose lookups keep finding nothing skips between two
 
 
 class GrammarDrafts(Protocol):
@@ -53,22 +52,32 @@ class Drafter:
         self.stop_ids = stop_ids
         self.think_close = think_close
 
-    def acceptance(self, seq: Sequence) -> float:
-        """The chance an n-gram draft of `seq` is accepted, given the ones before it were."""
-        return (seq.draft_hits + PRIOR_HITS) / (seq.draft_tries + PRIOR_TRIES)
-
     def propose(self, seq: Sequence, cap: int, value: float) -> list[int]:
         """Up to `cap` drafts for `seq` (its last token not yet computed), those the grammar forces first;
         `value` is `token_value` of the step. Sets `seq.forced`."""
-        constrained = seq.matcher is not None and seq.constrained
-        drafts = self.grammar.forced(seq.matcher, cap) if constrained and self.grammar is not None else []
+        constrained = seq.matcher is not None and seq.constrained and self.grammar is not None
+        limit = min(cap, seq.forced_record.worth(value)) if constrained else 0
+        drafts = self.grammar.forced(seq.matcher, limit) if limit > 0 else []
         seq.forced = len(drafts)
-        worth = math.floor(math.log(value) / -math.log(self.acceptance(seq)))
-        more = seq.ngram.propose(seq.token_ids, drafts, min(cap - len(drafts), worth))
+        more = self._copied(seq, drafts, min(cap - len(drafts), seq.copied_record.worth(value)))
         drafts += self._before_an_end(seq, more)
         if constrained and self.grammar is not None and drafts:
             drafts = drafts[:self.grammar.valid(seq.matcher, drafts)]
         return drafts
+
+    def _copied(self, seq: Sequence, drafts: list[int], k: int) -> list[int]:
+        """Up to `k` n-gram drafts after `drafts`. A lookup that finds nothing makes the sequence's next ones
+        wait a step longer each time (up to `MAX_WAIT`): output with nothing to copy costs a lookup every few
+        steps, not one a step, and one that starts copying is caught within a few tokens."""
+        if k <= 0:
+            return []
+        if seq.draft_wait > 0:
+            seq.draft_wait -= 1
+            return []
+        found = seq.ngram.propose(seq.token_ids, drafts, k)
+        seq.draft_misses = 0 if found else min(seq.draft_misses + 1, MAX_WAIT)
+        seq.draft_wait = seq.draft_misses
+        return found
 
     def _before_an_end(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """`tokens` up to a stop token, and up to a `</think>` where a grammar waits for it: a draft after either
@@ -82,10 +91,12 @@ class Drafter:
         return tokens
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Fold a verified row into `seq`'s record: of its `drafted` drafts (`seq.forced` of them forced, first)
-        `accepted` were. Only n-gram drafts count, and only those reached."""
-        ngram = drafted - seq.forced
-        hits = max(0, accepted - seq.forced)
-        tries = min(ngram, hits + 1) if accepted >= seq.forced else 0
-        seq.draft_hits = DECAY * seq.draft_hits + hits
-        seq.draft_tries = DECAY * seq.draft_tries + tries
+        """Fold a verified row into `seq`'s records: of its `drafted` drafts (`seq.forced` of them forced, first)
+        `accepted` were. Each kind counts the drafts reached, and of those the ones accepted."""
+        forced, copied = seq.forced, drafted - seq.forced
+        if forced:
+            hits = min(accepted, forced)
+            seq.forced_record.fold(hits, min(forced, hits + 1))
+        if copied and accepted >= forced:
+            hits = accepted - forced
+            seq.copied_record.fold(hits, min(copied, hits + 1))

@@ -23,25 +23,20 @@ class NgramIndex:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram bounds must satisfy 1 <= min <= max, not {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
-        self.last: dict[int, int] = {}  # key of a min_n-gram -> the latest position it ends at (exclusive)
+        self.last: dict[tuple[int, ...], int] = {}  # a min_n-gram -> the latest position it ends at (exclusive)
         self.before = array("i")  # position -> the previous end of the n-gram ending there, -1 for none
         self.indexed = 0  # positions below this are in `before` (those before `min_n` with -1)
 
-    def _key(self, tokens: list[int], end: int) -> int:
-        key = 0
-        for t in tokens[end - self.min_n:end]:
-            key = (key << 32) | t
-        return key
-
     def update(self, tokens: list[int]) -> None:
         """Index every n-gram of `tokens` that has a token after it (the sequence only ever grows)."""
+        last, before, n = self.last, self.before, self.min_n
         for end in range(self.indexed, len(tokens)):
-            if end < self.min_n:
-                self.before.append(-1)
+            if end < n:
+                before.append(-1)
                 continue
-            key = self._key(tokens, end)
-            self.before.append(self.last.get(key, -1))
-            self.last[key] = end
+            key = tuple(tokens[end - n:end])
+            before.append(last.get(key, -1))
+            last[key] = end
         self.indexed = len(tokens)
 
     def propose(self, tokens: list[int], extra: list[int], k: int) -> list[int]:
@@ -53,7 +48,7 @@ class NgramIndex:
         tail = (tokens[-self.max_n:] + extra)[-self.max_n:] if extra else tokens[-self.max_n:]
         if len(tail) < self.min_n:
             return []
-        end = self.last.get(self._key(tail, len(tail)), -1)
+        end = self.last.get(tuple(tail[-self.min_n:]), -1)
         best, best_len = -1, 0
         for _ in range(CANDIDATES):
             if end < 0:

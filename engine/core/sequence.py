@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from engine.core.block_key import BlockKey, salt_root
+from engine.core.draft_record import Record
 from engine.core.ngram import NgramIndex
 from engine.core.output_text import stop_ends, stop_window
 from engine.interface import Request, Timings
@@ -52,13 +53,15 @@ class Sequence:
         self.logprobs: list | None = [] if self.params.logprobs is not None else None  # one per output token
         # speculation (engine.core.drafts): the index its n-gram drafts come from (None: it never speculates), the
         # drafts of the step it is planned in (read only by a row longer than its uncomputed tokens), how many of
-        # them its grammar forced, and its n-gram drafts' record, decayed: accepted, and reached (those whose
-        # drafts before were all accepted)
+        # them its grammar forced, how often each kind was accepted (n-gram drafts half the time at first, forced
+        # ones nine times in ten), and its lookups that found nothing in a row, and steps to skip before the next
         self.ngram: NgramIndex | None = None
         self.drafts: list[int] = []
         self.forced = 0
-        self.draft_hits = 0.0
-        self.draft_tries = 0.0
+        self.copied_record = Record(1.0, 2.0)
+        self.forced_record = Record(9.0, 10.0)
+        self.draft_misses = 0
+        self.draft_wait = 0
         self.timings = Timings()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
