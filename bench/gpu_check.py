@@ -20,6 +20,10 @@ is rewritten after every part, so a run cut short still leaves what it measured:
 7. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
    memory against weights + KV budget + the activations the profiling step held back + the graphs' memory,
    and the device.
+8. `speculative`: `bench.speculative`'s `copy` workload on the GPU (the model trained to quote its prompt, built
+   by `python -m bench.copy_model` on the CPU and carried along in `.convoq/models/copy-tiny`; without it the part
+   trains it first): decode tokens/s with and without drafts at batch 1 and 16 (targets >= 1.8x and >= 1.3x),
+   whether the greedy outputs are the same, the acceptance rate and mean accepted length.
 
 The last line printed is a JSON summary: each part's verdict.
 """
@@ -37,8 +41,9 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_vs_hf, gpu_e2e, gpu_kernels, mixed, step_overhead
+from bench import engine_vs_hf, gpu_e2e, gpu_kernels, mixed, speculative, step_overhead
 from bench.common import tiny_model
+from bench.copy_model import copy_model
 from engine.config import EngineConfig, model_dtype
 from engine.hf_backend import HFEngine
 from engine.interface import Request, SamplingParams
@@ -247,9 +252,26 @@ def memory(check: Check) -> dict:
     return result
 
 
+def speculative_copy(check: Check) -> dict:
+    """Drafts copied from the prompt, on the device; in a dry run the random-weight model stands in (the wiring
+    only: it copies nothing)."""
+    path = tiny_model() if check.dry else copy_model()
+    counts = (2, 4) if check.dry else (8, 32)
+    result = {}
+    for batch, count in zip(speculative.BATCHES, counts, strict=True):
+        requests = speculative.copy_requests(path, count, seed=0)
+        result[f"batch_{batch}"] = speculative.compare(path, requests, batch, 1 if check.dry else 2, check.device,
+                                                       check.dtype)
+        check.release()
+    met = all(result[f"batch_{b}"]["speedup"] >= speculative.TARGETS[f"copy_batch_{b}"] for b in speculative.BATCHES)
+    result["ok"] = None if check.dry else met
+    return result
+
+
 PARTS: dict[str, Callable[[Check], dict]] = {
     "kernels": kernels, "engine_vs_hf": engine_vs_transformers, "decode_floor": decode_floor,
     "step_overhead": host_overhead, "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
+    "speculative": speculative_copy,
 }
 
 
