@@ -10,10 +10,8 @@ vocabulary), so a schema seen before costs a lookup. Each step, the loop fills t
 sample under a grammar in one batched call (`masks`), which the sampler applies to the logits on their device
 before penalties; rows without a grammar pay nothing.
 
-For speculation (engine.core.drafts) a matcher proposes the tokens of the text its grammar forces next (`forced`:
-xgrammar's jump-forward tokens, read without filling a mask; where the forced text is empty, in a string's free
-text, the check costs a microsecond) and checks drafts (`valid`); a row with drafts has a mask per position,
-each filled after its drafts before it are accepted, and the matcher rolled back after.
+For speculation a matcher's forced text gives drafts (`engine.grammar_drafts`); a row with drafts has a mask per
+position, each filled after its drafts before it are accepted, and the matcher rolled back after.
 """
 
 from __future__ import annotations
@@ -138,22 +136,3 @@ class Grammars:
                 drafted.append(row + j)
             matcher.rollback(len(drafts))
         return TokenMasks(rows + drafted, bitmask)
-
-    def forced(self, matcher: xgr.GrammarMatcher, limit: int) -> list[int]:
-        """At most `limit` tokens of the text the grammar forces next: where it allows a single token, that one;
-        where the forced text splits into tokens more than one way, the longest tokens (xgrammar's jump-forward
-        tokens), which a model writes the way its tokenizer would."""
-        if limit <= 0 or not matcher.find_jump_forward_string():
-            return []
-        return matcher.find_jump_forward_tokens()[:limit]
-
-    def valid(self, matcher: xgr.GrammarMatcher, tokens: list[int]) -> int:
-        """How many leading `tokens` the grammar accepts in turn; the matcher is left as it was."""
-        accepted = 0
-        for token in tokens:
-            if not matcher.accept_token(token):
-                break
-            accepted += 1
-        if accepted:
-            matcher.rollback(accepted)
-        return accepted

@@ -20,6 +20,7 @@ from engine.core.output_text import finish_text, stops_hit
 from engine.core.sequence import Sequence, Status
 from engine.core.step_cost import work_of
 from engine.grammar import Grammars
+from engine.grammar_drafts import ForcedDrafts
 from engine.interface import (
     Completion,
     EngineStats,
@@ -74,7 +75,8 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model.shape.vocab_size, self.eos_ids,
                                  compile_s=config.grammar_compile_s, cache_bytes=config.grammar_cache_bytes)
         self._constrained: dict[str, Sequence] = {}  # sequences whose sampling a grammar constrains now
-        self.scheduler.drafter = Drafter(self.grammars, self.eos_ids, self.think_ids[1] if self.think_ids else None)
+        self.scheduler.drafter = Drafter(ForcedDrafts(self.grammars.info), self.eos_ids,
+                                         self.think_ids[1] if self.think_ids else None)
         self._drafts = [0, 0, 0]  # drafts verified, of those accepted, rows that carried them
 
     def prepare(self, request: Request) -> Sequence:

@@ -96,8 +96,10 @@ def test_bounds_are_checked():
 
 
 class NoGrammar:
+    """Forces 90 (the grammar's only choice), then 91 (one split of the forced text among others)."""
+
     def forced(self, matcher, limit):
-        return [90, 91][:limit]
+        return [90, 91][:limit], min(limit, 1)
 
     def valid(self, matcher, tokens):
         return len(tokens)
@@ -118,7 +120,9 @@ def test_drafts_stop_before_an_end_and_a_grammar_waiting_for_its_think_block():
     waiting.matcher = object()  # a grammar that starts after `</think>`
     assert drafter.propose(waiting, 8, 100.0) == []
     waiting.constrained = True  # now it constrains: its forced text first, then the sequence's own n-grams
-    assert drafter.propose(waiting, 8, 100.0)[:2] == [90, 91] and waiting.forced == 2
+    assert drafter.propose(waiting, 8, 100.0)[:2] == [90, 91] and (waiting.certain, waiting.forced) == (1, 1)
+    waiting.forced_record.fold(0, 100)  # a model that never splits forced text that way: only the certain token
+    assert drafter.propose(waiting, 8, 10.0)[:1] == [90] and (waiting.certain, waiting.forced) == (1, 0)
 
 
 def test_a_sequences_record_sets_how_many_ngram_drafts_are_worth_proposing():
@@ -132,12 +136,13 @@ def test_a_sequences_record_sets_how_many_ngram_drafts_are_worth_proposing():
     for _ in range(20):
         drafter.record(seq, 6, 0)  # the first rejected each time
     assert drafter.propose(seq, 8, 3.0) == []
-    seq.forced = 2  # each kind its own record: two forced drafts accepted, then the first n-gram draft rejected
+    # each kind its own record: a certain draft, two other forced ones accepted, then the first n-gram one rejected
+    seq.certain, seq.forced = 1, 2
     copied, forced = (seq.copied_record.hits, seq.copied_record.tries), (seq.forced_record.hits, seq.forced_record.tries)
-    drafter.record(seq, 5, 2)
+    drafter.record(seq, 6, 3)
     assert (seq.copied_record.hits, seq.copied_record.tries) == pytest.approx((0.8 * copied[0], 0.8 * copied[1] + 1))
     assert (seq.forced_record.hits, seq.forced_record.tries) == pytest.approx((0.8 * forced[0] + 2, 0.8 * forced[1] + 2))
-    seq.forced = 3  # the second of three forced drafts rejected: the n-gram drafts after it were never reached
+    seq.certain, seq.forced = 0, 3  # the second of three forced drafts rejected: the n-gram ones were never reached
     drafter.record(seq, 6, 1)
     assert seq.forced_record.tries == pytest.approx(0.8 * (0.8 * forced[1] + 2) + 2)
     assert seq.copied_record.tries == pytest.approx(0.8 * copied[1] + 1)  # unchanged: nothing it can tell

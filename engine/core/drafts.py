@@ -7,14 +7,14 @@ so the output is what decoding one token a step gives, and a step yields up to k
 Drafts cost no model of their own:
 
 - the tokens of the text its grammar forces next (`GrammarDrafts.forced`: a JSON key, a brace, the tail of an
-  enum's value), certain where the grammar allows a single token, and where it allows several ways to split
+  enum's value): certain where the grammar allows a single token, and where it allows several ways to split
   the text the longest tokens, which a model writes the way its tokenizer would;
 - then tokens copied from after the last earlier occurrence of its last few tokens (`engine.core.ngram`).
 
 Whether a draft is worth its place is the step cost's call (`engine.core.step_cost`): a token the step yields
-costs the step's time over the tokens it yields; a draft token costs the fit's per-token time. The j-th draft of
-a kind is proposed while its chance of being reached and accepted (`engine.core.draft_record`: the sequence's own
-record of that kind) times the first exceeds the second: on a small step almost every match is worth it, while a
+costs the step's time over the tokens it yields; a draft token costs the fit's per-token time. A certain draft
+is proposed whenever the first exceeds the second; the j-th other draft of a kind while its chance of being
+reached and accepted (`engine.core.draft_record`: the sequence's own record of that kind) times the first does: on a small step almost every match is worth it, while a
 large batch, whose step time a few more tokens per row raises in proportion, proposes nothing, as vLLM turns
 drafting off past a batch size.
 """
@@ -32,8 +32,8 @@ MAX_WAIT = 8  # the most steps a sequence whose lookups keep finding nothing ski
 class GrammarDrafts(Protocol):
     """What drafting asks of a sequence's grammar matcher (`engine.grammar.Grammars`)."""
 
-    def forced(self, matcher: object, limit: int) -> list[int]:
-        """At most `limit` tokens of the text the grammar forces next."""
+    def forced(self, matcher: object, limit: int) -> tuple[list[int], int]:
+        """At most `limit` tokens of the text the grammar forces next, and how many of them, leading, are certain."""
 
     def valid(self, matcher: object, tokens: list[int]) -> int:
         """How many leading `tokens` the grammar accepts in turn (the matcher left as it was)."""
@@ -53,15 +53,18 @@ class Drafter:
         self.think_close = think_close
 
     def propose(self, seq: Sequence, cap: int, value: float) -> list[int]:
-        """Up to `cap` drafts for `seq` (its last token not yet computed), those the grammar forces first;
-        `value` is `token_value` of the step. Sets `seq.forced`."""
+        """Up to `cap` drafts for `seq` (its last token not yet computed): the certain ones its grammar forces,
+        the grammar's others, then n-gram ones; `value` is `token_value` of the step. Sets `seq.certain` and
+        `seq.forced`."""
+        drafts, certain = [], 0
         constrained = seq.matcher is not None and seq.constrained and self.grammar is not None
-        limit = min(cap, seq.forced_record.worth(value)) if constrained else 0
-        drafts = self.grammar.forced(seq.matcher, limit) if limit > 0 else []
-        seq.forced = len(drafts)
+        if constrained:
+            drafts, certain = self.grammar.forced(seq.matcher, cap)
+            drafts = drafts[:certain + seq.forced_record.worth(value)]
+        seq.certain, seq.forced = certain, len(drafts) - certain
         more = self._copied(seq, drafts, min(cap - len(drafts), seq.copied_record.worth(value)))
         drafts += self._before_an_end(seq, more)
-        if constrained and self.grammar is not None and drafts:
+        if constrained and drafts:
             drafts = drafts[:self.grammar.valid(seq.matcher, drafts)]
         return drafts
 
@@ -91,12 +94,15 @@ class Drafter:
         return tokens
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Fold a verified row into `seq`'s records: of its `drafted` drafts (`seq.forced` of them forced, first)
-        `accepted` were. Each kind counts the drafts reached, and of those the ones accepted."""
-        forced, copied = seq.forced, drafted - seq.forced
-        if forced:
-            hits = min(accepted, forced)
+        """Fold a verified row into `seq`'s records: of its `drafted` drafts (`seq.certain` certain ones, then
+        `seq.forced` other forced ones, then n-gram ones; fewer if the row could hold fewer) `accepted` were.
+        Each kind counts its drafts reached, and of those the ones accepted."""
+        certain = min(seq.certain, drafted)
+        forced = min(seq.forced, drafted - certain)
+        copied, rest = drafted - certain - forced, accepted - certain
+        if forced and rest >= 0:
+            hits = min(rest, forced)
             seq.forced_record.fold(hits, min(forced, hits + 1))
-        if copied and accepted >= forced:
-            hits = accepted - forced
+        if copied and rest >= forced:
+            hits = rest - forced
             seq.copied_record.fold(hits, min(copied, hits + 1))

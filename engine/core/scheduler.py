@@ -184,7 +184,7 @@ class Scheduler:
             if drafts and not self.blocks.try_append(seq, 1 + len(drafts)):
                 del drafts[len(seq.block_tables[0]) * size - seq.num_computed - 1:]  # what its blocks hold
             if drafts:
-                seq.drafts, seq.forced = drafts, min(seq.forced, len(drafts))
+                seq.drafts = drafts
                 planning.add_drafts(seq, len(drafts))
                 room -= len(drafts)
 
