@@ -12,10 +12,11 @@ engine with `speculative="off"` and one with `"ngram"` (default `EngineConfig` o
   model's context, under the schema's grammar, from the random-weight `tiny` model the demo runs.
 
 Decode tokens/s of a group of requests is the tokens after each one's first over the time from the last first
-token to the last token (the prompts' prefill left out); a side's figure is its best of `--repeat` runs, the two
-sides alternating. Greedy outputs must be identical with and without drafts (`identical`). The last line is a
-JSON object: per workload and batch the figures of both sides, their ratio, the drafts' acceptance rate and
-mean accepted length, and whether each target is met.
+token to the last token (the prompts' prefill left out). Each group runs on one side and at once on the other,
+which goes first alternating, `--repeat` times; a side's figure is its tokens over its seconds in all, so that a
+shared machine whose speed drifts slows both sides alike. Greedy outputs must be identical with and without
+drafts (`identical`). The last line is a JSON object: per workload and batch the figures of both sides, their
+ratio, the drafts' acceptance rate and mean accepted length (per run), and whether each target is met.
 """
 
 from __future__ import annotations
@@ -88,51 +89,51 @@ def decode_tok_s(completions: list[Completion]) -> tuple[int, float]:
     return sum(len(c.token_ids) - 1 for c in completions), (max(last) - max(first)) / 1e3
 
 
-def run_side(engine: LLMEngine, requests: list[Request], batch: int) -> dict:
-    """`requests` through `engine`, `batch` at a time (each group submitted together, arriving at once)."""
-    before = engine.stats()
-    tokens = seconds = 0.0
-    outputs = {}
-    for start in range(0, len(requests), batch):
-        arrival = time.monotonic()
-        for r in requests[start:start + batch]:
-            engine.add_request(Request(r.request_id, r.prompt_ids, r.sampling, arrival=arrival))
-        done = []
-        while engine.has_unfinished():
-            done += engine.step()
-        n, s = decode_tok_s(done)
-        tokens, seconds = tokens + n, seconds + s
-        outputs.update((c.request_id, c.token_ids) for c in done)
-    after = engine.stats()
-    drafted, accepted = after.draft_tokens - before.draft_tokens, after.draft_tokens_accepted - before.draft_tokens_accepted
-    rows = after.draft_rows - before.draft_rows
-    return {"tok_s": tokens / seconds, "steps": after.steps - before.steps, "drafted": drafted,
-            "accepted": accepted, "rows": rows, "outputs": outputs}
+def run_group(engine: LLMEngine, group: list[Request], tag: str) -> tuple[int, float, dict[str, list[int]]]:
+    """`group` submitted together (arriving at once) and run to its end: its decode tokens and seconds
+    (`decode_tok_s`), and each request's output (by its id, `tag` appended to it in the engine)."""
+    arrival = time.monotonic()
+    for r in group:
+        engine.add_request(Request(r.request_id + tag, r.prompt_ids, r.sampling, arrival=arrival))
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()
+    tokens, seconds = decode_tok_s(done)
+    return tokens, seconds, {c.request_id.removesuffix(tag): c.token_ids for c in done}
 
 
 def compare(path: Path, requests: list[Request], batch: int, repeat: int, device: str, dtype: str) -> dict:
-    """Both sides on `requests` at `batch`, alternating, the best of `repeat` runs each; each engine warmed up on
-    two requests of its own first (kernels, the step cost's fit)."""
+    """Both sides on `requests`, `batch` at a time, `repeat` times: each group run by one side then at once by
+    the other (which goes first alternates), so that a machine whose speed drifts slows both alike; each side's
+    figure is its tokens over its seconds in all. Each engine is warmed up on two requests of its own first
+    (kernels, the step cost's fit)."""
     engines = {side: LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype, speculative=side))
                for side in ("off", "ngram")}
-    for side, engine in engines.items():
-        run_side(engine, [Request(f"warm-{side}-{r.request_id}", r.prompt_ids[1:], r.sampling) for r in requests[:2]],
-                 batch)
-    best: dict[str, dict] = {}
+    for engine in engines.values():
+        run_group(engine, [Request(r.request_id, r.prompt_ids[1:], r.sampling) for r in requests[:2]], "#warm")
+    before = {side: engine.stats() for side, engine in engines.items()}
+    totals = {side: [0, 0.0] for side in engines}
+    outputs: dict[str, dict[str, list[int]]] = {side: {} for side in engines}
     for n in range(repeat):
-        for side, engine in engines.items():
-            run = run_side(engine, [Request(f"{r.request_id}#{n}", r.prompt_ids, r.sampling) for r in requests], batch)
-            run["outputs"] = {k.partition("#")[0]: v for k, v in run["outputs"].items()}
-            if side not in best or run["tok_s"] > best[side]["tok_s"]:
-                best[side] = run
-    off, on = best["off"], best["ngram"]
-    identical = off["outputs"] == on["outputs"]
-    return {"off_tok_s": round(off["tok_s"], 1), "ngram_tok_s": round(on["tok_s"], 1),
-            "speedup": round(on["tok_s"] / off["tok_s"], 3),
-            "acceptance_rate": round(on["accepted"] / on["drafted"], 3) if on["drafted"] else 0.0,
-            "mean_accepted": round(on["accepted"] / on["rows"], 2) if on["rows"] else 0.0,
-            "draft_rows": on["rows"], "steps_off": off["steps"], "steps_ngram": on["steps"],
-            "tokens": sum(len(t) for t in off["outputs"].values()), "identical": identical}
+        for g, start in enumerate(range(0, len(requests), batch)):
+            sides = list(engines) if (n + g) % 2 == 0 else list(engines)[::-1]
+            for side in sides:
+                tokens, seconds, done = run_group(engines[side], requests[start:start + batch], f"#{n}")
+                totals[side][0] += tokens
+                totals[side][1] += seconds
+                outputs[side].update(done)
+    after = {side: engine.stats() for side, engine in engines.items()}
+    tok_s = {side: tokens / seconds for side, (tokens, seconds) in totals.items()}
+    drafted = after["ngram"].draft_tokens - before["ngram"].draft_tokens
+    accepted = after["ngram"].draft_tokens_accepted - before["ngram"].draft_tokens_accepted
+    rows = after["ngram"].draft_rows - before["ngram"].draft_rows
+    return {"off_tok_s": round(tok_s["off"], 1), "ngram_tok_s": round(tok_s["ngram"], 1),
+            "speedup": round(tok_s["ngram"] / tok_s["off"], 3),
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+            "mean_accepted": round(accepted / rows, 2) if rows else 0.0, "draft_rows": rows // repeat,
+            "steps_off": (after["off"].steps - before["off"].steps) // repeat,
+            "steps_ngram": (after["ngram"].steps - before["ngram"].steps) // repeat,
+            "tokens": sum(len(t) for t in outputs["off"].values()), "identical": outputs["off"] == outputs["ngram"]}
 
 
 def run(repeat: int = 2, threads: int = 1, device: str = "cpu", dtype: str = "auto", counts: tuple[int, int] = (8, 32),
@@ -155,7 +156,7 @@ def run(repeat: int = 2, threads: int = 1, device: str = "cpu", dtype: str = "au
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per side; each side's best counts")
+    parser.add_argument("--repeat", type=int, default=2, help="runs of every group on each side")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     args = parser.parse_args(argv)
