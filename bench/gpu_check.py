@@ -20,10 +20,11 @@ is rewritten after every part, so a run cut short still leaves what it measured:
 7. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
    memory against weights + KV budget + the activations the profiling step held back + the graphs' memory,
    and the device.
-8. `speculative`: `bench.speculative`'s `copy` workload on the GPU (the model trained to quote its prompt, built
-   by `python -m bench.copy_model` on the CPU and carried along in `.convoq/models/copy-tiny`; without it the part
-   trains it first): decode tokens/s with and without drafts at batch 1 and 16 (targets >= 1.8x and >= 1.3x),
-   whether the greedy outputs are the same, the acceptance rate and mean accepted length.
+8. `speculative`: `bench.speculative`'s `copy` workload on the GPU (the model built to quote its prompt,
+   `bench.copy_model`, in `.convoq/models/copy-tiny`; built first where it is missing, in seconds): decode
+   tokens/s with and without drafts at batch 1 and 16 (targets >= 1.8x and >= 1.3x), whether the greedy outputs
+   are the same (reported: in bf16 a verify step's kernels may round otherwise than a decode step's), the
+   acceptance rate and mean accepted length.
 
 The last line printed is a JSON summary: each part's verdict.
 """
