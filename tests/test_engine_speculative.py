@@ -93,11 +93,13 @@ def greedy_requests(**sampling) -> list[Request]:
             for i, (ids, n) in enumerate(zip(PROMPTS, NEW_TOKENS, strict=True))]
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])  # one pool and a prefix cache; rings of blocks too
 @pytest.mark.parametrize("pressure", [False, True], ids=["roomy", "preempting"])
-def test_greedy_output_with_drafts_is_the_output_without(tiny_model, pressure):
-    tight = dict(kv_cache_memory=48 * kv_block_bytes(tiny_model), **TIGHT) if pressure else {}
-    plain = run(make_engine(tiny_model, speculative="off", **tight), greedy_requests())
-    engine = make_engine(tiny_model, **tight)
+def test_greedy_output_with_drafts_is_the_output_without(tiny_models, preset, pressure):
+    path = tiny_models[preset]
+    tight = dict(kv_cache_memory=48 * kv_block_bytes(path), **TIGHT) if pressure else {}
+    plain = run(make_engine(path, speculative="off", **tight), greedy_requests())
+    engine = make_engine(path, **tight)
     drafted = run(engine, greedy_requests(), {k: c.token_ids for k, c in plain.items()}, check=check_blocks)
     assert outcome(drafted) == outcome(plain)
     stats = engine.stats()
