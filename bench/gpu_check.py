@@ -26,6 +26,11 @@ is rewritten after every part, so a run cut short still leaves what it measured:
    `kernels`.
 9. `moe_graphs`: `graphs_identity` on the `tiny-moe` checkpoint (Qwen3-MoE), whose expert kernels run inside
    the piece and decode graphs whatever the routing of the step they replay.
+10. `speculative`: `bench.speculative`'s `copy` workload on the GPU (the model built to quote its prompt,
+   `bench.copy_model`, in `.convoq/models/copy-tiny`; built first where it is missing, in seconds): decode
+   tokens/s with and without drafts at batch 1 and 16 (targets >= 1.8x and >= 1.3x), whether the greedy outputs
+   are the same (reported: in bf16 a verify step's kernels may round otherwise than a decode step's), the
+   acceptance rate and mean accepted length.
 
 The last line printed is a JSON summary: each part's verdict.
 """
@@ -43,9 +48,10 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_vs_hf, gpu_e2e, gpu_kernels, mixed, step_overhead
+from bench import engine_vs_hf, gpu_e2e, gpu_kernels, mixed, speculative, step_overhead
 from bench import fp8 as bench_fp8
 from bench.common import tiny_model
+from bench.copy_model import copy_model
 from cli.tiny_model import FP8_QUANTIZATION
 from engine.config import EngineConfig, model_dtype
 from engine.hf_backend import HFEngine
@@ -274,11 +280,29 @@ def fp8(check: Check) -> dict:
             "ok": None if check.dry else speedup >= TARGETS["fp8_decode_speedup"]}
 
 
+
+def speculative_copy(check: Check) -> dict:
+    """Drafts copied from the prompt, on the device; in a dry run the random-weight model stands in (the wiring
+    only: it copies nothing)."""
+    path = tiny_model() if check.dry else copy_model()
+    counts = (2, 4) if check.dry else (8, 32)
+    result = {}
+    for batch, count in zip(speculative.BATCHES, counts, strict=True):
+        requests = speculative.copy_requests(path, count, seed=0)
+        result[f"batch_{batch}"] = speculative.compare(path, requests, batch, 1 if check.dry else 2, check.device,
+                                                       check.dtype)
+        check.release()
+    met = all(result[f"batch_{b}"]["speedup"] >= speculative.TARGETS[f"copy_batch_{b}"] for b in speculative.BATCHES)
+    result["ok"] = None if check.dry else met
+    return result
+
+
 PARTS: dict[str, Callable[[Check], dict]] = {
     "kernels": kernels, "engine_vs_hf": engine_vs_transformers, "decode_floor": decode_floor,
     "step_overhead": host_overhead, "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
     "fp8": fp8,
     "moe_graphs": lambda check: graphs_identity(check, "tiny-moe"),
+    "speculative": speculative_copy,
 }
 
 

@@ -119,8 +119,11 @@ def run(model: Path, seqs: int = 256, prompt: int = 64, warmup: int = 40, steps:
         device: str = "cpu") -> dict:
     """Both workloads' host ms per step (and per part) with `seqs` sequences decoding, on the `model` folder
     (the tiny checkpoint: its forward is stubbed, only its shapes matter)."""
+    # without drafts: the stub's fixed logits make every row repeat one token, which speculation would verify
+    # several at a time, and this measures a step of one token per row
     config = EngineConfig(model=str(model), device=device, max_num_seqs=seqs,
-                          max_num_batched_tokens=max(4096, seqs), dense_decode=False, kv_cache_memory=1 << 30)
+                          max_num_batched_tokens=max(4096, seqs), dense_decode=False, kv_cache_memory=1 << 30,
+                          speculative="off")
     engine = LLMEngine(config)
     timers = Timers()
     new = warmup + steps + 8

@@ -19,8 +19,9 @@ from engine.interface import EngineDead, EngineRunner, EngineStalled, StepEngine
 from engine.runtime.engine_process import EngineProcess
 from engine.runtime.engine_thread import EngineThread
 
-# the model's folder, and the service's own bound on log-probabilities (its contract's): not settings of their own
-SERVICE_FIELDS = ("model", "max_logprobs")
+# the model's folder, the service's own bound on log-probabilities (its contract's), and whether requests speculate
+# (a setting of the service's own, CONVOQ_SPECULATIVE): not knobs of their own
+SERVICE_FIELDS = ("model", "max_logprobs", "speculative")
 # a model name -> its local folder; `weights=False` needs only the config and tokenizer files
 Resolve = Callable[..., Path | str]
 

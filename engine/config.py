@@ -18,6 +18,7 @@ from engine.attention_policy import parse_policy
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPECULATIVE = ("off", "ngram")  # `speculative`, and a request's `SamplingParams.speculative`
 
 
 def model_dtype(name: str, device: str) -> torch.dtype:
@@ -114,6 +115,18 @@ class EngineConfig:
     API bounds schemas so that compiling one takes seconds at worst (CONVOQ_MAX_SCHEMA_*)."""
     grammar_cache_bytes: int = 1 << 30
     """Compiled grammars kept for reuse, in bytes (a grammar is a few KB to tens of MB for a 150k vocabulary)."""
+    speculative: str = "ngram"
+    """Draft-free speculative decoding (engine.core.drafts): `ngram` lets a decoding request carry draft tokens,
+    the text its grammar forces next and tokens copied from after an earlier occurrence of its last
+    `speculative_ngram_min`..`speculative_ngram_max` tokens (prompt and output), up to `speculative_tokens` of
+    them, which one forward verifies; each step proposes only the drafts its fitted cost says are worth it. `off`:
+    never. A request's `SamplingParams.speculative` overrides it. The service sets it (CONVOQ_SPECULATIVE)."""
+    speculative_tokens: int = 8
+    """The most draft tokens one decoding row carries into a step."""
+    speculative_ngram_min: int = 2
+    """The fewest last tokens of a request an n-gram draft matches earlier in its prompt and output."""
+    speculative_ngram_max: int = 4
+    """The most last tokens of a request an n-gram draft matches (the longest match is taken)."""
     # The most alternatives a request may ask the log-probabilities of (`SamplingParams.logprobs`); None: up to
     # the vocabulary. Not a knob: the service passes its contract's bound.
     max_logprobs: int | None = None
@@ -129,6 +142,8 @@ class EngineConfig:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of {list(choices)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every running sequence can decode")
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError("speculative_ngram_min must be at most speculative_ngram_max")
         parse_policy(self.attention_policy)  # raises on a policy it does not know
 
     @property
@@ -143,7 +158,8 @@ class EngineConfig:
 # Each numeric knob's bounds, as pydantic names them (ge, gt, le, lt): checked when an EngineConfig is made
 BOUNDS: dict[str, dict[str, float]] = {
     **{name: {"ge": 1} for name in ("block_size", "initial_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                    "prefill_chunk_size", "interactive_slowdown", "tensor_parallel")},
+                                    "prefill_chunk_size", "interactive_slowdown", "tensor_parallel",
+                                    "speculative_tokens", "speculative_ngram_min", "speculative_ngram_max")},
     **{name: {"ge": 0} for name in ("ageing_rate", "interactive_tpot_ms", "interactive_ttft_ms", "interactive_window",
                                     "max_preemptions", "host_cache_memory", "grammar_cache_bytes")},
     **{name: {"gt": 0} for name in ("kv_cache_memory", "length_window", "grammar_compile_s")},
@@ -154,6 +170,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", *DTYPES),
     "kv_cache_dtype": ("auto", *KV_CACHE_DTYPES),
     "attention_backend": ATTENTION_BACKENDS,
+    "speculative": SPECULATIVE,
 }
 _WORDS = {"ge": "at least", "gt": "greater than", "le": "at most", "lt": "less than"}
 

@@ -9,6 +9,9 @@ grammars are kept in an LRU keyed by the spec, bounded by their bytes (a few KB 
 vocabulary), so a schema seen before costs a lookup. Each step, the loop fills the bitmasks of the rows that
 sample under a grammar in one batched call (`masks`), which the sampler applies to the logits on their device
 before penalties; rows without a grammar pay nothing.
+
+For speculation a matcher's forced text gives drafts (`engine.grammar_drafts`); a row with drafts has a mask per
+position, each filled after its drafts before it are accepted, and the matcher rolled back after.
 """
 
 from __future__ import annotations
@@ -117,9 +120,19 @@ class Grammars:
         """A fresh matcher for `spec`."""
         return xgr.GrammarMatcher(self.compiled(spec))
 
-    def masks(self, num_rows: int, rows: list[int], matchers: list[xgr.GrammarMatcher]) -> TokenMasks:
-        """The next-token bitmasks of `matchers`, those of sample rows `rows` out of `num_rows`, filled in one
-        call (the rows of the others are left as they are: the sampler never reads them)."""
+    def masks(self, num_rows: int, rows: list[int], matchers: list[xgr.GrammarMatcher],
+              walks: list[tuple[int, xgr.GrammarMatcher, list[int]]] = ()) -> TokenMasks:
+        """The next-token bitmasks of `matchers`, those of sample positions `rows` out of `num_rows`, filled in
+        one call (the rows of the others are left as they are: the sampler never reads them). `walks` holds (row,
+        its matcher, drafts) for those of `rows` with drafts: the positions after such a row are its drafts',
+        each masked as the matcher stands once the drafts before it are accepted."""
         bitmask = torch.empty((num_rows, self.words), dtype=torch.int32)
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return TokenMasks(rows, bitmask)
+        drafted = []
+        for row, matcher, drafts in walks:
+            for j, token in enumerate(drafts, 1):
+                matcher.accept_token(token)
+                matcher.fill_next_token_bitmask(bitmask, row + j)
+                drafted.append(row + j)
+            matcher.rollback(len(drafts))
+        return TokenMasks(rows + drafted, bitmask)

@@ -41,6 +41,9 @@ class SamplingParams:
     # None: no log-probabilities; k (0..`EngineConfig.max_logprobs`): each output token's own and its k most
     # likely alternatives'
     logprobs: int | None = None
+    # "ngram": its decoding steps may carry draft tokens that one forward verifies (the output is the same);
+    # "off": never; None: as the engine's `speculative` setting says
+    speculative: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -167,6 +170,11 @@ class EngineStats:
     prefix_cached_blocks: int = 0
     evictions: int = 0
     host_evictions: int = 0
+    # speculation: draft tokens verified, of those accepted, rows that carried them, and accepted per such row
+    draft_tokens: int = 0
+    draft_tokens_accepted: int = 0
+    draft_rows: int = 0
+    draft_accepted_length: float = 0.0
     # the runner's own: its loop's idle gaps between back-to-back steps, and restarts of a stalled engine
     loop_gap_p50_ms: float = 0.0
     loop_gap_p95_ms: float = 0.0

@@ -9,14 +9,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
 from engine.core.block_key import extend_keys
+from engine.core.drafts import Drafter
+from engine.core.ngram import NgramIndex
 from engine.core.output_text import finish_text, stops_hit
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, Status
 from engine.core.step_cost import work_of
 from engine.grammar import Grammars
+from engine.grammar_drafts import ForcedDrafts
 from engine.interface import (
     Completion,
     EngineStats,
@@ -71,6 +75,9 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model.shape.vocab_size, self.eos_ids,
                                  compile_s=config.grammar_compile_s, cache_bytes=config.grammar_cache_bytes)
         self._constrained: dict[str, Sequence] = {}  # sequences whose sampling a grammar constrains now
+        self.scheduler.drafter = Drafter(ForcedDrafts(self.grammars.info), self.eos_ids,
+                                         self.think_ids[1] if self.think_ids else None)
+        self._drafts = [0, 0, 0]  # drafts verified, of those accepted, rows that carried them
 
     def prepare(self, request: Request) -> Sequence:
         """Check `request` and build its sequence, with the content keys of its prompt's blocks: work that reads
@@ -94,6 +101,9 @@ class LLMEngine:
             seq.constrained = not (p.grammar_after_think and self.think_ids is not None)
         if self.blocks.prefix is not None:  # what admission looks the prompt up by
             extend_keys(seq.block_keys, seq.token_ids, self.config.block_size, seq.cache_root)
+        if (p.speculative or self.config.speculative) == "ngram":  # its prompt indexed here, off the step loop
+            seq.ngram = NgramIndex(self.config.speculative_ngram_min, self.config.speculative_ngram_max)
+            seq.ngram.update(seq.token_ids)
         return seq
 
     def add_request(self, request: Request, prepared: Sequence | None = None) -> None:
@@ -136,27 +146,38 @@ class LLMEngine:
         end = time.monotonic()
         self._steps += 1
         self._record_computed(plan, start, end)
+        verifying = [(self._seqs[plan.request_ids[row]], int(plan.starts[row]), int(plan.drafts[row]))
+                     for row in np.flatnonzero(plan.drafts).tolist()] if plan.drafts is not None else []
         done = self._append_sampled(result, end) if result.request_ids else []
+        if verifying:
+            self._verified(verifying)
         # the whole step, planning and bookkeeping included: what an interactive request waits per token
         self.scheduler.cost.observe(work, time.monotonic() - start)
         return done
 
     def _masks(self, plan: StepPlan) -> TokenMasks | None:
-        """The grammar masks of the plan's constrained sample rows, filled in one call."""
-        rows, matchers, constrained = [], [], self._constrained
+        """The grammar masks of the plan's constrained sample positions, filled in one call (a row with drafts:
+        its first position there, the others after each of its drafts in turn)."""
+        rows, matchers, walks, constrained = [], [], [], self._constrained
+        previous = None
         for j, request_id in enumerate(plan.sample_ids):
             seq = constrained.get(request_id)
-            if seq is not None:
+            if seq is not None and request_id != previous:
                 rows.append(j)
                 matchers.append(seq.matcher)
-        return self.grammars.masks(len(plan.sample_ids), rows, matchers) if rows else None
+                if plan.drafts is not None and j + 1 < len(plan.sample_ids) and plan.sample_ids[j + 1] == request_id:
+                    walks.append((j, seq.matcher, seq.drafts))
+            previous = request_id
+        return self.grammars.masks(len(plan.sample_ids), rows, matchers, walks) if rows else None
 
     def _record_computed(self, plan: StepPlan, start: float, end: float) -> None:
         """The tokens each row of the step computed, its sequence's timings, and the blocks it filled (indexed in
         the prefix cache). One plain loop: it runs for every row of every step."""
         size, block_size, seqs = len(plan.request_ids), self.config.block_size, self._seqs
         indexing = self.blocks.prefix is not None
-        for request_id, n in zip(plan.request_ids, plan.counts.tolist(), strict=True):
+        # a row's drafts are computed but not yet verified: they count once accepted (`_append_sampled`)
+        counts = plan.counts if plan.drafts is None else plan.counts - plan.drafts
+        for request_id, n in zip(plan.request_ids, counts.tolist(), strict=True):
             seq = seqs[request_id]
             prefilled = n > 1 or seq.num_computed == 0
             if prefilled or seq.first_scheduled is None:
@@ -166,18 +187,29 @@ class LLMEngine:
             seq.num_computed += n
             if indexing and seq.num_computed >= (seq.num_indexed + 1) * block_size:  # a block filled up
                 self.blocks.index(seq)
-            self._tokens_computed += n
+        self._tokens_computed += int(plan.counts.sum())
 
     def _append_sampled(self, result: StepResult, end: float) -> list[Completion]:
         """Append each sampled token to its sequence and finish those it ends: EOS, a stop string (its tail
-        decoded only after a token that can complete one, every such row in one call), or the length."""
-        done, stopping = [], []
+        decoded only after a token that can complete one, every such row in one call), or the length. A row with
+        drafts gives its kept tokens in turn, each after the draft before it stands; the rest of its tokens go
+        once one ends its sequence or is not the token sampled (a reasoning budget's `</think>`)."""
+        done: list[Completion] = []
+        stopping: dict[Sequence, int] = {}  # sequence -> its tokens since the first that can complete a stop
         eos_ids, seqs = self.eos_ids, self._seqs
         logprobs = result.logprobs or [None] * len(result.request_ids)
+        previous = dropping = None
         for request_id, token, lp in zip(result.request_ids, result.token_ids, logprobs, strict=True):
+            if request_id == dropping:
+                continue
             seq = seqs[request_id]
+            if request_id == previous:  # a row's next token: the draft before it stands, its K/V computed
+                seq.num_computed += 1
+            previous = request_id
             if seq.reasoning_budget is not None:
-                token = self._within_reasoning_budget(seq, token)
+                sampled, token = token, self._within_reasoning_budget(seq, token)
+                if token != sampled:
+                    dropping = request_id  # what the row sampled after this position followed another token
             # a grammar that took its stop token ends the output, even one that ignores EOS otherwise
             ended = seq.matcher is not None and self._follow_grammar(seq, token)
             if seq.logprobs is not None:
@@ -187,20 +219,42 @@ class LLMEngine:
             if seq.first_token is None:
                 seq.first_token = end
                 seq.timings.ttft_ms = (end - seq.request.arrival) * 1e3
+            if seq in stopping:
+                stopping[seq] += 1
+            elif seq.stop_ends and not seq.stop_ends.isdisjoint(self._token_text(token)):
+                stopping[seq] = 1  # decoded together below
             if ended or (token in eos_ids and not seq.params.ignore_eos):
                 self._finish(seq, FinishReason.stop, done)
-            elif seq.stop_ends and not seq.stop_ends.isdisjoint(self._token_text(token)):
-                stopping.append(seq)  # decoded together below
+                dropping = request_id
             elif len(seq.token_ids) >= seq.token_limit:
-                self._finish(seq, FinishReason.length, done)
+                if seq not in stopping:
+                    self._finish(seq, FinishReason.length, done)
+                dropping = request_id
         self._tokens_generated += len(result.token_ids)
+        stopping = {seq: n for seq, n in stopping.items() if seq.request_id in seqs}
         if stopping:
-            outputs = [(seq.output_tail(seq.stop_window), seq.params.stop) for seq in stopping]
+            outputs = [(seq.output_tail(seq.stop_window + n - 1), seq.params.stop) for seq, n in stopping.items()]
             hits = stops_hit(self.tokenizer, outputs)
             for seq, hit in zip(stopping, hits, strict=True):
                 if hit or len(seq.token_ids) >= seq.token_limit:
                     self._finish(seq, FinishReason.stop if hit else FinishReason.length, done)
         return done
+
+    def _verified(self, verifying: list[tuple[Sequence, int, int]]) -> None:
+        """After a step with drafts, for each (sequence, its row's start, its drafts): the drafts counted and
+        folded into the sequence's record; one still running gives back the blocks its rejected drafts took and
+        indexes those its accepted ones filled (only tokens that stand ever reach the prefix cache)."""
+        indexing, block_size = self.blocks.prefix is not None, self.config.block_size
+        for seq, start, k in verifying:
+            accepted = seq.num_computed - start - 1
+            self._drafts[0] += k
+            self._drafts[1] += accepted
+            self._drafts[2] += 1
+            self.scheduler.drafter.record(seq, k, accepted)
+            if seq.status is Status.RUNNING:
+                self.blocks.trim(seq)
+                if indexing and seq.num_computed >= (seq.num_indexed + 1) * block_size:
+                    self.blocks.index(seq)
 
     def _follow_grammar(self, seq: Sequence, token: int) -> bool:
         """Advance `seq`'s matcher by `token` (from the reasoning's `</think>` on); True once it terminated."""
@@ -276,6 +330,10 @@ class LLMEngine:
             steps=self._steps,
             tokens_generated=self._tokens_generated,
             tokens_computed=self._tokens_computed,
+            draft_tokens=self._drafts[0],
+            draft_tokens_accepted=self._drafts[1],
+            draft_rows=self._drafts[2],
+            draft_accepted_length=self._drafts[1] / max(1, self._drafts[2]),
             **self._prefix_stats(),
         )
 

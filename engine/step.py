@@ -18,7 +18,8 @@ from engine.interface import SamplingParams, TokenLogprobs
 
 @dataclass
 class SamplingInputs:
-    """What the sampler needs of the rows that sample, in the order they sample."""
+    """What the sampler needs of the rows that sample, in the order they sample (a row with drafts: each of its
+    positions in turn, `StepPlan.drafts`)."""
 
     params: list[SamplingParams]
     drawn: np.ndarray  # output tokens each row's request has so far: a seeded row's draw counter
@@ -42,10 +43,14 @@ class StepPlan:
     input_ids: np.ndarray  # the rows' new tokens, back to back
     block_tables: list[np.ndarray]  # per KV pool, int32 [rows, blocks the longest row needs], -1 where none is
     sample_rows: np.ndarray  # the rows whose new tokens reach their request's last token: each samples one
-    sample_ids: list[str]  # their request ids
+    sample_ids: list[str]  # their request ids (a row with drafts: once per position)
     sampling: SamplingInputs | None  # for those rows, in that order (None: the plan a tensor-parallel rank other
     # than the first gets, which does not sample)
     released: list[str]  # requests finished or pre-empted since the last plan: state kept for them is stale
+    # per row, how many of its last new tokens are drafts (engine.core.drafts): such a row samples at each of its
+    # last 1 + drafts positions, and keeps the tokens up to the first that differs from the draft before it
+    # (engine.model.acceptance); None: no row has any
+    drafts: np.ndarray | None = None
 
 
 @dataclass
@@ -59,7 +64,7 @@ class TokenMasks:
 
 @dataclass
 class StepResult:
-    request_ids: list[str]  # the requests that sampled
+    request_ids: list[str]  # the requests that sampled (a row with drafts: once per token it keeps, in order)
     token_ids: list[int]  # the token each sampled
     # per sampled request, its token's log-probabilities when it asked for them (None otherwise); None: no
     # request of the step asked

@@ -126,6 +126,10 @@ class Sampling(Strict):
     stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=NO_NUL)]] = Field(
         default_factory=list, max_length=8)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    speculative: Literal["off", "ngram"] | None = Field(
+        None, description="ngram: the engine may verify draft tokens copied from the prompt and output (and the "
+                          "text a grammar forces) several at a time; the output is the same; off: never. Unset: "
+                          "CONVOQ_SPECULATIVE")
 
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\w.:@/-]+$")]

@@ -102,6 +102,17 @@ class Settings(BaseSettings):
     samples by default: temperature 0.6, top_p 0.95, top_k 20), `none` uses convoq's defaults (greedy)."""
     default_thinking: bool = False
     """Chats that do not say `thinking` let a thinking model reason first (summaries never do unless asked)."""
+    speculative: Literal["off", "ngram"] = "ngram"
+    """Draft-free speculative decoding in the engine: `ngram` lets a decoding request carry draft tokens into a
+    step, tokens copied from after an earlier occurrence of its last few tokens (prompt and output: a summary
+    copying names and phrases from its transcript) and the text its grammar forces next (a JSON record's keys and
+    punctuation), all verified in the one forward that computes its next token, so a step can yield several of its
+    tokens. The output is the same token for token (greedy, or seeded sampling) and the same in distribution
+    otherwise. Each step the engine proposes only the drafts its fitted step cost says are worth their compute: on
+    a GPU a large batch proposes none, so `ngram` is never slower than `off`. `off`: never. A job's
+    `sampling.speculative` overrides it. The engine's `convoq_engine_draft_*` metrics show drafts proposed,
+    accepted and the mean accepted per row; CONVOQ_SPECULATIVE_TOKENS bounds the drafts of a row and
+    CONVOQ_SPECULATIVE_NGRAM_MIN / _MAX the matches."""
     engine_process: bool = True
     """The engine (model and step loop) runs in a process of its own, spawned by the worker, so the Python of the
     worker's Celery threads never holds up a step; false runs it as a thread of the worker process."""

@@ -302,7 +302,8 @@ def packed_from_scratch(engine, step) -> dict[str, list]:
               for p in range(pools)]
     where = [(i, p) for i, (seq, n) in enumerate(rows) for p in range(seq.num_computed, seq.num_computed + n)]
     return {
-        "input_ids": [t for seq, n in rows for t in seq.token_ids[seq.num_computed:seq.num_computed + n]],
+        # a row longer than its uncomputed tokens carries drafts after them
+        "input_ids": [t for seq, n in rows for t in (seq.token_ids[seq.num_computed:] + seq.drafts)[:n]],
         "positions": positions,
         "seq_lens": [seq.num_computed + n for seq, n in rows],
         "cu_seqlens": [sum(counts[:i]) for i in range(len(rows) + 1)],
@@ -392,7 +393,8 @@ def finished_from_scratch(tokenizer, stream: list[int], params: SamplingParams,
 
 
 def test_finish_reasons_from_the_step_loop_are_those_found_from_scratch(qwen3_model, tokenizer):
-    engine = make_engine(qwen3_model, max_model_len=120)  # the longest prompt and output fit
+    # the longest prompt and output fit; the script replaces the one token a row samples
+    engine = make_engine(qwen3_model, max_model_len=120, speculative="off")
     eos = sorted(engine.eos_ids)
     rng = random.Random(4)
     streams, requests = {}, []

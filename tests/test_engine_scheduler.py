@@ -92,9 +92,10 @@ def test_equal_priority_goes_shortest_first_but_never_past_what_came_a_window_ea
     assert engine.stats().preemptions == 0
 
 
-def test_sliding_window_blocks_stay_bounded(tiny_models):
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_sliding_window_blocks_stay_bounded(tiny_models, speculative):
     path = tiny_models["tiny-swa"]  # layers 2-3 attend to the last 64 tokens
-    engine = make_engine(path, block_size=16)
+    engine = make_engine(path, block_size=16, speculative=speculative)
     window_pool = engine.blocks.pools[engine.windows.index(64)]
     seen = {"window": 0, "full": 0}
 
@@ -106,7 +107,11 @@ def test_sliding_window_blocks_stay_bounded(tiny_models):
     done = run_all(engine, [Request("long", prompts(1, 20, 20)[0], greedy(600))], check)
     assert len(done["long"].token_ids) == 600
     assert seen["full"] >= 600 // 16  # full attention keeps everything
-    assert seen["window"] <= math.ceil(64 / 16) + 1  # the ring: the window plus the block being filled
+    if speculative == "off":
+        assert seen["window"] <= math.ceil(64 / 16) + 1  # the ring: the window plus the block being filled
+    else:  # the window behind a row's first query, plus the row: its last token and its drafts
+        assert engine.stats().draft_rows > 0
+        assert seen["window"] <= math.ceil((64 + engine.config.speculative_tokens) / 16) + 1
     assert window_pool.num_used == 0
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_dry_run_writes_one_report_with_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     # the slow parts (transformers' generate, the mixed-load phases) run in `--dry-run` without `--parts`
-    chosen = ["kernels", "decode_floor", "step_overhead", "graphs_identity", "memory", "fp8", "moe_graphs"]
+    chosen = ["kernels", "decode_floor", "step_overhead", "graphs_identity", "memory", "fp8", "moe_graphs", "speculative"]
     assert gpu_check.main(["--dry-run", "--parts", ",".join(chosen), str(out)]) == 0
     parts = json.loads(out.read_text())["parts"]
     assert list(parts) == chosen
@@ -38,6 +38,9 @@ def test_dry_run_writes_one_report_with_every_part(tmp_path):
     assert fp8["decode_8b"]["fp8"]["weights_bytes"] < fp8["decode_8b"]["bf16"]["weights_bytes"]
     moe = parts["moe_graphs"]
     assert moe["ok"] and moe["requests"] == 6 and 0 < moe["piece_graph_steps"] <= moe["steps"]
+    for batch in (1, 16):
+        drafts = parts["speculative"][f"batch_{batch}"]
+        assert drafts["off_tok_s"] > 0 and drafts["ngram_tok_s"] > 0 and drafts["identical"]
 
 
 def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
@@ -56,7 +59,7 @@ def test_the_check_imports_nothing_of_the_service():
     """A GPU machine may have only the engine's dependencies: with the service's settings hidden, the check and
     every part's benchmark still import, and their checkpoints are where the service's default model is."""
     hide = ("import sys; sys.modules['pydantic_settings'] = None; "
-            "import bench.gpu_check, bench.mixed, bench.step_overhead; "
+            "import bench.gpu_check, bench.mixed, bench.step_overhead, bench.speculative, bench.copy_model; "
             "print(bench.gpu_check.tiny_model.__module__)")
     done = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

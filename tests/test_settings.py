@@ -94,3 +94,19 @@ def test_the_worker_reads_every_engine_knob_once_with_the_engines_defaults_and_c
     monkeypatch.setenv("CONVOQ_KV_CACHE_DTYPE", "int3")
     with pytest.raises(ValidationError, match="unknown kv_cache_dtype"):
         WorkerSettings()
+
+
+def test_speculation_is_the_services_setting_carried_into_the_engines_config(monkeypatch, tmp_path):
+    from engine import builder
+    from worker.engine_factory import WorkerSettings, engine_options
+
+    assert builder.engine_config(tmp_path, engine_options(WorkerSettings())).speculative == "ngram"
+    monkeypatch.setenv("CONVOQ_SPECULATIVE", "off")
+    monkeypatch.setenv("CONVOQ_SPECULATIVE_TOKENS", "4")
+    settings = WorkerSettings()
+    assert Settings().speculative == settings.speculative == "off"
+    config = builder.engine_config(tmp_path, engine_options(settings))
+    assert (config.speculative, config.speculative_tokens) == ("off", 4)
+    monkeypatch.setenv("CONVOQ_SPECULATIVE", "eagle")
+    with pytest.raises(ValidationError, match="speculative"):
+        WorkerSettings()

@@ -39,9 +39,9 @@ WorkerSettings = create_model("WorkerSettings", __base__=_CheckedByTheEngine, __
 
 def engine_options(settings: Settings) -> dict[str, Any]:
     """What the worker gives the engine's config: the knobs `settings` set (a `WorkerSettings` sets them all),
-    and the contract's bound on the log-probabilities a job may ask for."""
+    the contract's bound on the log-probabilities a job may ask for, and whether requests speculate."""
     knobs = {name: getattr(settings, name) for name in ENGINE_FIELDS if hasattr(settings, name)}
-    return {**knobs, "max_logprobs": MAX_TOP_LOGPROBS}
+    return {**knobs, "max_logprobs": MAX_TOP_LOGPROBS, "speculative": settings.speculative}
 
 
 def load_backend(settings: Settings) -> StepEngine:

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 # engine's own
 OURS = {f.name: f.default for f in fields(SamplingParams)
         if f.name != "seed" and f.name in Sampling.model_fields and Sampling.model_fields[f.name].default is None}
-# what a model's generation_config.json may state (it has no presence penalty)
-FROM_MODEL = tuple(name for name in OURS if name != "presence_penalty")
+# what a model's generation_config.json may state (it has no presence penalty, nor a word on speculation)
+FROM_MODEL = tuple(name for name in OURS if name not in ("presence_penalty", "speculative"))
 
 
 def model_defaults(model_dir: Path) -> dict[str, float]:

@@ -72,8 +72,10 @@ class OpenAIBody(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    # convoq's extension: the turns of one conversation go to the worker that holds its prefix (`broker.affinity`)
+    # convoq's extensions: the turns of one conversation go to the worker that holds its prefix (`broker.affinity`);
+    # a job's speculative decoding on or off (`jobs.schemas.Sampling.speculative`)
     conversation_id: Key | None = None
+    speculative: str | None = None
 
 
 # OpenAI's options that change nothing convoq answers, accepted and ignored on purpose (docs/openai.md says why)

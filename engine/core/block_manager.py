@@ -215,6 +215,20 @@ class BlockManager:
             table.extend(blocks)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those `seq`'s tokens need: what a row's rejected drafts took (their K/V
+        slots are written again when their positions are computed once more)."""
+        needed = -(-seq.num_tokens // self.block_size)
+        held = len(seq.block_tables[0])
+        if held <= needed:
+            return
+        for p, (pool, table) in enumerate(zip(self.pools, seq.block_tables, strict=True)):
+            for i in range(needed, held):
+                if table[i] >= 0:
+                    pool.release(table[i])
+                self.rows.clear(seq, p, i)
+            del table[needed:]
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; its computed full blocks (prompt and output alike) stay cached."""
         self.index(seq)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.block_key import BlockKey
 from engine.core.block_manager import BlockManager
+from engine.core.drafts import Drafter, token_value
 from engine.core.sequence import Sequence, Status
 from engine.core.step_cost import StepCost, Work
 from engine.core.step_rows import step_plan
@@ -35,9 +36,10 @@ class Planning:
     # the entries of the blocks this step's prefill chunks fill (whole entries: a request waits only for its own
     # salt's blocks, never for a key of another salt's that collides with one of its own)
     computing: set[BlockKey] = field(default_factory=set)
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # a decode row's drafts count here: tokens of compute beside the row's own
     decode_rows: int = 0
     decode_longest: int = 0
+    drafts: int = 0
 
     @property
     def work(self) -> Work:
@@ -59,6 +61,13 @@ class Planning:
             self.tokens_left -= len(seqs)
             self.decode_rows += len(seqs)
             self.decode_longest = max(self.decode_longest, max(seq.num_computed for seq in seqs) + 1)
+
+    def add_drafts(self, seq: Sequence, k: int) -> None:
+        """`k` drafts on planned decode row `seq` (engine.core.drafts)."""
+        self.scheduled[seq] += k
+        self.tokens_left -= k
+        self.prefill_tokens += k
+        self.drafts += k
 
     def remove(self, seq: Sequence) -> None:
         """(A row taken out leaves the longest context as it was: an estimate on the safe side.)"""
@@ -82,6 +91,7 @@ class Scheduler:
         self.config = config
         self.blocks = blocks
         self.cost = cost or StepCost()
+        self.drafter: Drafter | None = None  # the engine's, once it has its grammars: no drafts without one
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -149,10 +159,34 @@ class Scheduler:
             self._admit(bulk, planning, limit, now)
         if not planning.scheduled:
             return None
+        if self.drafter is not None:
+            self._draft(planning, limit)
         for seq in planning.scheduled:
             seq.last_step = self._step
         released, self._released = self._released, []
-        return step_plan(planning.scheduled, self.blocks.rows, self.blocks.block_size, released)
+        return step_plan(planning.scheduled, self.blocks.rows, self.blocks.block_size, released, planning.drafts)
+
+    def _draft(self, planning: Planning, limit: float) -> None:
+        """Drafts on the step's decode rows of speculating sequences, as many as are worth their cost
+        (engine.core.drafts), within the token budget, the time limit and the blocks each row holds or can take."""
+        rows = [seq for seq, n in planning.scheduled.items() if n == 1 and seq.ngram is not None
+                and seq.num_uncomputed == 1]
+        if not rows:
+            return
+        value = token_value(self.cost, planning.work, planning.decode_rows)
+        room = min(planning.tokens_left, self._spare_tokens(planning, limit))
+        if value <= 1 or room <= 0:
+            return
+        size = self.blocks.block_size
+        for seq in rows:
+            cap = min(self.config.speculative_tokens, room, seq.token_limit - seq.num_tokens - 1)
+            drafts = self.drafter.propose(seq, cap, value) if cap > 0 else []
+            if drafts and not self.blocks.try_append(seq, 1 + len(drafts)):
+                del drafts[len(seq.block_tables[0]) * size - seq.num_computed - 1:]  # what its blocks hold
+            if drafts:
+                seq.drafts = drafts
+                planning.add_drafts(seq, len(drafts))
+                room -= len(drafts)
 
     def _time_limit(self, planning: Planning, now: float) -> float:
         """Seconds this step may take once its interactive work is in: that work's latency target, a newcomer's

@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from engine.core.block_key import BlockKey, salt_root
+from engine.core.draft_record import Record
+from engine.core.ngram import NgramIndex
 from engine.core.output_text import stop_ends, stop_window
 from engine.interface import Request, Timings
 
@@ -49,6 +51,18 @@ class Sequence:
         self.matcher = None
         self.constrained = False
         self.logprobs: list | None = [] if self.params.logprobs is not None else None  # one per output token
+        # speculation (engine.core.drafts): the index its n-gram drafts come from (None: it never speculates), the
+        # drafts of the step it is planned in (read only by a row longer than its uncomputed tokens), how many of
+        # them its grammar forced (certain, then the others), how often each uncertain kind was accepted (half the
+        # time, at first), and its lookups that found nothing in a row, and steps to skip before the next
+        self.ngram: NgramIndex | None = None
+        self.drafts: list[int] = []
+        self.certain = 0
+        self.forced = 0
+        self.copied_record = Record(1.0, 2.0)
+        self.forced_record = Record(1.0, 2.0)
+        self.draft_misses = 0
+        self.draft_wait = 0
         self.timings = Timings()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None

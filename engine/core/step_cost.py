@@ -31,10 +31,13 @@ class Work(NamedTuple):
 
 
 def work_of(plan: StepPlan) -> Work:
-    """The work of a planned step."""
+    """The work of a planned step. A row with drafts is a decode row (it reads its context as one does) and its
+    drafts are tokens of compute beside it, as the scheduler planned them."""
     d = plan.num_decodes
-    longest = int(plan.starts[:d].max()) + 1 if d else 0
-    return Work(int(plan.counts[d:].sum()), d, longest)
+    decoding = slice(0, d) if plan.drafts is None else (np.arange(len(plan.counts)) < d) | (plan.drafts > 0)
+    rows = d if plan.drafts is None else int(decoding.sum())
+    longest = int(plan.starts[decoding].max()) + 1 if rows else 0
+    return Work(int(plan.counts[d:].sum()) - (rows - d), rows, longest)
 
 
 class StepCost:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engine.core.kv_cache import KVCache
+from engine.model.acceptance import accept, sample_positions
 from engine.model.attention_batch import AttentionBatch, BatchPart, LayerSlot
 from engine.model.cuda_graphs import DecodeGraphs, PieceGraphs
 from engine.model.decoder import CausalLM
@@ -58,25 +59,28 @@ class StepExecutor:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, masks: Callable[[], TokenMasks | None] | None = None) -> StepResult:
-        """Computes the plan's new tokens; returns the next token of each row that reached its request's end.
-        `masks` gives the constrained rows' grammar masks: called once the forward is queued on the device, so
-        that on a GPU they are filled while it runs."""
+        """Computes the plan's new tokens; returns the next token of each row that reached its request's end
+        (a row with drafts: the tokens it keeps, engine.model.acceptance). `masks` gives the constrained sample
+        positions' grammar masks: called once the forward is queued on the device, so that on a GPU they are
+        filled while it runs."""
         logits = self.logits(plan)
         if logits is None:
             return StepResult([], [])
         tokens, logprobs = sample(logits, plan.sampling, masks() if masks is not None else None)
-        return StepResult(plan.sample_ids, tokens, logprobs)
+        return accept(plan, tokens, logprobs)
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor | None:
-        """The forward of the plan's new tokens, and the logits of its rows that sample (None: no row does).
+        """The forward of the plan's new tokens, and the logits of its sample positions (None: no row samples).
         What a tensor-parallel rank other than the first runs of each step: the same collectives, no sampling."""
         step = self.pack(plan)
         hidden = self.forward(step)
         if not len(plan.sample_rows):
             return None
-        last = torch.from_numpy(step.last_tokens(plan.sample_rows)).to(self.device)
-        return self.model.compute_logits(hidden[last])
+        last = step.last_tokens(plan.sample_rows)
+        if plan.drafts is not None:
+            last = sample_positions(last, plan.drafts[plan.sample_rows])
+        return self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)])
 
     def pack(self, plan: StepPlan) -> PackedStep:
         """The step's inputs on the host. Where dense rows serve the decodes, those come in the rows' order."""
