@@ -112,6 +112,7 @@ def test_stopping_a_job_stops_every_choice(tiny_model):
             deadline = time.monotonic() + 60
             while bridge.stats().running < 3 and time.monotonic() < deadline:  # every choice is in the engine
                 time.sleep(0.01)
+            assert bridge.stats().running == 3, "the choices were never all in the engine together"
             assert bridge.stop(["job-a"]) == ["job-a"]
             worker.join(60)
         choices = [outcome["o"], *outcome["o"].choices]
