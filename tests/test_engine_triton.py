@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from engine.interface import Request
-from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, swiglu
+from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, scaled_dot, swiglu
 from tests.engine_helpers import greedy, make_engine, prompts, run_all
 from tests.test_kernels_support import interpret_kernels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-interpreted_kernels = interpret_kernels(attention, kv_store, qk_norm_rope, rms_norm, swiglu, fused_moe)
+interpreted_kernels = interpret_kernels(attention, kv_store, qk_norm_rope, rms_norm, swiglu, scaled_dot, fused_moe)
 
 # prompts longer than the windows (tiny-swa's 64, the policy's 32) and than one block, in two prefill chunks
 PROMPTS = prompts(2, 50, 90, seed=5)

@@ -20,24 +20,11 @@ import torch
 from torch import nn
 
 from kernels.dispatch import Ops
-from kernels.fp8_gemm import BLOCK, block_dequantize, block_quantize
+from kernels.fp8_gemm import BLOCK, block_dequantize, block_quantize, blocks, scale_rows
 from kernels.swiglu import silu_and_mul
 
 FP8 = torch.float8_e4m3fn
 SCALES = "weight_scale_inv"  # a quantized projection's checkpoint tensor of block scales, beside its `weight`
-
-
-def blocks(n: int) -> int:
-    """How many 128-blocks `n` rows or columns span (the last one may be partial)."""
-    return -(-n // BLOCK)
-
-
-def scale_rows(shard_sizes: list[int]) -> torch.Tensor:
-    """Each output row's row of scales in a weight of `shard_sizes` stacked shards: every shard starts a scale
-    row of its own."""
-    starts = [sum(blocks(s) for s in shard_sizes[:i]) for i in range(len(shard_sizes))]
-    return torch.cat([torch.arange(size, dtype=torch.int32) // BLOCK + start
-                      for size, start in zip(shard_sizes, starts, strict=True)])
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
