@@ -144,7 +144,7 @@ def _decode_ms_per_token(shape: dict, check: Check, bandwidth_gbs: float | None,
         if fp8:
             config = json.loads((Path(folder) / "config.json").read_text())
             (Path(folder) / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION}))
-            weights = quantize_checkpoint(weights, shape["num_hidden_layers"])
+            weights = quantize_checkpoint(weights, [0] * shape["num_hidden_layers"])  # every layer dense
         engine = LLMEngine(EngineConfig(model=folder, device=check.device, dtype=check.dtype,
                                         initial_blocks=1 << 30, max_num_seqs=8), weights)
     new_tokens = 8 if check.dry else 64
