@@ -53,3 +53,10 @@ def test_windowed_tile_layouts_are_worked_out_once_per_step_not_per_layer(tiny_m
     windowed = [s for s in engine.kv_plan.layer_slots if s.policy.window]
     groups = {(s.pool, s.policy) for s in windowed}
     assert len(built) == len(groups) < len(windowed)
+
+
+def test_fp8_experts_on_triton_match_torch(fp8_moe_models):
+    """FP8 experts where there are no FP8 tensor cores: the Triton kernels expand each tile's fp8 weights in
+    registers, the CPU path each chosen expert's; experts of 1.5 blocks, whose up projections start mid-block."""
+    path, _ = fp8_moe_models["ragged"]
+    assert generate(path, "triton") == generate(path, "torch")
