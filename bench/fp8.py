@@ -1,14 +1,16 @@
 """FP8 checkpoints: the weights' bytes against bf16, and tokens/s against the same model unquantized, side by side.
 
     python -m bench.fp8 --json [--preset tiny-blocks] [--requests 32] [--new-tokens 32] [--rounds 2] [--device auto]
+    python -m bench.fp8 --json --preset tiny-moe-blocks   # Qwen3-MoE: its experts in FP8 too
 
 A cli.tiny_model preset (random weights) is written as an FP8 checkpoint laid out as Qwen's `*-FP8` and as its
 dequantized twin, an ordinary float32 checkpoint holding the same values (`cli.tiny_model.write_fp8`). Both load
 in bf16 for the weights' bytes (`memory_report`), then run the same greedy requests in the engine's own dtype
 (fp32 on a CPU, bf16 on a GPU), rounds alternating so that the machine's drift falls on both. On a CPU the FP8
-model dequantizes each projection's weight for every matmul, so the tokens/s ratio is that cost, and the outputs
-are identical; on a GPU with FP8 tensor cores it runs the W8A8 GEMM (activations quantized too, so outputs may
-part ways), and the GEMM is also timed against a bf16 matmul at Qwen3-32B's MLP shapes (bench.gpu_kernels).
+model dequantizes each projection's weight for every matmul (and each chosen expert's), so the tokens/s ratio is
+that cost, and the outputs are identical; on a GPU with FP8 tensor cores it runs the W8A8 GEMM and experts
+(activations quantized too, so outputs may part ways), and the GEMM is also timed against a bf16 matmul at
+Qwen3-32B's MLP shapes (bench.gpu_kernels).
 """
 
 from __future__ import annotations
@@ -36,16 +38,21 @@ def checkpoints(preset: str) -> tuple[str, str]:
 
 
 def weight_bytes(fp8: str, fp32: str, device: str) -> dict[str, int | float]:
-    """Both models' weights loaded in bf16: all of them, and the layers' projections alone."""
+    """Both models' weights loaded in bf16: all of them, the layers' projections alone, and the experts of a
+    mixture-of-experts model."""
     quantized = LLMEngine(EngineConfig(model=fp8, device=device, dtype="bfloat16", initial_blocks=4))
     plain = LLMEngine(EngineConfig(model=fp32, device=device, dtype="bfloat16", initial_blocks=4))
     projections = [m for m in quantized.model.modules() if isinstance(m, Fp8Linear)]
     fp8_projections = sum(t.nbytes for m in projections for t in (m.weight, m.weight_scale_inv, m.scale_rows))
     bf16_projections = sum(2 * m.weight.numel() for m in projections)
-    ours, bf16 = quantized.memory_report()["weights_bytes"], plain.memory_report()["weights_bytes"]
-    return {"weights_bytes_fp8": ours, "weights_bytes_bf16": bf16, "fp8_over_bf16": round(ours / bf16, 3),
+    ours, bf16 = quantized.memory_report(), plain.memory_report()
+    experts = {} if not bf16["expert_bytes"] else {
+        "expert_bytes_fp8": ours["expert_bytes"], "expert_bytes_bf16": bf16["expert_bytes"],
+        "experts_fp8_over_bf16": round(ours["expert_bytes"] / bf16["expert_bytes"], 4)}
+    return {"weights_bytes_fp8": ours["weights_bytes"], "weights_bytes_bf16": bf16["weights_bytes"],
+            "fp8_over_bf16": round(ours["weights_bytes"] / bf16["weights_bytes"], 3),
             "projection_bytes_fp8": fp8_projections, "projection_bytes_bf16": bf16_projections,
-            "projections_fp8_over_bf16": round(fp8_projections / bf16_projections, 4)}
+            "projections_fp8_over_bf16": round(fp8_projections / bf16_projections, 4), **experts}
 
 
 def side_by_side(fp8: str, fp32: str, device: str, requests: int, new_tokens: int, rounds: int) -> dict:
@@ -61,8 +68,10 @@ def side_by_side(fp8: str, fp32: str, device: str, requests: int, new_tokens: in
             rate, outputs[name] = tokens_per_s(engine, requests, new_tokens, f"{name}.{r}.")
             rates[name].append(rate)
     ours, plain = statistics.mean(rates["fp8"]), statistics.mean(rates["unquantized"])
+    ops = engines["fp8"].executor.ops
     return {"dtype": str(engines["fp8"].config.torch_dtype).removeprefix("torch."),
-            "fp8_linear": engines["fp8"].executor.ops.fp8_linear.__name__,
+            "fp8_linear": ops.fp8_linear.__name__,
+            "fp8_experts": f"{ops.fp8_fused_moe.__module__}.{ops.fp8_fused_moe.__name__}",
             "tokens_per_s_fp8": round(ours, 1), "tokens_per_s_unquantized": round(plain, 1),
             "fp8_over_unquantized": round(ours / plain, 3), "identical": outputs["fp8"] == outputs["unquantized"]}
 

@@ -20,10 +20,11 @@ is rewritten after every part, so a run cut short still leaves what it measured:
 7. `memory`: a pool that starts small and grows under load with `kv_cache_memory` 0.9: the peak allocated
    memory against weights + KV budget + the activations the profiling step held back + the graphs' memory,
    and the device.
-8. `fp8`: `bench.fp8` (an FP8 checkpoint's weight bytes and tokens/s beside its dequantized twin), and decode
-   ms/token at batch 1 of Qwen3-8B's shapes with bf16 and with FP8 weights (random, quantized on the device):
-   FP8 halves the bytes each step reads (target: >= 1.4x faster). The FP8 GEMM's checks and timings are in
-   `kernels`.
+8. `fp8`: `bench.fp8` (an FP8 checkpoint's weight bytes and tokens/s beside its dequantized twin), dense and
+   Qwen3-MoE (`tiny-moe-blocks`, whose FP8 experts also replay in CUDA graphs: `moe_graphs`, as
+   `graphs_identity`), and decode ms/token at batch 1 of Qwen3-8B's shapes with bf16 and with FP8 weights
+   (random, quantized on the device): FP8 halves the bytes each step reads (target: >= 1.4x faster). The FP8
+   kernels' checks and timings are in `kernels`.
 9. `moe_graphs`: `graphs_identity` on the `tiny-moe` checkpoint (Qwen3-MoE), whose expert kernels run inside
    the piece and decode graphs whatever the routing of the step they replay.
 10. `speculative`: `bench.speculative`'s `copy` workload on the GPU (the model built to quote its prompt,
@@ -150,7 +151,7 @@ def _decode_ms_per_token(shape: dict, check: Check, bandwidth_gbs: float | None,
         if fp8:
             config = json.loads((Path(folder) / "config.json").read_text())
             (Path(folder) / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION}))
-            weights = quantize_checkpoint(weights, shape["num_hidden_layers"])
+            weights = quantize_checkpoint(weights, [0] * shape["num_hidden_layers"])  # every layer dense
         engine = LLMEngine(EngineConfig(model=folder, device=check.device, dtype=check.dtype,
                                         initial_blocks=1 << 30, max_num_seqs=8), weights)
     new_tokens = 8 if check.dry else 64
@@ -218,9 +219,9 @@ def _greedy_tokens(path: Path, check: Check, graphs: bool, prompts: list[list[in
     return [done[r.request_id] for r in requests], steps
 
 
-def graphs_identity(check: Check, preset: str | None = None) -> dict:
-    """On the check's model, or on the `preset` checkpoint."""
-    path = tiny_model(preset or check.preset)
+def graphs_identity(check: Check, path: Path | None = None) -> dict:
+    """On the check's model, or on the checkpoint in `path`."""
+    path = path or tiny_model(check.preset)
     prompts = [r.prompt_ids for r in engine_vs_hf.make_requests(check.preset, 4096, 11, "g", 6 if check.dry else 24)]
     with_graphs, steps = _greedy_tokens(path, check, True, prompts)
     without, _ = _greedy_tokens(path, check, False, prompts)
@@ -272,12 +273,15 @@ def memory(check: Check) -> dict:
 def fp8(check: Check) -> dict:
     load = dict(requests=4, new_tokens=4) if check.dry else dict(requests=64, new_tokens=64)
     result = bench_fp8.run("tiny-blocks", check.device, rounds=1, gemm=False, **load)
+    moe = bench_fp8.run("tiny-moe-blocks", check.device, rounds=1, gemm=False, **load)
+    # the FP8 experts' kernels (the activations quantized on the device) inside the piece and decode graphs
+    moe_graphs = graphs_identity(check, Path(bench_fp8.checkpoints("tiny-moe-blocks")[0]))
     bandwidth = None if check.dry else gpu_e2e.copy_bandwidth_gbs()
     shape = DRY_SHAPE if check.dry else QWEN3_8B
     decode = {name: _decode_ms_per_token(shape, check, bandwidth, fp8=name == "fp8") for name in ("bf16", "fp8")}
     speedup = decode["bf16"]["ms_per_token"] / decode["fp8"]["ms_per_token"]
-    return {**result, "decode_8b": decode, "decode_fp8_speedup": speedup,
-            "ok": None if check.dry else speedup >= TARGETS["fp8_decode_speedup"]}
+    return {**result, "moe": moe, "moe_graphs": moe_graphs, "decode_8b": decode, "decode_fp8_speedup": speedup,
+            "ok": None if check.dry else speedup >= TARGETS["fp8_decode_speedup"] and moe_graphs["ok"]}
 
 
 
@@ -301,7 +305,7 @@ PARTS: dict[str, Callable[[Check], dict]] = {
     "kernels": kernels, "engine_vs_hf": engine_vs_transformers, "decode_floor": decode_floor,
     "step_overhead": host_overhead, "mixed": mixed_load, "graphs_identity": graphs_identity, "memory": memory,
     "fp8": fp8,
-    "moe_graphs": lambda check: graphs_identity(check, "tiny-moe"),
+    "moe_graphs": lambda check: graphs_identity(check, tiny_model("tiny-moe")),
     "speculative": speculative_copy,
 }
 

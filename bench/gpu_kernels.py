@@ -1,7 +1,7 @@
 """GPU check of every Triton kernel: correctness against the PyTorch references (fp32 and bf16), then timings
-against the PyTorch path (SDPA / eager, a bf16 matmul for the FP8 GEMM) and against the memory-bandwidth floor
-measured in the same run. The FP8 kernels are checked and timed on GPUs with FP8 tensor cores (compute
-capability 8.9 and up) only.
+against the PyTorch path (SDPA / eager, a bf16 matmul for the FP8 GEMM, bf16 experts for FP8 ones) and against
+the memory-bandwidth floor measured in the same run. The W8A8 FP8 kernels are checked and timed on GPUs with FP8
+tensor cores (compute capability 8.9 and up) only; the FP8 experts dequantized in registers on any GPU.
 
     python -m bench.gpu_kernels [gpu_kernels.json]
 
@@ -24,8 +24,8 @@ from bench.moe import moe_inputs
 from kernels import fp8_gemm, qk_norm_rope, rms_norm
 from kernels.attention import paged_attention
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
-from kernels.fused_moe import fused_moe
-from kernels.fused_moe_ref import fused_moe_ref
+from kernels.fused_moe import dequant_fused_moe, fp8_fused_moe, fused_moe
+from kernels.fused_moe_ref import dequantize_experts, fp8_fused_moe_ref, fused_moe_ref, quantize_experts
 from kernels.kv_store import store_kv
 from kernels.swiglu import swiglu, swiglu_ref
 
@@ -37,6 +37,10 @@ FP8_DECODE_SPEEDUP_TARGET = 1.5  # the W8A8 GEMM (activations quantized too) at 
 # Qwen3-30B-A3B's experts: 128 of hidden 2048 and width 768, 8 a token
 QWEN3_30B_EXPERTS = dict(experts=128, top_k=8, hidden=2048, intermediate=768)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# W8A8 experts quantize the SwiGLU rows again before down, which the kernel sums in another order (and in bf16,
+# rounds once where the reference rounds gate, up and their product): a value on a rounding edge lands one fp8
+# step (6-12%) away, and each such value moves its token's output
+W8A8_MOE_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 5e-2}
 
 
 @dataclass
@@ -251,6 +255,47 @@ def time_moe(tokens: int) -> Timing:
                   chosen * 3 * shape["hidden"] * shape["intermediate"] * 2)
 
 
+def fp8_moe_inputs(tokens: int, shape: dict, dtype: torch.dtype,
+                   device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """`moe_inputs` with the experts quantized to fp8 blocks: (x, w_gate_up, gate_up_scales, w_down, down_scales,
+    weights, ids)."""
+    x, w_gate_up, w_down, weights, ids = moe_inputs(tokens, **shape, dtype=dtype, device=device)
+    return x, *quantize_experts(w_gate_up.float(), w_down.float()), weights, ids
+
+
+def fp8_moe_checks(dtype: torch.dtype, shape: dict = QWEN3_30B_EXPERTS, device: str = "cuda") -> list[Check]:
+    """FP8 experts at a decode's and a prefill's token counts: dequantized in registers against the reference on
+    their values (any GPU), W8A8 against its own reference (FP8 tensor cores only)."""
+    checks = []
+    for tokens in (5, 300):
+        x, *experts, weights, ids = fp8_moe_inputs(tokens, shape, dtype, device)
+        values = [w.to(dtype) for w in dequantize_experts(*experts)]
+        dequantized = dequant_fused_moe(x, *experts, weights, ids)
+        checks.append(Check(f"fp8-moe-dequant-{tokens}-tokens", str(dtype),
+                            rel_error(dequantized, fused_moe_ref(x, *values, weights, ids)), TOLERANCE[dtype]))
+        if fp8_gemm.has_fp8_tensor_cores(device):
+            w8a8 = fp8_fused_moe(x, *experts, weights, ids)
+            expected = fp8_fused_moe_ref(x, *experts, weights, ids)
+            checks.append(Check(f"fp8-moe-w8a8-{tokens}-tokens", str(dtype), rel_error(w8a8, expected),
+                                W8A8_MOE_TOLERANCE[dtype]))
+    return checks
+
+
+def time_fp8_moe(tokens: int, shape: dict = QWEN3_30B_EXPERTS, device: str = "cuda") -> list[Timing]:
+    """One layer's FP8 experts against the same experts in bf16, all on the grouped kernels: dequantized in
+    registers, and W8A8 where FP8 tensor cores are; the bytes are the chosen experts' fp8 weights."""
+    x, *experts, weights, ids = fp8_moe_inputs(tokens, shape, torch.bfloat16, device)
+    w_gate_up, w_down = (w.to(x.dtype) for w in dequantize_experts(*experts))
+    bf16 = bench_ms(lambda: fused_moe(x, w_gate_up, w_down, weights, ids))
+    chosen_bytes = ids.unique().numel() * 3 * shape["hidden"] * shape["intermediate"]
+    label = f"{tokens}x{shape['experts']}e-top{shape['top_k']}"
+    paths = {"dequant": dequant_fused_moe}
+    if fp8_gemm.has_fp8_tensor_cores(device):
+        paths["w8a8"] = fp8_fused_moe
+    return [Timing(f"fp8-moe-{name}-{label}", bench_ms(lambda run=run: run(x, *experts, weights, ids)),
+                   "bf16 experts", bf16, chosen_bytes) for name, run in paths.items()]
+
+
 def time_decode(context: int, batch: int) -> Timing:
     """Qwen3-8B shapes (32 query heads, 8 KV heads, head_dim 128), bf16 cache, one new token per sequence."""
     cache = paged(batch, context, 8, 128, torch.bfloat16)
@@ -311,7 +356,8 @@ def time_norms(rows: int) -> list[Timing]:
 
 def run(quick: bool) -> dict:
     checks = [c for dtype in (torch.float32, torch.bfloat16)
-              for c in (*attention_checks(dtype), *store_kv_checks(dtype), *fused_checks(dtype), *moe_checks(dtype))]
+              for c in (*attention_checks(dtype), *store_kv_checks(dtype), *fused_checks(dtype), *moe_checks(dtype),
+                        *fp8_moe_checks(dtype))]
     checks += fp8_checks() if fp8_gemm.has_fp8_tensor_cores("cuda") else []
     copy_gbs = copy_bandwidth_gbs()
     context, batch, tokens = (2048, 8, 8192) if quick else (8192, 32, 32768)
@@ -320,6 +366,7 @@ def run(quick: bool) -> dict:
     swiglus = [time_swiglu(rows) for rows in ((16, 512) if quick else (16, 256, 4096))]
     fp8 = time_fp8_gemms(quick) if fp8_gemm.has_fp8_tensor_cores("cuda") else []
     moes = [time_moe(tokens) for tokens in ((8, 512) if quick else (8, 64, 512, 4096))]
+    moes += [t for tokens in ((8, 512) if quick else (8, 64, 512, 4096)) for t in time_fp8_moe(tokens)]
     timings = [decode, sparse, dense, *swiglus, *moes, *time_norms(4096 if quick else 16384), *fp8]
     targets = {
         "decode_fraction_of_copy_bandwidth": (decode.bandwidth_gbs() / copy_gbs, DECODE_BANDWIDTH_TARGET),

@@ -111,6 +111,13 @@ PRESETS: dict[str, dict] = {
                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
                      tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                      norm_topk_prob=True, mlp_only_layers=[0]),
+    # what the FP8 Qwen3-MoE copy is written from: tiny-moe's experts at blocks' sizes (hidden 256, experts of
+    # width 256: two blocks, one a rank of two) and head_dim 128, so that two ranks split every projection on
+    # whole blocks; moe_intermediate_size=192 makes each expert's up projection start mid-block
+    "tiny-moe-blocks": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=1024,
+                            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=256, norm_topk_prob=True, mlp_only_layers=[0]),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                  vocab_size=151936),
@@ -228,23 +235,36 @@ FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method
                     "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
 
 
+def fp8_quantization(config: dict) -> dict:
+    """The quantization_config Qwen writes for a model of `config`: its mixture-of-experts checkpoints
+    (Qwen3-30B-A3B-FP8) list every layer's norms and router beside the LM head as left unquantized."""
+    if config.get("model_type") != "qwen3_moe":
+        return FP8_QUANTIZATION
+    layers = [f"model.layers.{i}.{module}" for i in range(config["num_hidden_layers"])
+              for module in ("input_layernorm", "mlp.gate", "post_attention_layernorm")]
+    return {**FP8_QUANTIZATION, "modules_to_not_convert": ["lm_head", *layers]}
+
+
 def write_fp8(source: str | Path, path: str | Path, dequantized: str | Path) -> tuple[Path, Path]:
     """An FP8 copy of checkpoint folder `source` in `path`, laid out as Qwen's `*-FP8` checkpoints are (each layer
-    projection's weight in float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block, everything else in
-    bf16), and in `dequantized` the same values as an ordinary float32 checkpoint, for transformers to run."""
+    projection's weight, and each expert's, in float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block,
+    everything else in bf16), and in `dequantized` the same values as an ordinary float32 checkpoint, for
+    transformers to run."""
     from safetensors.torch import load_file, save_file
 
+    from engine.model.families import read_shape
     from engine.model.fp8 import FP8, SCALES, dequantize_weight, quantize_checkpoint
 
     source, path, dequantized = Path(source), Path(path), Path(dequantized)
     config = json.loads((source / "config.json").read_text())
     quantized = {name: tensor if tensor.dtype == FP8 or name.endswith(SCALES) else tensor.to(torch.bfloat16)
                  for name, tensor in quantize_checkpoint(load_file(source / "model.safetensors").items(),
-                                                         config["num_hidden_layers"])}
+                                                         read_shape(source).experts_per_layer())}
     plain = {name: dequantize_weight(tensor, quantized[name.replace(".weight", f".{SCALES}")])
              if tensor.dtype == FP8 else tensor.float()
              for name, tensor in quantized.items() if not name.endswith(SCALES)}
-    for folder, tensors, extra in ((path, quantized, {"quantization_config": FP8_QUANTIZATION, "dtype": "bfloat16"}),
+    for folder, tensors, extra in ((path, quantized, {"quantization_config": fp8_quantization(config),
+                                                      "dtype": "bfloat16"}),
                                    (dequantized, plain, {})):
         shutil.copytree(source, folder, dirs_exist_ok=True)
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

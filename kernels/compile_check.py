@@ -31,6 +31,7 @@ class Build:
     constants: dict[str, object]
     options: dict[str, int] = field(default_factory=dict)
     floats: tuple[str, ...] = ()
+    arch: int | None = None  # the architecture it is for, whatever --arch asks
 
 
 def _attention_builds() -> list[Build]:
@@ -66,18 +67,27 @@ def _fp8_builds() -> list[Build]:
 
 def _moe_builds() -> list[Build]:
     """Each expert kernel at the tile it runs with: gate/up at a prefill's 64 rows (its two accumulators are the
-    most registers), down at a decode's 16."""
-    routing = dict(sorted_pairs="*i32", tile_experts="*i32")
+    most registers), down at a decode's 16; bf16 experts, fp8 ones W8A8 (sm_90), and fp8 ones dequantized in
+    registers, built for sm_80, the GPUs without FP8 tensor cores they are for."""
     builds = []
-    for name, kernel, pointers, rows, extra in [
-        ("fused-moe-gate-up", fused_moe._gate_up_kernel, dict(x="*bf16", w="*bf16", out="*bf16"), 64, {"TOP_K": 8}),
-        ("fused-moe-down", fused_moe._down_kernel, dict(h="*bf16", w="*bf16", out="*bf16", weights="*bf16"), 16, {}),
-    ]:
-        launch = fused_moe.launch_options(rows, on_gpu=True)
-        tiles = {key: value for key, value in launch.items() if key.startswith("BLOCK")}
-        options = {key: value for key, value in launch.items() if not key.startswith("BLOCK")}
-        builds.append(Build(name, kernel, {**pointers, **routing},
-                            {**extra, **tiles, "BLOCK_M": rows, "PRECISION": "tf32"}, options))
+    formats = (("", "*bf16", "*bf16", "none", None), ("-fp8", "*fp8e4nv", "*fp8e4nv", "w8a8", None),
+               ("-fp8-dequant", "*i8", "*bf16", "dequant", 80))
+    for label, weight, act, fp8, arch in formats:
+        scales = {"w_scales": "*fp32"} if fp8 != "none" else {}
+        scales |= {"x_scales": "*fp32", "h_scales": "*fp32"} if fp8 == "w8a8" else {}
+        for name, kernel, pointers, rows, extra in [
+            ("gate-up", fused_moe._gate_up_kernel, dict(x=act, w=weight, out="*bf16"), 64, {"TOP_K": 8}),
+            ("down", fused_moe._down_kernel, dict(h=act, w=weight, out="*bf16", weights="*bf16"), 16, {}),
+        ]:
+            launch = fused_moe.launch_options(rows, on_gpu=True, fp8=fp8)
+            tiles = {key: value for key, value in launch.items() if key.startswith("BLOCK")}
+            options = {key: value for key, value in launch.items() if not key.startswith("BLOCK")}
+            absent = {key: None for key in ("x_scales", "h_scales", "w_scales")
+                      if key in kernel.arg_names and key not in scales}
+            builds.append(Build(f"fused-moe{label}-{name}", kernel,
+                                {**pointers, **scales, "sorted_pairs": "*i32", "tile_experts": "*i32"},
+                                {**extra, **tiles, **absent, "BLOCK_M": rows, "PRECISION": "tf32", "FP8": fp8},
+                                options, arch=arch))
     return builds
 
 
@@ -128,7 +138,7 @@ def compile_build(build: Build, arch: int) -> dict[str, int]:
         if name in build.pointers or name.startswith("stride")
     }
     source = ASTSource(build.kernel, signature, build.constants, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=build.options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", build.arch or arch, 32), options=build.options)
     wgmma = int("wgmma" in compiled.asm["ptx"])  # Hopper's warpgroup tensor-core instructions
     return {**_resources(compiled.asm["cubin"]), "shared_bytes": compiled.metadata.shared, "wgmma": wgmma}
 
@@ -141,7 +151,7 @@ def main() -> None:
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     for build in builds():
         usage = compile_build(build, args.arch)
-        print(f"{build.name:20s} " + " ".join(f"{key}={value}" for key, value in usage.items()))
+        print(f"{build.name:29s} " + " ".join(f"{key}={value}" for key, value in usage.items()))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 The engine asks once, `ops = select_ops(backend, device, head_dim)`, then calls `ops.paged_attention(...)`,
 `ops.store_kv(...)`, `ops.rms_norm(...)`, `ops.add_rms_norm(...)`, `ops.qk_norm_rope(...)`, `ops.swiglu(...)`,
-`ops.fused_moe(...)` (a mixture-of-experts layer's experts) and, for FP8 checkpoints, `ops.fp8_linear(...)`;
-every set takes the same arguments and gives the same results, but for `fp8_linear` where a device has no FP8
-tensor cores: there the weight is dequantized for each matmul and the activations stay unquantized
-(`kernels.fp8_gemm.dequant_linear`). Three sets exist: the Triton kernels, their
-PyTorch references (the readable ground truth) and `kernels.torch_ops` (the references organised for speed,
-for CPUs). Importing this module imports no Triton: ask for the ops at run time, not at import time, since
-Triton's interpreter mode (tests) is fixed when Triton is first imported.
+`ops.fused_moe(...)` (a mixture-of-experts layer's experts) and, for FP8 checkpoints, `ops.fp8_linear(...)` and
+`ops.fp8_fused_moe(...)`; every set takes the same arguments and gives the same results, but for the FP8 ops
+where a device has no FP8 tensor cores: there the weights are dequantized for each matmul and the activations
+stay unquantized (`kernels.fp8_gemm.dequant_linear`; of the experts, only those some token chose). Three sets
+exist: the Triton kernels, their PyTorch references (the readable ground truth) and `kernels.torch_ops` (the
+references organised for speed, for CPUs). Importing this module imports no Triton: ask for the ops at run
+time, not at import time, since Triton's interpreter mode (tests) is fixed when Triton is first imported.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Ops:
     swiglu: Callable[..., torch.Tensor]
     fused_moe: Callable[..., torch.Tensor]
     fp8_linear: Callable[..., torch.Tensor]
+    fp8_fused_moe: Callable[..., torch.Tensor]
 
 
 def reference_ops() -> Ops:
@@ -45,6 +46,7 @@ def reference_ops() -> Ops:
         swiglu=swiglu.swiglu_ref,
         fused_moe=fused_moe_ref.fused_moe_ref,
         fp8_linear=fp8_gemm.fp8_linear_ref,
+        fp8_fused_moe=fused_moe_ref.fp8_fused_moe_ref,
     )
 
 
@@ -63,6 +65,7 @@ def triton_ops() -> Ops:
         swiglu=swiglu.swiglu,
         fused_moe=fused_moe.fused_moe,
         fp8_linear=fp8_gemm.fp8_linear,
+        fp8_fused_moe=fused_moe.fp8_fused_moe,
     )
 
 
@@ -87,17 +90,20 @@ def select_ops(backend: str, device: torch.device | str, head_dim: int, scaled_k
     from kernels import fp8_gemm, torch_ops
 
     # torch_ops' experts ask the host how many rows each expert has, which no CUDA graph can hold: on CUDA the
-    # experts run the Triton kernel whatever the other ops are (its shapes are not the attention kernels')
-    moe = triton_ops().fused_moe if torch.device(device).type == "cuda" else torch_ops.fused_moe
+    # experts run the Triton kernels whatever the other ops are (their shapes are not the attention kernels')
+    experts = _fp8_for(triton_ops(), device) if torch.device(device).type == "cuda" else torch_ops
     fast = replace(ops, backend="torch", rms_norm=torch_ops.rms_norm, add_rms_norm=torch_ops.add_rms_norm,
-                   qk_norm_rope=torch_ops.qk_norm_rope, fused_moe=moe, fp8_linear=fp8_gemm.dequant_linear)
+                   qk_norm_rope=torch_ops.qk_norm_rope, fused_moe=experts.fused_moe,
+                   fp8_fused_moe=experts.fp8_fused_moe, fp8_linear=fp8_gemm.dequant_linear)
     if scaled_kv:  # the fast CPU attention reads unscaled caches only; the references dequantize fp8
         return fast
     return replace(fast, paged_attention=torch_ops.paged_attention, store_kv=torch_ops.store_kv)
 
 
 def _fp8_for(ops: Ops, device: torch.device | str) -> Ops:
-    """The Triton set's FP8 linear where `device` has FP8 tensor cores, else the dequantizing one."""
-    from kernels import fp8_gemm
+    """The Triton set's W8A8 FP8 ops where `device` has FP8 tensor cores, else the dequantizing ones."""
+    from kernels import fp8_gemm, fused_moe
 
-    return ops if fp8_gemm.has_fp8_tensor_cores(device) else replace(ops, fp8_linear=fp8_gemm.dequant_linear)
+    if fp8_gemm.has_fp8_tensor_cores(device):
+        return ops
+    return replace(ops, fp8_linear=fp8_gemm.dequant_linear, fp8_fused_moe=fused_moe.dequant_fused_moe)

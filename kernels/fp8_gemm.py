@@ -29,6 +29,19 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 EPS = 1e-10  # the smallest magnitude a scale is taken from: an all-zero block must not divide by zero
 
 
+def blocks(n: int) -> int:
+    """How many 128-blocks `n` rows or columns span (the last one may be partial)."""
+    return -(-n // BLOCK)
+
+
+def scale_rows(shard_sizes: list[int]) -> torch.Tensor:
+    """Each output row's row of scales in a weight of `shard_sizes` stacked shards: every shard starts a scale
+    row of its own."""
+    starts = [sum(blocks(s) for s in shard_sizes[:i]) for i in range(len(shard_sizes))]
+    return torch.cat([torch.arange(size, dtype=torch.int32) // BLOCK + start
+                      for size, start in zip(shard_sizes, starts, strict=True)])
+
+
 def block_quantize(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`x [M, K]` as fp8 `[M, K]` and float32 scales `[ceil(M / rows), ceil(K / cols)]`, one per `rows` x
     `cols` block, each its block's largest magnitude over 448: weights take 128x128 blocks, activations 1x128."""
@@ -56,10 +69,10 @@ def block_dequantize(q: torch.Tensor, scales: torch.Tensor, scale_rows: torch.Te
     `scale_rows [M]` names), one per 128 columns; the product is taken in float32, then cast to `dtype`."""
     m, k = q.shape
     values = fp8_halves(q).float()
-    values = (F.pad(values, (0, -k % BLOCK)) if k % BLOCK else values).view(m, -1, BLOCK)
+    values = (F.pad(values, (0, -k % BLOCK)) if k % BLOCK else values).view(m, blocks(k), BLOCK)
     # times 256 undoes fp8_halves' division exactly (a power of two), so each product rounds once, as fp8 * scale
     values.mul_(scales.index_select(0, scale_rows.long())[:, :, None] * 256)
-    return values.view(m, -1)[:, :k].to(dtype).contiguous()
+    return values.view(m, blocks(k) * BLOCK)[:, :k].to(dtype).contiguous()
 
 
 def dequant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scale_rows: torch.Tensor,
@@ -208,4 +221,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, scal
 def has_fp8_tensor_cores(device: torch.device | str) -> bool:
     """Whether `device` multiplies fp8 by fp8 in hardware: NVIDIA GPUs of compute capability 8.9 and up."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return (device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (8, 9))

@@ -10,6 +10,12 @@ per token at the end in the order of the token's experts, so the result does not
 The padded layout is sized from the shapes alone (every expert's run padded at most one tile short of full),
 and tiles past the last run return at once: nothing is read back to the host, so a CUDA graph can hold the
 whole layer whatever the routing.
+
+FP8 experts (each expert's weights in e4m3 with a scale per 128x128 block, the gate's scale rows then the up's,
+`kernels.fused_moe_ref.fp8_fused_moe_ref`) run the same two kernels through their `FP8` switch
+(kernels.scaled_dot): W8A8 on GPUs with FP8 tensor cores (`fp8_fused_moe`: the tokens quantized per 128-group
+before gate/up, the SwiGLU rows before down, by kernels.fp8_gemm's quantizer), and each weight tile expanded in
+registers elsewhere (`dequant_fused_moe`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemm import quantize_groups
+from kernels.scaled_dot import GROUP, scaled_dot
 from kernels.swiglu import swiglu_tile
 
 
@@ -55,18 +63,24 @@ def _tile(sorted_pairs, tile_experts, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def _gate_up_kernel(
-    x, w, out, sorted_pairs, tile_experts, num_pairs, num_experts, N, K, stride_xm, stride_we, stride_wn, stride_om,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    x, w, out, sorted_pairs, tile_experts, x_scales, w_scales, num_pairs, num_experts, N, K, stride_xm, stride_we,
+    stride_wn, stride_om, stride_xs, stride_se, stride_ws, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """`out[row] = silu(x[token] @ gate_e.T) * (x[token] @ up_e.T)` for the rows of one tile and N-columns."""
     expert, rm, pair, rn = _tile(sorted_pairs, tile_experts, N, BLOCK_M, BLOCK_N)
     if expert >= num_experts:
         return
     valid = pair < num_pairs
-    x_rows = x + (pair // TOP_K).to(tl.int64)[:, None] * stride_xm
-    result = swiglu_tile(x_rows, w + expert.to(tl.int64) * stride_we, valid, rn, N, K, stride_wn,
-                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    token = (pair // TOP_K).to(tl.int64)
+    row_scales = x_scales
+    expert_scales = w_scales
+    if FP8 == "w8a8":
+        row_scales = x_scales + token * stride_xs
+    if FP8 != "none":
+        expert_scales = w_scales + expert.to(tl.int64) * stride_se
+    result = swiglu_tile(x + token[:, None] * stride_xm, w + expert.to(tl.int64) * stride_we, valid, rn, N, K,
+                         stride_wn, row_scales, expert_scales, stride_ws, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, FP8)
     # padding rows are written too (zeros): the down kernel reads whole tiles
     o_ptrs = out + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=rn[None, :] < N)
@@ -74,8 +88,9 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h, w, out, sorted_pairs, tile_experts, weights, num_pairs, num_experts, N, K, stride_hm, stride_we, stride_wn,
-    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    h, w, out, sorted_pairs, tile_experts, weights, h_scales, w_scales, num_pairs, num_experts, N, K, stride_hm,
+    stride_we, stride_wn, stride_om, stride_hs, stride_se, stride_ws, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """`out[pair] = weights[pair] * (h[row] @ down_e.T)` for the rows of one tile and N-columns."""
     expert, rm, pair, rn = _tile(sorted_pairs, tile_experts, N, BLOCK_M, BLOCK_N)
@@ -85,12 +100,19 @@ def _down_kernel(
     rk = tl.arange(0, BLOCK_K)
     h_ptrs = h + rm.to(tl.int64)[:, None] * stride_hm + rk[None, :]
     w_ptrs = w + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    row_scales = h_scales
+    col_scales = w_scales
+    if FP8 == "w8a8":
+        row_scales = h_scales + rm.to(tl.int64) * stride_hs
+    if FP8 != "none":
+        col_scales = w_scales + expert.to(tl.int64) * stride_se + (rn // GROUP) * stride_ws
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(h_ptrs, mask=rk[None, :] < k_left, other=0.0)
-        b = tl.load(w_ptrs, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        w_mask = (rk[:, None] < k_left) & (rn[None, :] < N)
+        acc = scaled_dot(acc, a, w_ptrs, w_mask, row_scales, valid, col_scales, rn < N, k * BLOCK_K // GROUP, FP8,
+                         PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     scale = tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)
@@ -109,16 +131,21 @@ def tile_rows(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 24 else 32 if per_expert <= 48 else 64
 
 
-def launch_options(rows: int, on_gpu: bool) -> dict:
-    """Column and depth tiles, warps and pipeline stages for tiles of `rows` rows."""
+def launch_options(rows: int, on_gpu: bool, fp8: str = "none") -> dict:
+    """Column and depth tiles, warps and pipeline stages for tiles of `rows` rows; `fp8` (kernels.scaled_dot):
+    the experts' weights."""
     if not on_gpu:
         return _INTERPRETER_TILE
-    return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3 if rows < 64 else 2}
+    # a W8A8 step reads fp8 from both sides: 128 of them (one scale group) are the bytes 64 bf16 are
+    depth = 128 if fp8 == "w8a8" else 64
+    return {"BLOCK_N": 64, "BLOCK_K": depth, "num_warps": 4, "num_stages": 3 if rows < 64 else 2}
 
 
-def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    """`fused_moe_ref`, on Triton: `x [tokens, hidden]` -> `[tokens, hidden]`."""
+def _experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+             ids: torch.Tensor, fp8: str, gate_up_scales: torch.Tensor | None = None,
+             down_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Both grouped matmuls, the experts' weights in the format `fp8` names (kernels.scaled_dot), and for
+    "w8a8" each matmul's input quantized per token and 128-group first."""
     if x.stride(-1) != 1 or not w_gate_up.is_contiguous() or not w_down.is_contiguous():
         raise ValueError("x needs contiguous rows, and the expert weights must be contiguous")
     tokens, hidden = x.shape
@@ -127,16 +154,45 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     pairs = tokens * top_k
     rows = tile_rows(pairs, num_experts)
     sorted_pairs, tile_experts = route(ids, num_experts, rows)
-    options = launch_options(rows, x.is_cuda)
+    options = launch_options(rows, x.is_cuda, fp8)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 callers want fp32 results, not tf32's
+    a, a_scales = quantize_groups(x) if fp8 == "w8a8" else (x, None)
     h = torch.empty(sorted_pairs.numel(), inter, device=x.device, dtype=x.dtype)
     grid = (tile_experts.numel() * triton.cdiv(inter, options["BLOCK_N"]),)
-    _gate_up_kernel[grid](x, w_gate_up, h, sorted_pairs, tile_experts, pairs, num_experts, inter, hidden, x.stride(0),
-                          w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), TOP_K=top_k, BLOCK_M=rows,
-                          PRECISION=precision, **options)
+    _gate_up_kernel[grid](a, w_gate_up, h, sorted_pairs, tile_experts, a_scales, gate_up_scales, pairs, num_experts,
+                          inter, hidden, a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+                          *_scale_strides(a_scales, gate_up_scales), TOP_K=top_k, BLOCK_M=rows, PRECISION=precision,
+                          FP8=fp8, **options)
+    a, a_scales = quantize_groups(h) if fp8 == "w8a8" else (h, None)
     out = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
     grid = (tile_experts.numel() * triton.cdiv(hidden, options["BLOCK_N"]),)
-    _down_kernel[grid](h, w_down, out, sorted_pairs, tile_experts, weights.contiguous(), pairs, num_experts, hidden,
-                       inter, h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), BLOCK_M=rows,
-                       PRECISION=precision, **options)
+    _down_kernel[grid](a, w_down, out, sorted_pairs, tile_experts, weights.contiguous(), a_scales, down_scales, pairs,
+                       num_experts, hidden, inter, a.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+                       *_scale_strides(a_scales, down_scales), BLOCK_M=rows, PRECISION=precision, FP8=fp8, **options)
     return out.view(tokens, top_k, hidden).sum(1)
+
+
+def _scale_strides(a_scales: torch.Tensor | None, w_scales: torch.Tensor | None) -> tuple[int, int, int]:
+    """The activation scales' row stride, the weight scales' expert and row strides (0 where there are none)."""
+    return (a_scales.stride(0) if a_scales is not None else 0,
+            *(w_scales.stride()[:2] if w_scales is not None else (0, 0)))
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe_ref`, on Triton: `x [tokens, hidden]` -> `[tokens, hidden]`."""
+    return _experts(x, w_gate_up, w_down, weights, ids, "none")
+
+
+def fp8_fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, gate_up_scales: torch.Tensor, w_down: torch.Tensor,
+                  down_scales: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`fp8_fused_moe_ref`, on Triton: fp8 experts with their block scales, W8A8 (GPUs with FP8 tensor cores)."""
+    return _experts(x, w_gate_up, w_down, weights, ids, "w8a8", gate_up_scales, down_scales)
+
+
+def dequant_fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, gate_up_scales: torch.Tensor, w_down: torch.Tensor,
+                      down_scales: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe_ref` on the fp8 experts' values, on Triton: each tile's weights expanded in registers (GPUs
+    without FP8 tensor cores), the activations as they are."""
+    return _experts(x, w_gate_up.view(torch.int8), w_down.view(torch.int8), weights, ids, "dequant", gate_up_scales,
+                    down_scales)

@@ -3,7 +3,8 @@ epilogue (Triton), and its PyTorch reference.
 
 The weight is the gate and up projections stacked, `w_gate_up = cat([gate, up]) [2 * intermediate, hidden]`,
 so each program reads the matching gate and up rows and never writes the two intermediate products. One tile
-of it (`swiglu_tile`) is what the experts' kernel (kernels.fused_moe) runs against each tile's expert.
+of it (`swiglu_tile`) is what the experts' kernel (kernels.fused_moe) runs against each tile's expert, FP8
+experts included (kernels.scaled_dot).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.scaled_dot import GROUP, scaled_dot
 from kernels.tile_order import grouped_tile
 
 
@@ -27,22 +29,33 @@ def swiglu_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def swiglu_tile(x_rows, w, rows_ok, rn, N, K, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def swiglu_tile(x_rows, w, rows_ok, rn, N, K, stride_wn, x_scales, w_scales, stride_ws, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """`silu(x @ gate.T) * (x @ up.T)` for one tile, in float32: `x_rows` points at each row's first element
-    (`rows_ok` masks rows past the end), `rn` are the tile's columns of the stacked `w [2 * N, K]`."""
+    (`rows_ok` masks rows past the end), `rn` are the tile's columns of the stacked `w [2 * N, K]`. With FP8
+    weights (`FP8`, kernels.scaled_dot) `w_scales` points at their block scales, the gate's `ceil(N / 128)`
+    rows then the up's, `stride_ws` apart, and for "w8a8" `x_scales` at each row's activation scales; else both
+    are None."""
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_rows + rk[None, :]
     gate_ptrs = w + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] of gate.T
     up_ptrs = gate_ptrs + N * stride_wn
+    gate_scales = w_scales
+    up_scales = w_scales
+    if FP8 != "none":  # each column's first scale: the up shard starts scale rows of its own
+        gate_scales = w_scales + (rn // GROUP) * stride_ws
+        up_scales = gate_scales + tl.cdiv(N, GROUP) * stride_ws
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=rows_ok[:, None] & (rk[None, :] < k_left), other=0.0)
         w_mask = (rk[:, None] < k_left) & (rn[None, :] < N)
-        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+        group = k * BLOCK_K // GROUP
+        acc_gate = scaled_dot(acc_gate, a, gate_ptrs, w_mask, x_scales, rows_ok, gate_scales, rn < N, group, FP8,
+                              PRECISION)
+        acc_up = scaled_dot(acc_up, a, up_ptrs, w_mask, x_scales, rows_ok, up_scales, rn < N, group, FP8,
+                            PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -60,8 +73,8 @@ def _swiglu_kernel(
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    result = swiglu_tile(x + rm.to(tl.int64)[:, None] * stride_xm, w, rm < M, rn, N, K, stride_wn,
-                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    result = swiglu_tile(x + rm.to(tl.int64)[:, None] * stride_xm, w, rm < M, rn, N, K, stride_wn, None, None, 0,
+                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, "none")
     o_ptrs = out + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 

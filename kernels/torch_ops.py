@@ -12,7 +12,8 @@ batched call (a sliding window gathers only the blocks it can see); prefill chun
 
 A mixture-of-experts layer sorts its (token, expert) pairs by expert, as the Triton kernel does, and runs each
 expert that any token chose as two matmuls over its own rows: a step costs what its chosen experts cost, and
-never asks an expert no token chose for its tokens.
+never asks an expert no token chose for its tokens. FP8 experts are dequantized the same way, only the chosen
+ones, each for its own matmuls (kernels.fp8_gemm.dequant_linear).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_ref import visible
-from kernels.fused_moe_ref import expert_mlp
+from kernels.fp8_gemm import dequant_linear
+from kernels.fused_moe_ref import ExpertMLP, expert_mlp, fp8_expert_mlp
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,20 +126,31 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
     return decode_attention(q, k, v, mask[:, None, None, :], scale)
 
 
-def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+def _grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+             mlp: ExpertMLP) -> torch.Tensor:
     flat = ids.flatten()
     order = flat.argsort(stable=True)  # the pairs by expert
     tokens = order // ids.shape[1]
     scale = weights.flatten()[order, None]
     out = torch.zeros_like(x)
     start = 0
-    for expert, count in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
+    for expert, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
         if count:
             # each expert's rows gathered, computed and added while they are in cache, in the reference's order
             end = start + count
             rows = tokens[start:end]
-            part = expert_mlp(x.index_select(0, rows), w_gate_up[expert], w_down[expert])
-            out.index_add_(0, rows, part.mul_(scale[start:end]))
+            out.index_add_(0, rows, mlp(expert, x.index_select(0, rows)).mul_(scale[start:end]))
             start = end
     return out
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    return _grouped(x, weights, ids, w_gate_up.shape[0], lambda e, rows: expert_mlp(rows, w_gate_up[e], w_down[e]))
+
+
+def fp8_fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, gate_up_scales: torch.Tensor, w_down: torch.Tensor,
+                  down_scales: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """FP8 experts, each chosen one's weights dequantized to `x`'s dtype for each of its matmuls."""
+    return _grouped(x, weights, ids, w_gate_up.shape[0], lambda e, rows: fp8_expert_mlp(
+        rows, w_gate_up[e], gate_up_scales[e], w_down[e], down_scales[e], dequant_linear))

@@ -38,6 +38,17 @@ def fp8_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
             for name in ("tiny-blocks", "tiny-blocks-ragged")}
 
 
+@pytest.fixture(scope="session")
+def fp8_moe_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Qwen3-MoE laid out as Qwen's `*-FP8` (`tiny-moe-blocks`: experts of two whole 128-blocks, head_dim 128;
+    `ragged`: experts of 1.5 blocks, each expert's up projection starting mid-block), and each dequantized to an
+    ordinary float32 checkpoint."""
+    root = tmp_path_factory.mktemp("fp8-moe")
+    widths = {"whole": 256, "ragged": 192}
+    return {name: write_fp8(build_tiny_model(root / name, preset="tiny-moe-blocks", moe_intermediate_size=width),
+                            root / f"{name}-fp8", root / f"{name}-fp32") for name, width in widths.items()}
+
+
 QWEN3_TOKENIZER = Path(__file__).parent / "data" / "qwen3-tokenizer"
 
 

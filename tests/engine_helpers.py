@@ -9,14 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli.tiny_model import SPECIAL_TOKENS
 from engine.config import EngineConfig
-from engine.interface import Completion, GrammarKind, GrammarSpec, Request, SamplingParams
+from engine.interface import Completion, EngineStats, GrammarKind, GrammarSpec, Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.families import read_shape
 from engine.step import SamplingInputs
+from jobs.chat import encode_chat
 
 
 def make_engine(path: Path, **overrides) -> LLMEngine:
@@ -33,6 +34,17 @@ def prompts(count: int, shortest: int, longest: int, seed: int = 0, vocab: int =
     rng = random.Random(seed)
     return [[rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(rng.randint(shortest, longest))]
             for _ in range(count)]
+
+
+TRANSCRIPTS = Path(__file__).resolve().parent.parent / "cli" / "samples" / "transcripts.jsonl"
+
+
+def chats(path: Path, count: int = 8) -> list[list[int]]:
+    """Customer chats (a transcript's opening turns, up to a customer's message) as the chat template of the
+    model folder `path` renders them."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    transcripts = [json.loads(line)["transcript"] for line in TRANSCRIPTS.read_text().splitlines()[:count]]
+    return [encode_chat(tokenizer, t[: 1 + 2 * (i % 2)], thinking=False) for i, t in enumerate(transcripts)]
 
 
 def greedy(max_new_tokens: int, ignore_eos: bool = True) -> SamplingParams:
@@ -104,6 +116,18 @@ def greedy_requests(prompts: list[list[int]], new_tokens: list[int]) -> list[Req
     """Each prompt greedy for its number of new tokens, stopping at EOS, request ids "0", "1", ..."""
     return [Request(str(i), ids, greedy(n, ignore_eos=False))
             for i, (ids, n) in enumerate(zip(prompts, new_tokens, strict=True))]
+
+
+def engine_greedy(path: Path, prompts: list[list[int]], new_tokens: list[int],
+                  **overrides) -> tuple[list[list[int]], EngineStats]:
+    """An engine's greedy tokens for each prompt (`greedy_requests`, submitted together), and its stats; the
+    engine is closed after (a tensor-parallel engine's other ranks stopped)."""
+    engine = make_engine(path, **overrides)
+    try:
+        done = run_all(engine, greedy_requests(prompts, new_tokens))
+        return [done[str(i)].token_ids for i in range(len(prompts))], engine.stats()
+    finally:
+        engine.close()
 
 
 def sampling_rows(rows: list) -> SamplingInputs:

@@ -52,6 +52,14 @@ def test_a_mixture_of_experts_folder_gets_its_family_and_a_memory_plan_counting_
     assert "GiB (0.02 GiB of them experts), KV budget " in engine.found  # 3 layers of 8 experts: 18.9 MB in fp32
 
 
+def test_an_fp8_mixture_of_experts_folder_is_named_and_its_engine_runs(fp8_moe_models):
+    settings = WorkerSettings(model=str(fp8_moe_models["whole"][0]))
+    model = check_model(settings)
+    assert model.ok and model.found.endswith("(qwen3_moe, 3 layers, bfloat16, fp8 e4m3 blocks 128x128)")
+    engine = check_engine(settings)
+    assert engine.ok and "GiB of them experts), KV budget " in engine.found, engine.found
+
+
 def test_each_failure_says_what_to_do(empty_database, tiny_model, tmp_path):
     broker = check_broker(Settings(broker_url=f"redis://:s3cret@{NOWHERE}/0"))
     assert not broker.ok and "cannot reach Redis" in broker.found and "start Redis" in broker.fix

@@ -21,15 +21,14 @@ from engine.model.parallel import Split
 from engine.model.shape import rank_shape
 from tests.engine_helpers import (
     assert_packed_logits_match,
-    greedy_requests,
+    engine_greedy,
     make_engine,
     prompts,
     rank_block_bytes,
-    run_all,
     tight,
     transformers_greedy,
 )
-from tests.test_prefix_cache import converse
+from tests.test_prefix_cache import assert_reuse_gives_the_tokens_of_no_reuse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -79,32 +78,19 @@ def test_packed_forward_logits_match_transformers(fp8_models, preset):
 @pytest.mark.parametrize("pressure", [False, True], ids=["roomy", "chunked-preempting"])
 def test_greedy_matches_transformers(fp8_models, hf_outputs, preset, pressure):
     fp8, _ = fp8_models[preset]
-    engine = make_engine(fp8, **(tight(fp8) if pressure else {}))
-    done = run_all(engine, greedy_requests(PROMPTS, NEW_TOKENS))
-    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs[preset]
-    assert engine.stats().preemptions > 0 or not pressure
+    tokens, stats = engine_greedy(fp8, PROMPTS, NEW_TOKENS, **(tight(fp8) if pressure else {}))
+    assert tokens == hf_outputs[preset] and (stats.preemptions > 0 or not pressure)
 
 
 def test_prefix_reuse_gives_the_tokens_of_the_dequantized_model(fp8_models):
     fp8, fp32 = fp8_models["tiny-blocks"]
-    system = prompts(1, 40, 40, seed=5)[0]
-    small = dict(kv_cache_memory=40 * rank_block_bytes(fp8), initial_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
-    reference = converse(make_engine(fp32, enable_prefix_cache=False, **small), system, 4, 5, seed=1)
-    engine = make_engine(fp8, **small)
-    assert converse(engine, system, 4, 5, seed=1) == reference
-    stats = engine.stats()
-    assert stats.prefix_cache_hit_tokens > 0.4 * stats.prefix_cache_queries_tokens
+    assert_reuse_gives_the_tokens_of_no_reuse(fp8, rank_block_bytes(fp8), fp32)
 
 
 def test_two_ranks_give_transformers_tokens(fp8_models, hf_outputs):
     fp8, _ = fp8_models["tiny-blocks"]
-    engine = make_engine(fp8, tensor_parallel=2, **tight(fp8, 2))
-    try:
-        done = run_all(engine, greedy_requests(PROMPTS, NEW_TOKENS))
-        assert engine.stats().preemptions > 0
-    finally:
-        engine.close()
-    assert [done[str(i)].token_ids for i in range(len(PROMPTS))] == hf_outputs["tiny-blocks"]
+    tokens, stats = engine_greedy(fp8, PROMPTS, NEW_TOKENS, tensor_parallel=2, **tight(fp8, 2))
+    assert tokens == hf_outputs["tiny-blocks"] and stats.preemptions > 0
 
 
 def test_a_split_off_the_scale_blocks_is_refused_by_name(fp8_models):

@@ -7,7 +7,7 @@ mixture-of-experts designs are refused by name."""
 
 from __future__ import annotations
 
-import json
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,28 +15,27 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer, Qwen3MoeConfig
+from transformers import AutoConfig, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeModel,
     Qwen3MoeSparseMoeBlock,
     Qwen3MoeTopKRouter,
 )
 
-from engine.model.experts import PROJECTIONS
 from engine.model.families import read_shape
+from engine.model.fp8 import MLP_PROJECTIONS
 from engine.model.loader import load_model
 from engine.model.moe import Router
 from engine.model.parallel import ALONE, Split
 from engine.model.shape import MoEShape, rank_shape
-from jobs.chat import encode_chat
 from kernels.dispatch import select_ops
 from tests.engine_helpers import (
     assert_packed_logits_match,
-    greedy_requests,
+    chats,
+    engine_greedy,
     make_engine,
     prompts,
     rank_block_bytes,
-    run_all,
     tight,
     transformers_greedy,
 )
@@ -45,9 +44,6 @@ from tests.test_prefix_cache import assert_reuse_gives_the_tokens_of_no_reuse
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-TRANSCRIPTS = Path(__file__).resolve().parent.parent / "cli" / "samples" / "transcripts.jsonl"
-
-
 @pytest.fixture(scope="module")
 def moe_model(tiny_models) -> Path:
     return tiny_models["tiny-moe"]
@@ -55,12 +51,8 @@ def moe_model(tiny_models) -> Path:
 
 @pytest.fixture(scope="module")
 def chat_prompts(moe_model) -> list[list[int]]:
-    """Customer chats (a transcript's opening turns, up to a customer's message) as the chat template renders
-    them, then random token prompts of up to 300 tokens."""
-    tokenizer = AutoTokenizer.from_pretrained(moe_model)
-    transcripts = [json.loads(line)["transcript"] for line in TRANSCRIPTS.read_text().splitlines()[:8]]
-    chats = [encode_chat(tokenizer, t[: 1 + 2 * (i % 2)], thinking=False) for i, t in enumerate(transcripts)]
-    return chats + prompts(8, 5, 300, seed=7)
+    """Customer chats, then random token prompts of up to 300 tokens."""
+    return chats(moe_model) + prompts(8, 5, 300, seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +110,8 @@ def test_packed_forward_logits_match_transformers(moe_model):
 
 @pytest.mark.parametrize("pressure", [False, True], ids=["roomy", "chunked-preempting"])
 def test_greedy_matches_transformers(moe_model, chat_prompts, new_tokens, hf_outputs, pressure):
-    engine = make_engine(moe_model, **(tight(moe_model) if pressure else {}))
-    done = run_all(engine, greedy_requests(chat_prompts, new_tokens))
-    assert [done[str(i)].token_ids for i in range(len(chat_prompts))] == hf_outputs
-    assert engine.stats().preemptions > 0 or not pressure
+    tokens, stats = engine_greedy(moe_model, chat_prompts, new_tokens, **(tight(moe_model) if pressure else {}))
+    assert tokens == hf_outputs and (stats.preemptions > 0 or not pressure)
 
 
 def test_prefix_reuse_gives_the_tokens_of_no_reuse(moe_model):
@@ -129,12 +119,8 @@ def test_prefix_reuse_gives_the_tokens_of_no_reuse(moe_model):
 
 
 def test_two_ranks_give_transformers_tokens(moe_model, chat_prompts, new_tokens, hf_outputs):
-    engine = make_engine(moe_model, tensor_parallel=2, **tight(moe_model, 2))
-    try:
-        done = run_all(engine, greedy_requests(chat_prompts, new_tokens))
-    finally:
-        engine.close()
-    assert [done[str(i)].token_ids for i in range(len(chat_prompts))] == hf_outputs
+    tokens, _ = engine_greedy(moe_model, chat_prompts, new_tokens, tensor_parallel=2, **tight(moe_model, 2))
+    assert tokens == hf_outputs
 
 
 def test_ranks_that_cannot_split_an_expert_are_refused_with_its_width(moe_model, tmp_path):
@@ -147,7 +133,8 @@ def test_ranks_that_cannot_split_an_expert_are_refused_with_its_width(moe_model,
 
 
 def stacked_copy(folder: Path, to: Path) -> Path:
-    """`folder`'s checkpoint with each layer's experts stacked as transformers holds them in memory."""
+    """`folder`'s checkpoint with each layer's experts stacked as transformers holds them in memory (an FP8
+    checkpoint's scales stacked alike, under transformers' names)."""
     to.mkdir()
     for file in folder.iterdir():
         if file.suffix != ".safetensors":
@@ -155,13 +142,14 @@ def stacked_copy(folder: Path, to: Path) -> Path:
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     layers = sorted({name.split(".experts.")[0] for name in tensors if ".experts." in name})
-    for layer in layers:
-        count = sum(1 for name in tensors if name.startswith(f"{layer}.experts.") and name.endswith("down_proj.weight"))
-        experts = [{proj: tensors.pop(f"{layer}.experts.{e}.{proj}.weight") for proj in PROJECTIONS}
+    for layer, (leaf, suffix) in itertools.product(layers, (("weight", ""), ("weight_scale_inv", "_scale_inv"))):
+        count = sum(1 for name in tensors if name.startswith(f"{layer}.experts.") and name.endswith(f"down_proj.{leaf}"))
+        experts = [{proj: tensors.pop(f"{layer}.experts.{e}.{proj}.{leaf}") for proj in MLP_PROJECTIONS}
                    for e in range(count)]
-        tensors[f"{layer}.experts.gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]])
-                                                                for e in experts])
-        tensors[f"{layer}.experts.down_proj"] = torch.stack([e["down_proj"] for e in experts])
+        if experts:
+            tensors[f"{layer}.experts.gate_up_proj{suffix}"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]])
+                                                                            for e in experts])
+            tensors[f"{layer}.experts.down_proj{suffix}"] = torch.stack([e["down_proj"] for e in experts])
     save_file(tensors, to / "model.safetensors")
     return to
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from engine.interface import Request
-from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, swiglu
+from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, scaled_dot, swiglu
 from tests.engine_helpers import greedy, make_engine, prompts, run_all
 from tests.test_kernels_support import interpret_kernels
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-interpreted_kernels = interpret_kernels(attention, kv_store, qk_norm_rope, rms_norm, swiglu, fused_moe)
+interpreted_kernels = interpret_kernels(attention, kv_store, qk_norm_rope, rms_norm, swiglu, scaled_dot, fused_moe)
 
 # prompts longer than the windows (tiny-swa's 64, the policy's 32) and than one block, in two prefill chunks
 PROMPTS = prompts(2, 50, 90, seed=5)
@@ -53,3 +53,10 @@ def test_windowed_tile_layouts_are_worked_out_once_per_step_not_per_layer(tiny_m
     windowed = [s for s in engine.kv_plan.layer_slots if s.policy.window]
     groups = {(s.pool, s.policy) for s in windowed}
     assert len(built) == len(groups) < len(windowed)
+
+
+def test_fp8_experts_on_triton_match_torch(fp8_moe_models):
+    """FP8 experts where there are no FP8 tensor cores: the Triton kernels expand each tile's fp8 weights in
+    registers, the CPU path each chosen expert's; experts of 1.5 blocks, whose up projections start mid-block."""
+    path, _ = fp8_moe_models["ragged"]
+    assert generate(path, "triton") == generate(path, "torch")

@@ -36,6 +36,9 @@ def test_dry_run_writes_one_report_with_every_part(tmp_path):
     fp8 = parts["fp8"]
     assert fp8["identical"] and fp8["fp8_linear"] == "dequant_linear" and fp8["projections_fp8_over_bf16"] < 0.51
     assert fp8["decode_8b"]["fp8"]["weights_bytes"] < fp8["decode_8b"]["bf16"]["weights_bytes"]
+    moe_fp8 = fp8["moe"]
+    assert moe_fp8["identical"] and moe_fp8["experts_fp8_over_bf16"] < 0.51
+    assert moe_fp8["fp8_experts"] == "kernels.torch_ops.fp8_fused_moe" and fp8["moe_graphs"]["ok"]
     moe = parts["moe_graphs"]
     assert moe["ok"] and moe["requests"] == 6 and 0 < moe["piece_graph_steps"] <= moe["steps"]
     for batch in (1, 16):

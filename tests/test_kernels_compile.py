@@ -24,5 +24,5 @@ def test_kernels_compile_for_hopper():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 17
+    assert len(lines) == 21
     assert all("stack_bytes=0 " in line for line in lines), result.stdout

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, swiglu, torch_ops
+from kernels import attention, fused_moe, kv_store, qk_norm_rope, rms_norm, scaled_dot, swiglu, torch_ops
 from kernels.attention_ref import paged_attention_ref
 from kernels.dispatch import get_ops, reference_ops, select_ops, triton_ops
 from kernels.qk_norm_rope import rope_tables
 from tests.test_kernels_support import assert_close, interpret_kernels
 
-interpreted_kernels = interpret_kernels(attention, kv_store, rms_norm, qk_norm_rope, swiglu, fused_moe)
+interpreted_kernels = interpret_kernels(attention, kv_store, rms_norm, qk_norm_rope, swiglu, scaled_dot, fused_moe)
 
 
 def test_cpu_and_forced_reference_get_the_reference():

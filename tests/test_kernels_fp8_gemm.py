@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.fp8 import scale_rows
-from kernels import fp8_gemm
+from kernels import fp8_gemm, fused_moe, torch_ops
 from kernels.dispatch import select_ops
 from tests.test_kernels_support import assert_close, interpret_kernels
 
@@ -109,8 +109,17 @@ def test_dequant_linear_multiplies_by_each_shards_dequantized_rows():
 
 
 def test_fp8_tensor_cores_decide_between_the_gemm_and_dequantizing(monkeypatch):
-    assert select_ops("auto", "cpu", head_dim=32).fp8_linear is fp8_gemm.dequant_linear
-    assert select_ops("triton", "cpu", head_dim=32).fp8_linear is fp8_gemm.dequant_linear
+    """FP8 experts too: W8A8 Triton kernels on FP8 tensor cores, elsewhere dequantized, on CUDA by the Triton
+    kernels (a CUDA graph holds them), on a CPU by the grouped CPU version (only the chosen experts)."""
+    cpu = select_ops("auto", "cpu", head_dim=32)
+    assert cpu.fp8_linear is fp8_gemm.dequant_linear and cpu.fp8_fused_moe is torch_ops.fp8_fused_moe
+    interpreted = select_ops("triton", "cpu", head_dim=32)
+    assert interpreted.fp8_linear is fp8_gemm.dequant_linear
+    assert interpreted.fp8_fused_moe is fused_moe.dequant_fused_moe
+    assert select_ops("torch", "cuda", head_dim=128).fp8_fused_moe is fused_moe.dequant_fused_moe  # before sm_89
     monkeypatch.setattr(fp8_gemm, "has_fp8_tensor_cores", lambda device: torch.device(device).type == "cuda")
-    assert select_ops("triton", "cuda", head_dim=128).fp8_linear is fp8_gemm.fp8_linear
-    assert select_ops("torch", "cuda", head_dim=128).fp8_linear is fp8_gemm.dequant_linear
+    triton = select_ops("triton", "cuda", head_dim=128)
+    assert triton.fp8_linear is fp8_gemm.fp8_linear and triton.fp8_fused_moe is fused_moe.fp8_fused_moe
+    torch_backend = select_ops("torch", "cuda", head_dim=128)
+    assert torch_backend.fp8_linear is fp8_gemm.dequant_linear
+    assert torch_backend.fp8_fused_moe is fused_moe.fp8_fused_moe

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import swiglu
+from kernels import scaled_dot, swiglu
 from tests.test_kernels_support import assert_close, interpret_kernels
 
-interpreted_kernels = interpret_kernels(swiglu)
+interpreted_kernels = interpret_kernels(swiglu, scaled_dot)
 
 
 @pytest.mark.usefixtures("poisoned_allocations")

@@ -66,12 +66,13 @@ def converse(engine: LLMEngine, system: list[int], conversations: int, turns: in
     return replies
 
 
-def assert_reuse_gives_the_tokens_of_no_reuse(path: Path, block_bytes: int) -> None:
+def assert_reuse_gives_the_tokens_of_no_reuse(path: Path, block_bytes: int, reference: Path | None = None) -> None:
     """Four five-turn conversations on one system prompt, two at a time in a pool of 40 blocks of
-    `block_bytes`: the same replies with the prefix cache as without, most prompt tokens served from it."""
+    `block_bytes`: the same replies with the prefix cache as without it on `reference` (by default the same
+    folder), most prompt tokens served from it."""
     system = prompts(1, 40, 40, seed=5)[0]
     small = dict(kv_cache_memory=40 * block_bytes, initial_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
-    reference = converse(make_engine(path, enable_prefix_cache=False, **small), system, 4, 5, seed=1)
+    reference = converse(make_engine(reference or path, enable_prefix_cache=False, **small), system, 4, 5, seed=1)
     engine = make_engine(path, **small)
     assert converse(engine, system, 4, 5, seed=1) == reference
     stats = engine.stats()

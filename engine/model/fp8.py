@@ -10,34 +10,24 @@ projection of 64 rows, an MLP of 4.5 blocks), so each shard keeps its own scale 
 of shards [512, 64, 64] has 4 + 1 + 1 scale rows, and `scale_rows` names each output row's. A tensor-parallel
 rank takes a slice of rows (q/k/v, gate/up) or columns (o, down) with the matching rows or columns of scales,
 so every split must fall on a block boundary: `check_block_split` refuses one that does not, by name.
+
+A mixture-of-experts checkpoint quantizes each expert's gate, up and down projections alike, each with its own
+scales (engine.model.experts keeps them, stacked).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from kernels.dispatch import Ops
-from kernels.fp8_gemm import BLOCK, block_dequantize, block_quantize
+from kernels.fp8_gemm import BLOCK, block_dequantize, block_quantize, blocks, scale_rows
 from kernels.swiglu import silu_and_mul
 
 FP8 = torch.float8_e4m3fn
 SCALES = "weight_scale_inv"  # a quantized projection's checkpoint tensor of block scales, beside its `weight`
-
-
-def blocks(n: int) -> int:
-    """How many 128-blocks `n` rows or columns span (the last one may be partial)."""
-    return -(-n // BLOCK)
-
-
-def scale_rows(shard_sizes: list[int]) -> torch.Tensor:
-    """Each output row's row of scales in a weight of `shard_sizes` stacked shards: every shard starts a scale
-    row of its own."""
-    starts = [sum(blocks(s) for s in shard_sizes[:i]) for i in range(len(shard_sizes))]
-    return torch.cat([torch.arange(size, dtype=torch.int32) // BLOCK + start
-                      for size, start in zip(shard_sizes, starts, strict=True)])
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,20 +36,26 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return block_quantize(weight, BLOCK, BLOCK)
 
 
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a dense MLP's, and each expert's
 
 
-def projection_names(num_layers: int) -> list[str]:
-    """The modules an FP8 checkpoint quantizes, by their names in the checkpoint."""
-    return [f"model.layers.{i}.{p}" for i in range(num_layers) for p in _PROJECTIONS]
+def projection_names(experts: Sequence[int]) -> list[str]:
+    """The modules an FP8 checkpoint quantizes, by their names in the checkpoint, in a model whose layer i has
+    `experts[i]` experts (0: a dense MLP): every layer's attention projections, and its MLP's or each expert's."""
+    names = []
+    for i, count in enumerate(experts):
+        mlps = [f"model.layers.{i}.mlp.experts.{e}" for e in range(count)] if count else [f"model.layers.{i}.mlp"]
+        names += [f"model.layers.{i}.self_attn.{p}" for p in _ATTENTION]
+        names += [f"{mlp}.{p}" for mlp in mlps for p in MLP_PROJECTIONS]
+    return names
 
 
 def quantize_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]],
-                        num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors as an FP8 checkpoint holds them: each layer projection's weight in fp8 followed by
-    its `weight_scale_inv`, every other tensor as it is."""
-    projections = {f"{name}.weight" for name in projection_names(num_layers)}
+                        experts: Sequence[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors as an FP8 checkpoint holds them: each projection's weight (`projection_names`) in
+    fp8 followed by its `weight_scale_inv`, every other tensor as it is."""
+    projections = {f"{name}.weight" for name in projection_names(experts)}
     for name, tensor in tensors:
         if name in projections:
             weight, scales = quantize_weight(tensor)
@@ -126,5 +122,5 @@ def check_checkpoint_tensor(name: str, tensor: torch.Tensor, param: torch.Tensor
     if param.dtype == FP8:
         raise ValueError(f"{name} is {tensor.dtype} in the checkpoint; a quantized projection's weight must be "
                          f"{FP8}")
-    raise ValueError(f"{name} is {tensor.dtype} in the checkpoint, but only the layers' q/k/v/o and MLP projections "
-                     f"are loaded in FP8; {name} must be unquantized")
+    raise ValueError(f"{name} is {tensor.dtype} in the checkpoint, but only the layers' q/k/v/o, MLP and expert "
+                     f"projections are loaded in FP8; {name} must be unquantized")

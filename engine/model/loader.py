@@ -3,10 +3,10 @@
 
 Modules are built directly on the target device and dtype with empty parameters, and each checkpoint tensor
 is copied straight into its parameter (or its shard of a fused one, or its expert of a stacked one), so the
-weights exist once; an FP8 checkpoint's projections stay fp8, with their block scales (engine.model.fp8). A
-tensor-parallel rank reads only its slice of each tensor (`safe_open`'s slices are read from the memory-mapped
-file), and of a projection's scales the rows or columns that go with it. Experts come per expert or stacked
-(engine.model.experts).
+weights exist once; an FP8 checkpoint's projections and experts stay fp8, with their block scales
+(engine.model.fp8). A tensor-parallel rank reads only its slice of each tensor (`safe_open`'s slices are read
+from the memory-mapped file), and of a projection's scales the rows or columns that go with it. Experts come per
+expert or stacked (engine.model.experts).
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def _checkpoint_names(model: CausalLM) -> set[str]:
 def _fill(model: CausalLM, params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor) -> None:
     """Copy checkpoint tensor `name` into its parameter, its shard of a fused one or its expert's place."""
     if (expert := expert_tensor(name)) is not None:
-        module_name, index, proj = expert
-        model.get_submodule(module_name).load(index, proj, tensor)
+        module_name, index, proj, leaf = expert
+        model.get_submodule(module_name).load(name, index, proj, leaf, tensor)
         return
     module_name, _, leaf = name.rpartition(".")
     parent, _, proj = module_name.rpartition(".")

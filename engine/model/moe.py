@@ -1,7 +1,7 @@
 """A sparse mixture-of-experts MLP (Qwen3-MoE's `mlp` on its sparse layers), beside the dense `MLP` of
-engine.model.layers: a router picks each token's experts, the experts (engine.model.experts) run as one fused
-computation, and under tensor parallelism the block ends in one all-reduce, as the dense MLP does (each rank
-computes its slice of every expert's MLP for the tokens routed there)."""
+engine.model.layers: a router picks each token's experts, the experts (engine.model.experts, fp8 in an FP8
+checkpoint) run as one fused computation, and under tensor parallelism the block ends in one all-reduce, as the
+dense MLP does (each rank computes its slice of every expert's MLP for the tokens routed there)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.experts import Experts
+from engine.model.experts import Experts, Fp8Experts
 from engine.model.parallel import Split, all_reduce
 from engine.model.shape import ModelShape, MoEShape
 from kernels.dispatch import Ops
@@ -40,7 +40,8 @@ class SparseMoE(nn.Module):
         assert shape.moe is not None
         self.split = split
         self.gate = Router(shape.hidden_size, shape.moe)
-        self.experts = Experts(shape.moe.num_experts, shape.hidden_size, shape.moe.intermediate_size, ops)
+        experts = Fp8Experts if shape.fp8 else Experts
+        self.experts = experts(shape.moe.num_experts, shape.hidden_size, shape.moe.intermediate_size, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

@@ -44,12 +44,16 @@ class ModelShape:
     qk_norm: bool = True  # a per-head RMSNorm of q and k before RoPE (Qwen3)
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     family: str = "qwen3"  # config.json's model_type, for reports
-    fp8: bool = False  # the layers' projections are fp8 with a scale per 128x128 block (engine.model.fp8)
+    fp8: bool = False  # projections and experts are fp8 with a scale per 128x128 block (engine.model.fp8)
     moe: MoEShape | None = None  # None: every layer's MLP is dense
 
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer` routes to experts."""
         return self.moe is not None and self.moe.sparse[layer]
+
+    def experts_per_layer(self) -> list[int]:
+        """Per layer, how many experts its MLP routes to (0: the dense MLP)."""
+        return [self.moe.num_experts if self.sparse(i) else 0 for i in range(self.num_layers)]
 
     def mlp_widths(self) -> dict[str, int]:
         """The MLP widths some layer uses, by name: the dense MLP's and each expert's."""
@@ -60,6 +64,11 @@ class ModelShape:
         if any(sparse):
             widths["expert width"] = self.moe.intermediate_size
         return widths
+
+
+# the projections of each MLP width (`ModelShape.mlp_widths`), as an FP8 refusal names them
+_PROJECTIONS_OF = {"MLP width": "gate_proj, up_proj and down_proj",
+                   "expert width": "the experts' gate_proj, up_proj and down_proj"}
 
 
 def rank_shape(shape: ModelShape, split: Split) -> ModelShape:
@@ -74,10 +83,10 @@ def rank_shape(shape: ModelShape, split: Split) -> ModelShape:
                      num_kv_heads=kv_heads_per_rank(shape.num_kv_heads, split.world),
                      intermediate_size=shape.intermediate_size // split.world, moe=moe)
     if shape.fp8:
-        d = shape.head_dim
+        d, parts = shape.head_dim, ranked.mlp_widths()
         check_block_split(split.world, {
             "q_proj and o_proj": (ranked.num_heads * d, shape.num_heads * d),
             "k_proj and v_proj": (ranked.num_kv_heads * d, shape.num_kv_heads * d),
-            "gate_proj, up_proj and down_proj": (ranked.intermediate_size, shape.intermediate_size),
+            **{_PROJECTIONS_OF[width]: (parts[width], whole) for width, whole in shape.mlp_widths().items()},
         })
     return ranked

@@ -35,8 +35,4 @@ def read_shape(model_path: str | Path) -> ModelShape:
         raise refuse(model_path, f"model_type {model_type!r} is not supported; supported are "
                                  f"{', '.join(sorted(FAMILIES))}")
     shape = FAMILIES[model_type](model_path, c)
-    fp8 = reads_fp8(model_path, c)
-    if fp8 and shape.moe is not None:
-        raise refuse(model_path, "FP8 mixture-of-experts checkpoints are not supported; FP8 is supported for dense "
-                                 "models")
-    return replace(shape, fp8=fp8)
+    return replace(shape, fp8=reads_fp8(model_path, c, shape))
