@@ -159,6 +159,7 @@ class EngineStats:
     step_per_token_s: float = 0.0
     step_per_row_s: float = 0.0
     step_per_context_s: float = 0.0
+    step_per_draft_row_s: float = 0.0
     steps: int = 0
     tokens_generated: int = 0
     tokens_computed: int = 0

@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from jobs.schemas import LATER_OPTIONS, JobIn, Message
+from jobs.schemas import LATER_OPTIONS, JobIn, Message, Sampling
 
 
 def utcnow() -> datetime:
@@ -203,10 +203,11 @@ class Job(Base):
     )
 
 
-# what a request gained after idempotency hashes were first stored (`jobs.schemas.LATER_OPTIONS`, and two fields
-# of a message): left at their defaults they are not hashed, so that a request sent again across the deploy
-# that added them still matches the hash stored for it
+# what a request gained after idempotency hashes were first stored (`jobs.schemas.LATER_OPTIONS`, two fields of a
+# message, one of its sampling): left at their defaults they are not hashed, so that a request sent again across
+# the deploy that added them still matches the hash stored for it
 LATER_MESSAGE_FIELDS = ("tool_calls", "tool_call_id")
+LATER_SAMPLING_FIELDS = ("speculative",)
 
 
 def _without_later_defaults(dump: dict, model: type, names: tuple[str, ...]) -> dict:
@@ -218,6 +219,7 @@ def request_hash(job: JobIn) -> str:
     """sha256 of the job as submitted, keys sorted: equal for a repeat of the same request."""
     dump = _without_later_defaults(job.model_dump(mode="json"), JobIn, LATER_OPTIONS)
     dump["messages"] = [_without_later_defaults(m, Message, LATER_MESSAGE_FIELDS) for m in dump["messages"]]
+    dump["sampling"] = _without_later_defaults(dump["sampling"], Sampling, LATER_SAMPLING_FIELDS)
     return hashlib.sha256(json.dumps(dump, sort_keys=True).encode()).hexdigest()
 
 

@@ -113,16 +113,19 @@ def test_interactive_jobs_overtake_a_running_batch(slow_stack, database):
     assert all(j.status == "succeeded" for j in finished)
     engine = sa.create_engine(database)
     with engine.connect() as conn:
-        # the lines not yet done when the first urgent job came, and those of them done before the last one was
-        waiting, overtook = conn.execute(sa.text(
-            "SELECT count(*) FILTER (WHERE finished_at > :came), "
-            "count(*) FILTER (WHERE finished_at > :came AND finished_at < :done) FROM jobs WHERE batch_id IS NOT NULL"),
-            {"came": min(j.created_at for j in finished), "done": max(j.finished_at for j in finished)}).one()
+        # the lines not yet done when the first urgent job came, and those of them done between the moment the last
+        # urgent job reached the worker and the moment it was done
+        lines = "SELECT count(*) FROM jobs WHERE batch_id IS NOT NULL AND finished_at > :after"
+        waiting = conn.execute(sa.text(lines), {"after": min(j.created_at for j in finished)}).scalar()
+        overtook = conn.execute(sa.text(lines + " AND finished_at < :before"), {
+            "after": max(j.started_at for j in finished), "before": max(j.finished_at for j in finished)}).scalar()
     engine.dispose()
-    # the batch was far from done (how far depends on how fast this machine runs it meanwhile); of what waited,
-    # only what the worker already held (8 threads, a group's lines in the engine) may finish before the urgent jobs
+    # the batch was far from done (how far depends on how fast this machine runs it meanwhile). Once the urgent jobs
+    # are in the worker, only the lines already in the engine's batch (4 rows) may finish before them; their way
+    # there (API, broker, a thread kept free of bulk) is not counted: on a loaded machine it takes seconds, and the
+    # worker runs lines it holds meanwhile
     assert waiting >= 50
-    assert overtook <= 8 + 8
+    assert overtook <= 4 + 4, overtook
 
 
 def test_retry_reruns_failed_items_in_one_call(stack, database):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,3 +255,37 @@ def test_dense_rows_grow_geometrically_up_to_the_context():
     capped = DenseDecodeKV(cache, 0, max_bytes=64 * 300 * per_token, max_length=300, max_rows=8)
     assert capped._fit(6, 100, final_rows=6, final_length=100) and capped._fit(7, 100, final_rows=7, final_length=100)
     assert capped.data.shape[2] == 8
+
+
+def test_a_dense_row_that_fell_behind_copies_only_the_tokens_it_missed():
+    """A sequence whose K/V moved on without its dense row (a row that verified drafts runs as an extend) has
+    its row caught up with the tokens it missed when it decodes again: copying its whole context anew at every
+    verify step cost bulk steps more than its drafts saved."""
+    from engine.core.kv_cache import KVCache
+    from engine.model.dense_decode import DenseDecodeKV
+    from engine.step import StepPlan
+
+    cache = KVCache(2, 8, 16, 2, 8, torch.float32, torch.device("cpu"))
+    for segment in cache.segments:
+        segment.copy_(torch.randn_like(segment))
+    dense = DenseDecodeKV(cache, 0, max_bytes=1 << 20, max_length=128, max_rows=4)
+    tables = np.array([[0, 1, 2], [3, 4, -1]], np.int32)
+
+    def decode(starts: list[int]) -> StepPlan:
+        return StepPlan(["a", "b"], 2, np.array(starts), np.ones(2, np.int64), np.full(2, 128), np.zeros(2, np.int64),
+                        [tables], np.arange(2), ["a", "b"], None, [])
+
+    dense.sync(decode([20, 10]))
+    first = dense.data[:, :, dense.order.index("a"), :20].clone()
+    # "a" runs an extend of 4 tokens (its decode and 3 drafts) and keeps them all; its row is not written, and
+    # what its row already holds is overwritten in the pool, so a copy of the whole context would show
+    for kv in range(2):
+        for layer in range(2):
+            cache.layer(layer)[kv][0, :] = 1e6
+    dense.sync(decode([25, 11]))
+    row = dense.order.index("a")
+    assert dense.filled["a"] == 26
+    torch.testing.assert_close(dense.data[:, :, row, :20], first)
+    for kv in range(2):
+        for layer in range(2):
+            torch.testing.assert_close(dense.data[kv, layer, row, 21:25], cache.layer(layer)[kv][1, 5:9])

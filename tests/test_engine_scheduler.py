@@ -268,3 +268,18 @@ def test_a_bulk_sequence_is_not_preempted_again_and_again(tiny_model):
     assert finished == ["bulk", "chat2"]  # pre-empted twice already: the third chat waited for it
     stats = engine.stats()
     assert stats.preemptions == 2 and stats.preemptions_spared > 0
+
+
+def test_the_step_cost_fit_keeps_its_weights_non_negative_without_skewing_the_others():
+    """On a machine where the steps that read more context happen to be no slower (few long rows batch well), a
+    free least-squares fit puts a weight below zero. Clamping that weight after the fit left the others fitted
+    to cancel it, and the long-context bulk steps were predicted half as slow again as they were."""
+    steps = {Work(decode_rows=30, decode_longest=1000): 0.021, Work(decode_rows=30, decode_longest=200): 0.030,
+             Work(decode_rows=1, decode_longest=50): 0.004, Work(decode_rows=10, decode_longest=1000): 0.009}
+    cost = StepCost()
+    for _ in range(50):
+        for work, seconds in steps.items():
+            cost.observe(work, seconds)
+    assert min(cost.coefficients.values()) >= 0
+    for work, seconds in steps.items():
+        assert 0.75 < cost.predict(work) / seconds < 1.25, work

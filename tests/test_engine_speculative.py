@@ -368,10 +368,11 @@ def test_drafts_go_to_small_steps_and_not_to_large_batches(tiny_model, grammar):
     """Under a cost model where a step's time grows with every token it computes (a busy accelerator), a row in
     a batch of one is worth drafting for and a row in a batch of 48 is not: neither n-gram drafts, at the chance
     a sequence's record gives them, nor, once a token costs more than a step's token is worth, even the tokens a
-    grammar forces."""
+    grammar forces. The engine's sequences have kept half their n-gram drafts so far."""
     def drafted(batch: int, per_token: float) -> int:
         engine = make_engine(tiny_model, max_num_seqs=64)
         engine.scheduler.cost = FakeCost(fixed=0.004, per_token=per_token, per_row=5e-4)
+        engine.scheduler.drafter.copied = Record(1.0, 2.0)
         requests = [Request(str(i), ids, SamplingParams(24, grammar=grammar))
                     for i, ids in enumerate(prompts(batch, 5, 20, seed=1))]
         reference = {r.request_id: list(range(100, 124)) for r in requests}

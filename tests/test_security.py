@@ -298,11 +298,13 @@ def test_tenants_are_not_shown_which_host_runs_their_job(client, database):
 
 
 def test_a_request_that_uses_none_of_the_later_fields_hashes_as_before_they_existed():
-    """An idempotent request sent again across the deploy that added choices, structured outputs, logprobs and
-    tools still matches the hash stored for it (the value computed before they existed); using one of them does
+    """An idempotent request sent again across the deploys that added choices, structured outputs, logprobs, tools
+    and a job's own speculation switch still matches the hash stored for it (the value computed before they existed); using one of them does
     make it another request."""
     plain = dict(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], priority=7,
                  idempotency_key="k1", sampling={"temperature": 0.5, "stop": ["x"]})
     assert request_hash(JobIn(**plain)) == "db077f6c8cfca68db2cd3f5db0b2b42a37a0c87627fb4b75465df4becd296e62"
     for later in ({"n": 2}, {"logprobs": True}, {"response_format": {"type": "json_object"}}):
         assert request_hash(JobIn(**plain, **later)) != request_hash(JobIn(**plain))
+    speculating = dict(plain, sampling={**plain["sampling"], "speculative": "off"})
+    assert request_hash(JobIn(**speculating)) != request_hash(JobIn(**plain))

@@ -76,6 +76,9 @@ ENGINE_METRICS = {
                             "A step's cost per decode row, as the engine's online fit has it"),
     "step_per_context_s": gauge("convoq_engine_step_per_context_token_seconds",
                                 "A step's cost per context token a decode row reads, as the engine's online fit has it"),
+    "step_per_draft_row_s": gauge("convoq_engine_step_per_draft_row_seconds",
+                                  "A step's cost per row verifying drafts, beyond its tokens, as the engine's online fit "
+                                  "has it"),
     "steps": counter("convoq_engine_steps", "Forward passes the engine ran (each one batch)"),
     "tokens_generated": counter("convoq_engine_tokens_generated", "Tokens the engine sampled"),
     "tokens_computed": counter("convoq_engine_tokens_computed",

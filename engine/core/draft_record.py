@@ -1,4 +1,5 @@
-"""How often a sequence's drafts of one kind have been accepted, and so how many of them a step should carry.
+"""How often drafts of one kind have been accepted, by a sequence or by the engine's sequences together, and so
+how many of them a step should carry.
 
 Verification is sequential (a draft counts only if every draft before it was accepted), so a record counts the
 drafts that were reached and, of those, the ones accepted, each verified row's counts weighing `DECAY` times
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 import math
 
-DECAY = 0.8  # a verified row's weight in a record against the row's before it
+DECAY = 0.8  # a verified row's weight in a sequence's record against the row's before it
 
 
 class Record:
-    __slots__ = ("hits", "tries")
+    __slots__ = ("decay", "hits", "tries")
 
-    def __init__(self, prior_hits: float, prior_tries: float) -> None:
-        self.hits, self.tries = prior_hits, prior_tries
+    def __init__(self, prior_hits: float, prior_tries: float, decay: float = DECAY) -> None:
+        self.hits, self.tries, self.decay = prior_hits, prior_tries, decay
 
     @property
     def rate(self) -> float:
@@ -25,8 +26,16 @@ class Record:
 
     def fold(self, hits: int, tries: int) -> None:
         """Count a verified row's drafts of this kind: `tries` reached, `hits` of them accepted."""
-        self.hits = DECAY * self.hits + hits
-        self.tries = DECAY * self.tries + tries
+        self.hits = self.decay * self.hits + hits
+        self.tries = self.decay * self.tries + tries
+
+    def start(self, tries: float = 2.0) -> Record:
+        """A new sequence's record: this one's rate, with the evidence of `tries` drafts."""
+        return Record(self.rate * tries, tries)
+
+    def relax(self, rate: float, share: float) -> None:
+        """Move this record's rate `share` of the way towards `rate`, its evidence unchanged."""
+        self.hits += share * (rate * self.tries - self.hits)
 
     def worth(self, value: float) -> int:
         """How many drafts in a row are worth proposing where an accepted one is worth `value` times its cost:

@@ -12,21 +12,32 @@ Drafts cost no model of their own:
 - then tokens copied from after the last earlier occurrence of its last few tokens (`engine.core.ngram`).
 
 Whether a draft is worth its place is the step cost's call (`engine.core.step_cost`): a token the step yields
-costs the step's time over the tokens it yields; a draft token costs the fit's per-token time. A certain draft
-is proposed whenever the first exceeds the second; the j-th other draft of a kind while its chance of being
-reached and accepted (`engine.core.draft_record`: the sequence's own record of that kind) times the first does: on a small step almost every match is worth it, while a
-large batch, whose step time a few more tokens per row raises in proportion, proposes nothing, as vLLM turns
-drafting off past a batch size.
+costs the step's time over the tokens it yields; a draft token costs the fit's per-token time, and a row that
+carries drafts the fit's per-draft-row time besides. A certain draft is proposed whenever the first exceeds the
+second; the j-th other draft of a kind while its chance of being reached and accepted
+(`engine.core.draft_record`: the sequence's own record of that kind) times the first does; and a row's drafts
+only while the tokens they are expected to yield are worth their tokens and their row together. On a small
+step almost every match is worth it, while a large batch, whose step time a few more tokens per row raises in
+proportion, proposes nothing, as vLLM turns drafting off past a batch size; on a device where a row verifying
+drafts costs several decode rows (a CPU), only rows likely to keep several drafts carry them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+from engine.core.draft_record import Record
 from engine.core.sequence import Sequence
 from engine.core.step_cost import StepCost, Work
 
 MAX_WAIT = 8  # the most steps a sequence whose lookups keep finding nothing skips between two
+# The engine's records, which a sequence's own start from: optimistic at first, so that a new engine tries its
+# drafts, then each verified row of any sequence counts (an engine's workload changes slowly), and each new
+# sequence moves them back a little towards the optimistic start, so that an engine whose drafts were rejected
+# tries again now and then, should its requests have started to copy.
+OPTIMISTIC = 0.9
+ENGINE_DECAY = 0.95
+RETRY = 0.02
 
 
 class GrammarDrafts(Protocol):
@@ -39,11 +50,20 @@ class GrammarDrafts(Protocol):
         """How many leading `tokens` the grammar accepts in turn (the matcher left as it was)."""
 
 
-def token_value(cost: StepCost, work: Work, rows: int) -> float:
-    """What a token the planned step yields costs (its predicted time over its `rows` sampling rows), over what
-    one more token of it costs: a draft accepted with a chance above 1 / this is worth proposing."""
-    per_token = cost.predict(Work(work.prefill_tokens + 1, work.decode_rows, work.decode_longest)) - cost.predict(work)
-    return cost.predict(work) / max(rows, 1) / max(per_token, 1e-12)
+class Prices(NamedTuple):
+    """A planned step's prices, in draft tokens (what one more token of the step costs)."""
+
+    token: float  # a token the step yields: its predicted time over its sampling rows
+    row: float  # making one of its decode rows a row that verifies drafts, beyond the drafts' own tokens
+
+
+def prices(cost: StepCost, work: Work, rows: int) -> Prices:
+    """The prices of a step doing `work` with `rows` sampling rows: a draft accepted with a chance above 1 /
+    `token` is worth its token."""
+    base = cost.predict(work)
+    unit = max(cost.predict(work._replace(prefill_tokens=work.prefill_tokens + 1)) - base, 1e-12)
+    row = cost.predict(work._replace(draft_rows=work.draft_rows + 1)) - base
+    return Prices(base / max(rows, 1) / unit, row / unit)
 
 
 class Drafter:
@@ -51,11 +71,16 @@ class Drafter:
         self.grammar = grammar
         self.stop_ids = stop_ids
         self.think_close = think_close
+        self.copied = Record(4 * OPTIMISTIC, 4.0, ENGINE_DECAY)
+        self.forced = Record(4 * OPTIMISTIC, 4.0, ENGINE_DECAY)
 
-    def propose(self, seq: Sequence, cap: int, value: float) -> list[int]:
+    def propose(self, seq: Sequence, cap: int, price: Prices) -> list[int]:
         """Up to `cap` drafts for `seq` (its last token not yet computed): the certain ones its grammar forces,
-        the grammar's others, then n-gram ones; `value` is `token_value` of the step. Sets `seq.certain` and
-        `seq.forced`."""
+        the grammar's others, then n-gram ones, none unless together they are worth their row (`price`, the
+        step's `prices`). Sets `seq.certain` and `seq.forced`."""
+        value = price.token
+        if seq.copied_record is None or seq.forced_record is None:
+            self._start(seq)
         drafts, certain = [], 0
         constrained = seq.matcher is not None and seq.constrained and self.grammar is not None
         if constrained:
@@ -66,7 +91,31 @@ class Drafter:
         drafts += self._before_an_end(seq, more)
         if constrained and drafts:
             drafts = drafts[:self.grammar.valid(seq.matcher, drafts)]
+        if drafts and self._expected(seq, len(drafts)) * value < len(drafts) + price.row:
+            return []
         return drafts
+
+    def _start(self, seq: Sequence) -> None:
+        """A sequence's first records (those it lacks): the engine's rates, which it moves back a little towards
+        the optimistic start."""
+        if seq.copied_record is None:
+            seq.copied_record = self.copied.start()
+            self.copied.relax(OPTIMISTIC, RETRY)
+        if seq.forced_record is None:
+            seq.forced_record = self.forced.start()
+            self.forced.relax(OPTIMISTIC, RETRY)
+
+    def _expected(self, seq: Sequence, k: int) -> float:
+        """The drafts a row of `k` (`seq.certain` certain ones, then `seq.forced` other forced ones, then
+        copied ones) is expected to keep: each is kept only if every one before it was."""
+        certain = min(seq.certain, k)
+        forced = min(seq.forced, k - certain)
+        expected, reached = float(certain), 1.0
+        for rate, n in ((seq.forced_record.rate, forced), (seq.copied_record.rate, k - certain - forced)):
+            for _ in range(n):
+                reached *= rate
+                expected += reached
+        return expected
 
     def _copied(self, seq: Sequence, drafts: list[int], k: int) -> list[int]:
         """Up to `k` n-gram drafts after `drafts`. A lookup that finds nothing makes the sequence's next ones
@@ -102,7 +151,9 @@ class Drafter:
         copied, rest = drafted - certain - forced, accepted - certain
         if forced and rest >= 0:
             hits = min(rest, forced)
-            seq.forced_record.fold(hits, min(forced, hits + 1))
+            for record in (seq.forced_record, self.forced):
+                record.fold(hits, min(forced, hits + 1))
         if copied and rest >= forced:
             hits = rest - forced
-            seq.copied_record.fold(hits, min(copied, hits + 1))
+            for record in (seq.copied_record, self.copied):
+                record.fold(hits, min(copied, hits + 1))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core.block_key import BlockKey
 from engine.core.block_manager import BlockManager
-from engine.core.drafts import Drafter, token_value
+from engine.core.drafts import Drafter, prices
 from engine.core.sequence import Sequence, Status
 from engine.core.step_cost import StepCost, Work
 from engine.core.step_rows import step_plan
@@ -40,10 +40,11 @@ class Planning:
     decode_rows: int = 0
     decode_longest: int = 0
     drafts: int = 0
+    draft_rows: int = 0
 
     @property
     def work(self) -> Work:
-        return Work(self.prefill_tokens, self.decode_rows, self.decode_longest)
+        return Work(self.prefill_tokens, self.decode_rows, self.decode_longest, self.draft_rows)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.scheduled[seq] = n
@@ -68,6 +69,7 @@ class Planning:
         self.tokens_left -= k
         self.prefill_tokens += k
         self.drafts += k
+        self.draft_rows += 1
 
     def remove(self, seq: Sequence) -> None:
         """(A row taken out leaves the longest context as it was: an estimate on the safe side.)"""
@@ -82,8 +84,9 @@ class Planning:
 def plus(work: Work, seq: Sequence, n: int) -> Work:
     """`work` with `n` more tokens of `seq`: a decode row, or a prefill chunk."""
     if n == 1:
-        return Work(work.prefill_tokens, work.decode_rows + 1, max(work.decode_longest, seq.num_computed + 1))
-    return Work(work.prefill_tokens + n, work.decode_rows, work.decode_longest)
+        return work._replace(decode_rows=work.decode_rows + 1, decode_longest=max(work.decode_longest,
+                                                                                 seq.num_computed + 1))
+    return work._replace(prefill_tokens=work.prefill_tokens + n)
 
 
 class Scheduler:
@@ -173,20 +176,20 @@ class Scheduler:
                 and seq.num_uncomputed == 1]
         if not rows:
             return
-        value = token_value(self.cost, planning.work, planning.decode_rows)
-        room = min(planning.tokens_left, self._spare_tokens(planning, limit))
-        if value <= 1 or room <= 0:
+        price = prices(self.cost, planning.work, planning.decode_rows)
+        if price.token <= 1:
             return
         size = self.blocks.block_size
         for seq in rows:
+            # the time limit's room after the rows drafted so far, their rows' cost included
+            room = min(planning.tokens_left, self._spare_tokens(planning, limit))
             cap = min(self.config.speculative_tokens, room, seq.token_limit - seq.num_tokens - 1)
-            drafts = self.drafter.propose(seq, cap, value) if cap > 0 else []
+            drafts = self.drafter.propose(seq, cap, price) if cap > 0 else []
             if drafts and not self.blocks.try_append(seq, 1 + len(drafts)):
                 del drafts[len(seq.block_tables[0]) * size - seq.num_computed - 1:]  # what its blocks hold
             if drafts:
                 seq.drafts = drafts
                 planning.add_drafts(seq, len(drafts))
-                room -= len(drafts)
 
     def _time_limit(self, planning: Planning, now: float) -> float:
         """Seconds this step may take once its interactive work is in: that work's latency target, a newcomer's

@@ -53,14 +53,15 @@ class Sequence:
         self.logprobs: list | None = [] if self.params.logprobs is not None else None  # one per output token
         # speculation (engine.core.drafts): the index its n-gram drafts come from (None: it never speculates), the
         # drafts of the step it is planned in (read only by a row longer than its uncomputed tokens), how many of
-        # them its grammar forced (certain, then the others), how often each uncertain kind was accepted (half the
-        # time, at first), and its lookups that found nothing in a row, and steps to skip before the next
+        # them its grammar forced (certain, then the others), how often each uncertain kind was accepted (None
+        # until it first drafts: then the engine's sequences' rate so far), and its lookups that found nothing in a
+        # row, and steps to skip before the next
         self.ngram: NgramIndex | None = None
         self.drafts: list[int] = []
         self.certain = 0
         self.forced = 0
-        self.copied_record = Record(1.0, 2.0)
-        self.forced_record = Record(1.0, 2.0)
+        self.copied_record: Record | None = None
+        self.forced_record: Record | None = None
         self.draft_misses = 0
         self.draft_wait = 0
         self.timings = Timings()

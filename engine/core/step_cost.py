@@ -1,7 +1,9 @@
 """What a step will cost, learned from the steps the engine ran.
 
-A step's time is close to linear in a fixed part, prefill tokens, decode rows and the K/V those rows read
-(rows times the longest context: batched decode attention pads to it). The coefficients differ by orders of
+A step's time is close to linear in a fixed part, prefill tokens, decode rows, the K/V those rows read
+(rows times the longest context: batched decode attention pads to it) and the rows that verify drafts (each
+runs beside the decodes as a short extend, which on a CPU gathers its whole context instead of reading the
+decodes' dense rows: there a row with drafts costs about what three decode rows do, on a GPU next to nothing). The coefficients differ by orders of
 magnitude between machines and models, so none is configured: they are fitted online by least squares over
 recent steps (older ones decay by `forgetting`, so the fit follows a machine whose speed drifts), pulled
 weakly towards a prior until the steps have varied enough. The squares are of relative errors: the decisions
@@ -17,53 +19,59 @@ import numpy as np
 
 from engine.step import StepPlan
 
-# prefill tokens / 1e3, decode rows / 1e2, context tokens / 1e5: weights of similar size, a well-posed fit
-SCALE = np.array([1.0, 1e-3, 1e-2, 1e-5])
+# prefill tokens / 1e3, decode rows / 1e2, context tokens / 1e5, draft rows / 1e2: weights of similar size, a
+# well-posed fit
+SCALE = np.array([1.0, 1e-3, 1e-2, 1e-5, 1e-2])
 
 
 class Work(NamedTuple):
     prefill_tokens: int = 0
     decode_rows: int = 0
     decode_longest: int = 0  # the longest context among the decode rows
+    draft_rows: int = 0  # of the decode rows, those that carry drafts
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.prefill_tokens, self.decode_rows, self.decode_rows * self.decode_longest]) * SCALE
+        return np.array([1.0, self.prefill_tokens, self.decode_rows, self.decode_rows * self.decode_longest,
+                         self.draft_rows]) * SCALE
 
 
 def work_of(plan: StepPlan) -> Work:
-    """The work of a planned step. A row with drafts is a decode row (it reads its context as one does) and its
-    drafts are tokens of compute beside it, as the scheduler planned them."""
+    """The work of a planned step. A row with drafts is a decode row (it reads its context as one does), a draft
+    row, and its drafts are tokens of compute beside it, as the scheduler planned them."""
     d = plan.num_decodes
     decoding = slice(0, d) if plan.drafts is None else (np.arange(len(plan.counts)) < d) | (plan.drafts > 0)
     rows = d if plan.drafts is None else int(decoding.sum())
     longest = int(plan.starts[decoding].max()) + 1 if rows else 0
-    return Work(int(plan.counts[d:].sum()) - (rows - d), rows, longest)
+    return Work(int(plan.counts[d:].sum()) - (rows - d), rows, longest, rows - d)
 
 
 class StepCost:
     def __init__(self, fixed: float = 5e-3, per_token: float = 5e-5, per_row: float = 1e-4,
-                 per_context: float = 2e-7, forgetting: float = 0.98, prior_weight: float = 1.0) -> None:
+                 per_context: float = 2e-7, per_draft_row: float = 1e-4, forgetting: float = 0.98,
+                 prior_weight: float = 1.0) -> None:
         """The prior guesses (seconds) matter only for the first steps; `prior_weight` is how many steps'
-        worth of evidence they count for."""
-        self.prior = np.array([fixed, per_token, per_row, per_context]) / SCALE
+        worth of evidence they count for. A draft row's guess is a decode row's: drafts are tried, and the fit
+        learns what their rows cost on this device (where they cost too much, it stops proposing them until the
+        rows' evidence has decayed back towards the guess, and so tries again)."""
+        self.prior = np.array([fixed, per_token, per_row, per_context, per_draft_row]) / SCALE
         self.forgetting = forgetting
-        self.ridge = prior_weight * np.eye(4)
-        self.xx = np.zeros((4, 4))
-        self.xy = np.zeros(4)
+        self.ridge = prior_weight * np.eye(len(SCALE))
+        self.xx = np.zeros((len(SCALE), len(SCALE)))
+        self.xy = np.zeros(len(SCALE))
         self.weights = self.prior.copy()
         self._seconds = self._per_unit()
         self.observed = 0
         self._recent: deque[float] = deque(maxlen=256)  # the last steps' seconds, for `cheapest`
 
     def _per_unit(self) -> tuple[float, ...]:
-        # a coefficient fitted below zero would promise free work; plain floats: the planner asks per row
-        return tuple(float(w) for w in np.maximum(self.weights, 0.0) * SCALE)
+        # plain floats: the planner asks per row
+        return tuple(float(w) for w in self.weights * SCALE)
 
     def predict(self, work: Work) -> float:
         """Seconds for a step doing `work` (never less than its fixed part)."""
-        fixed, token, row, context = self._seconds
+        fixed, token, row, context, draft_row = self._seconds
         return (fixed + token * work.prefill_tokens + row * work.decode_rows
-                + context * work.decode_rows * work.decode_longest)
+                + context * work.decode_rows * work.decode_longest + draft_row * work.draft_rows)
 
     def observe(self, work: Work, seconds: float) -> None:
         self._recent.append(seconds)
@@ -74,7 +82,7 @@ class StepCost:
         x = work.features() / max(seconds, 1e-6)  # relative error: each step's row scaled by 1 / its time
         self.xx = self.forgetting * self.xx + np.outer(x, x)
         self.xy = self.forgetting * self.xy + x
-        self.weights = np.linalg.solve(self.xx + self.ridge, self.xy + self.ridge @ self.prior)
+        self.weights = _non_negative_solve(self.xx + self.ridge, self.xy + self.ridge @ self.prior)
         self._seconds = self._per_unit()
         self.observed += 1
 
@@ -87,6 +95,25 @@ class StepCost:
 
     @property
     def coefficients(self) -> dict[str, float]:
-        """The current fit, in seconds: fixed, per prefill token, per decode row, per context token read."""
-        fixed, token, row, context = self._seconds
-        return {"step_fixed_s": fixed, "step_per_token_s": token, "step_per_row_s": row, "step_per_context_s": context}
+        """The current fit, in seconds: fixed, per prefill token, per decode row, per context token read, per row
+        verifying drafts."""
+        fixed, token, row, context, draft_row = self._seconds
+        return {"step_fixed_s": fixed, "step_per_token_s": token, "step_per_row_s": row, "step_per_context_s": context,
+                "step_per_draft_row_s": draft_row}
+
+
+def _non_negative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The least-squares weights of the normal equations `a w = b` with every weight at least zero: a weight
+    the free solve puts below zero is fixed at zero and the others solved again. A negative weight would
+    promise free work, and clamping it after the solve instead leaves the others fitted to cancel it: with
+    decode rows and the context they read rising together, a per-context weight fitted below zero and then
+    clamped overestimated every long-context bulk step two to three times, and the planner, trusting it,
+    ran bulk work in steps of a third of the size its time limit allowed."""
+    free = list(range(len(b)))
+    while True:
+        w = np.zeros(len(b))
+        w[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        if (w >= 0).all():
+            return w
+        free.remove(int(np.argmin(w)))
+

@@ -60,14 +60,17 @@ class DenseDecodeKV:
         d = plan.num_decodes
         starts = plan.starts[:d].tolist()
         live = {request_id: i for i, request_id in enumerate(plan.request_ids[:d])}  # request -> its plan row
-        for request_id in [r for r in self.order if r in live and self.filled[r] != starts[live[r]]]:
-            self._drop(request_id)  # its K/V moved on without it (a single-token prefill chunk, say)
+        for request_id in [r for r in self.order if r in live and self.filled[r] > starts[live[r]]]:
+            self._drop(request_id)  # its row holds K/V its sequence no longer has
         longest = max(starts) + 1
         final = int(plan.token_limits[:d].max())
         new = [i for i, request_id in enumerate(plan.request_ids[:d]) if request_id not in self.filled]
         if not self._fit(len(self.order) + len(new), longest, len(plan.request_ids), final):
             self.order, self.filled = [], {}
             return None
+        # K/V that moved on without its row (a row that verified drafts ran as an extend, a single-token
+        # prefill chunk): copy only the tokens it missed, not the whole context again
+        self._catch_up(plan, [(r, live[r]) for r in self.order if r in live and self.filled[r] < starts[live[r]]])
         self._fill(plan, new)
         self._to_front(live)
         rows = [live[request_id] for request_id in self.order[:d]]
@@ -134,6 +137,21 @@ class DenseDecodeKV:
                 self.data = grown
                 return True
         return False
+
+    def _catch_up(self, plan: StepPlan, behind: list[tuple[str, int]]) -> None:
+        """Copy into the rows of `behind` (request, its plan row) the cached K/V of the tokens from what each row
+        holds up to its plan row's start."""
+        block_size = self.cache.shape[1]
+        for request_id, i in behind:
+            row, have, start = self.order.index(request_id), self.filled[request_id], int(plan.starts[i])
+            first = have // block_size
+            table = torch.from_numpy(plan.block_tables[self.pool][i, first:-(-start // block_size)])
+            span = slice(have - first * block_size, start - first * block_size)
+            for kv in range(2):
+                for layer in range(self.data.shape[1]):
+                    tokens = gather_blocks(self.cache.layer(layer)[kv], table, len(table) * block_size)
+                    self.data[kv, layer, row, have:start] = tokens[span]
+            self.filled[request_id] = start
 
     def _fill(self, plan: StepPlan, new: list[int]) -> None:
         """Copy the cached K/V of the requests of plan rows `new`, which start decoding, into new rows."""
