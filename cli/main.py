@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -243,12 +244,20 @@ def tiny_model(
     tokenizer: Annotated[Path | None, typer.Option(
         help="a folder with the real Qwen3 tokenizer files (e.g. tests/data/qwen3-tokenizer) instead of a small "
              "trained one")] = None,
+    fp8: Annotated[bool, typer.Option(
+        help="write it as Qwen's block-FP8 checkpoints are (`Qwen/Qwen3-*-FP8`): `tiny-blocks` and "
+             "`tiny-moe-blocks` are the presets made of whole 128x128 blocks")] = False,
 ) -> None:
     """Write a small random checkpoint folder of a preset (`tiny`, Qwen3; `tiny-moe`, Qwen3-MoE; `tiny-llama`,
     `tiny-mistral`, `tiny-qwen2`, ...), which loads like a real one of its family."""
-    from cli.tiny_model import build_tiny_model
+    from cli.tiny_model import build_tiny_model, write_fp8
 
-    typer.echo(str(build_tiny_model(path, preset=preset, seed=seed, tokenizer=tokenizer)))
+    if not fp8:
+        typer.echo(str(build_tiny_model(path, preset=preset, seed=seed, tokenizer=tokenizer)))
+        return
+    with tempfile.TemporaryDirectory(prefix="convoq-fp8-") as scratch:
+        source = build_tiny_model(Path(scratch) / "source", preset=preset, seed=seed, tokenizer=tokenizer)
+        typer.echo(str(write_fp8(source, path, Path(scratch) / "dequantized")[0]))
 
 
 @app.command()

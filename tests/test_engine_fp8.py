@@ -164,3 +164,22 @@ def test_an_fp8_tensor_where_the_engine_keeps_no_scales_is_refused(fp8_models, t
     with pytest.raises(ValueError, match=r"k_proj\.weight is torch\.bfloat16 in the checkpoint; a quantized "
                                          r"projection's weight must be torch\.float8_e4m3fn"):
         make_engine(folder)
+
+
+def test_the_cli_writes_an_fp8_checkpoint_the_engine_runs_as_the_fixtures(fp8_models, tmp_path):
+    """`convoq tiny-model --fp8` writes what the tests' FP8 checkpoints are: the same seed gives the same
+    quantized weights, which the engine loads and runs."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["tiny-model", str(tmp_path / "fp8"), "--preset", "tiny-blocks", "--fp8"])
+    assert result.exit_code == 0, result.output
+    written = tmp_path / "fp8"
+    assert result.output.strip().endswith(str(written))
+    assert json.loads((written / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    ours, fixture = load_file(written / "model.safetensors"), load_file(fp8_models["tiny-blocks"][0] / "model.safetensors")
+    assert ours.keys() == fixture.keys() and all(torch.equal(ours[k], fixture[k]) for k in ours)
+    assert any(t.dtype == FP8 for t in ours.values())
+    tokens, _ = engine_greedy(written, PROMPTS[:2], NEW_TOKENS[:2])
+    assert tokens == engine_greedy(fp8_models["tiny-blocks"][0], PROMPTS[:2], NEW_TOKENS[:2])[0]
