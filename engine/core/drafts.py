@@ -87,11 +87,16 @@ class Drafter:
             drafts, certain = self.grammar.forced(seq.matcher, cap)
             drafts = drafts[:certain + seq.forced_record.worth(value)]
         seq.certain, seq.forced = certain, len(drafts) - certain
-        more = self._copied(seq, drafts, min(cap - len(drafts), seq.copied_record.worth(value)))
-        drafts += self._before_an_end(seq, more)
+        room = min(cap - len(drafts), seq.copied_record.worth(value))
+        kept = self._expected(seq, len(drafts) + room)
+        if max(value * kept[k] - k for k in range(len(drafts), len(drafts) + room + 1)) < price.row:
+            # no row of its drafts could pay for itself whatever a lookup found: skip the lookup, or a sequence
+            # whose output repeats itself would pay one every step for drafts it never carries
+            return []
+        drafts += self._before_an_end(seq, self._copied(seq, drafts, room))
         if constrained and drafts:
             drafts = drafts[:self.grammar.valid(seq.matcher, drafts)]
-        if drafts and self._expected(seq, len(drafts)) * value < len(drafts) + price.row:
+        if drafts and value * kept[len(drafts)] < len(drafts) + price.row:
             return []
         return drafts
 
@@ -105,16 +110,17 @@ class Drafter:
             seq.forced_record = self.forced.start()
             self.forced.relax(OPTIMISTIC, RETRY)
 
-    def _expected(self, seq: Sequence, k: int) -> float:
-        """The drafts a row of `k` (`seq.certain` certain ones, then `seq.forced` other forced ones, then
-        copied ones) is expected to keep: each is kept only if every one before it was."""
+    def _expected(self, seq: Sequence, k: int) -> list[float]:
+        """The drafts a row of its first j of `k` drafts (`seq.certain` certain ones, then `seq.forced` other
+        forced ones, then copied ones) is expected to keep, for j = 0..k: each is kept only if every one before
+        it was."""
         certain = min(seq.certain, k)
         forced = min(seq.forced, k - certain)
-        expected, reached = float(certain), 1.0
+        expected, reached = [float(j) for j in range(certain + 1)], 1.0
         for rate, n in ((seq.forced_record.rate, forced), (seq.copied_record.rate, k - certain - forced)):
             for _ in range(n):
                 reached *= rate
-                expected += reached
+                expected.append(expected[-1] + reached)
         return expected
 
     def _copied(self, seq: Sequence, drafts: list[int], k: int) -> list[int]:
