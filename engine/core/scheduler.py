@@ -180,16 +180,18 @@ class Scheduler:
         if price.token <= 1:
             return
         size = self.blocks.block_size
+        room = min(planning.tokens_left, self._spare_tokens(planning, limit))
         for seq in rows:
-            # the time limit's room after the rows drafted so far, their rows' cost included
-            room = min(planning.tokens_left, self._spare_tokens(planning, limit))
-            cap = min(self.config.speculative_tokens, room, seq.token_limit - seq.num_tokens - 1)
+            cap = min(self.config.speculative_tokens, int(room), seq.token_limit - seq.num_tokens - 1)
             drafts = self.drafter.propose(seq, cap, price) if cap > 0 else []
             if drafts and not self.blocks.try_append(seq, 1 + len(drafts)):
                 del drafts[len(seq.block_tables[0]) * size - seq.num_computed - 1:]  # what its blocks hold
             if drafts:
                 seq.drafts = drafts
                 planning.add_drafts(seq, len(drafts))
+                # what the time limit has left, in tokens: the drafts' own and their row's cost (`price.row`
+                # is in tokens), without asking the fit again for every row
+                room -= len(drafts) + price.row
 
     def _time_limit(self, planning: Planning, now: float) -> float:
         """Seconds this step may take once its interactive work is in: that work's latency target, a newcomer's
