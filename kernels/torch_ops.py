@@ -74,11 +74,25 @@ def gather_blocks(cache: torch.Tensor, table: torch.Tensor, length: int) -> torc
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One query per sequence: `q [B, heads, D]` against `k`, `v` `[B, kv_heads, L, D]` (strided views are
-    fine) under `mask [B, 1, 1, L]`. The heads sharing a KV head become that head's "query length", so no K/V
-    is repeated per head and SDPA stays on its fused kernel."""
-    batch, num_heads, head_dim = q.shape
-    qg = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(q.shape)
+    fine) under `mask [B, 1, 1, L]`."""
+    return queries_attention(q[:, None], k, v, mask, scale)[:, 0]
+
+
+def queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """`Q` queries per sequence (a decode's one, a row verifying drafts its token and its drafts, padded):
+    `q [B, Q, heads, D]` against `k`, `v` `[B, kv_heads, L, D]` (strided views are fine) under `mask
+    [B, 1, Q, L]`. The heads sharing a KV head and the queries become that head's "query length", so no K/V is
+    repeated per head and SDPA stays on its fused kernel."""
+    batch, queries, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = num_heads // kv_heads
+    qg = q.view(batch, queries, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    if queries > 1:
+        mask = mask.repeat(1, 1, group, 1)  # query (head h, position j) sits at h * Q + j
+    out = F.scaled_dot_product_attention(qg.reshape(batch, kv_heads, group * queries, head_dim), k, v,
+                                         attn_mask=mask, scale=scale)
+    return out.view(batch, kv_heads, group, queries, head_dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -258,7 +258,7 @@ def test_dense_rows_grow_geometrically_up_to_the_context():
 
 
 def test_a_dense_row_that_fell_behind_copies_only_the_tokens_it_missed():
-    """A sequence whose K/V moved on without its dense row (a row that verified drafts runs as an extend) has
+    """A sequence whose K/V moved on without its dense row (a step that ran paged) has
     its row caught up with the tokens it missed when it decodes again: copying its whole context anew at every
     verify step cost bulk steps more than its drafts saved."""
     from engine.core.kv_cache import KVCache
@@ -275,17 +275,64 @@ def test_a_dense_row_that_fell_behind_copies_only_the_tokens_it_missed():
         return StepPlan(["a", "b"], 2, np.array(starts), np.ones(2, np.int64), np.full(2, 128), np.zeros(2, np.int64),
                         [tables], np.arange(2), ["a", "b"], None, [])
 
-    dense.sync(decode([20, 10]))
+    dense.sync(decode([20, 10]), np.arange(2))
     first = dense.data[:, :, dense.order.index("a"), :20].clone()
-    # "a" runs an extend of 4 tokens (its decode and 3 drafts) and keeps them all; its row is not written, and
+    # "a" runs 4 tokens in a paged step and keeps them all; its row is not written, and
     # what its row already holds is overwritten in the pool, so a copy of the whole context would show
     for kv in range(2):
         for layer in range(2):
             cache.layer(layer)[kv][0, :] = 1e6
-    dense.sync(decode([25, 11]))
+    dense.sync(decode([25, 11]), np.arange(2))
     row = dense.order.index("a")
     assert dense.filled["a"] == 26
     torch.testing.assert_close(dense.data[:, :, row, :20], first)
     for kv in range(2):
         for layer in range(2):
             torch.testing.assert_close(dense.data[kv, layer, row, 21:25], cache.layer(layer)[kv][1, 5:9])
+
+
+def test_rows_verifying_drafts_attend_through_dense_rows_as_the_pool_does():
+    """A row verifying drafts writes its token and drafts into its dense row and attends to it, each query up
+    to its own position, beside plain decodes: the output is paged attention's over the pool. When its drafts
+    were rejected the row keeps the tokens that stood (it is not copied again) and the next step writes over
+    the rest."""
+    from engine.core.kv_cache import KVCache
+    from engine.model.dense_decode import DenseDecodeKV
+    from engine.step import StepPlan
+    from kernels.attention_ref import paged_attention_ref, store_kv_ref
+
+    torch.manual_seed(0)
+    cache = KVCache(1, 8, 16, 2, 8, torch.float32, torch.device("cpu"))
+    for segment in cache.segments:
+        segment.copy_(torch.randn_like(segment))
+    dense = DenseDecodeKV(cache, 0, max_bytes=1 << 20, max_length=128, max_rows=4)
+    tables = np.array([[0, 1, 2], [3, 4, 5], [6, 7, -1]], np.int32)
+
+    def step(starts: list[int], counts: list[int], decodes: int) -> None:
+        plan = StepPlan(["a", "b", "c"], decodes, np.array(starts), np.array(counts), np.full(3, 128),
+                        np.zeros(sum(counts), np.int64), [tables], np.arange(3), ["a", "b", "c"], None, [],
+                        np.array(counts) - 1)
+        order = dense.sync(plan, np.arange(3))
+        counts_o = np.array(counts)[order]
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(counts_o)]))
+        seq_lens = torch.from_numpy((np.array(starts) + np.array(counts))[order])
+        table = torch.from_numpy(tables[order])
+        q, k, v = (torch.randn(int(cu[-1]), heads, 8) for heads in (4, 2, 2))
+        rows, positions = dense.rows.numpy(), dense.positions.numpy()
+        slots = torch.from_numpy(table.numpy()[rows, positions // 16].astype(np.int64) * 16 + positions % 16)
+        k_cache, v_cache = cache.layer(0)
+        store_kv_ref(k, v, k_cache, v_cache, slots)
+        torch.testing.assert_close(dense.attend(0, q, k, v, 0.3),
+                                   paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, table, 0.3))
+
+    step([20, 30, 9], [1, 4, 1], decodes=1)  # "a" and "c" decode, "b" verifies 3 drafts
+    assert dense.filled == {"a": 21, "b": 34, "c": 10}
+    # "b" kept its token and one draft (32 tokens stand); "a" verifies 2 drafts, "c" decodes
+    copied = []
+    fill, catch_up = dense._fill, dense._catch_up
+    dense._fill = lambda plan, new: copied.extend(plan.request_ids[i] for i in new) or fill(plan, new)
+    dense._catch_up = lambda plan, behind: copied.extend(r for r, _ in behind) or catch_up(plan, behind)
+    step([21, 32, 10], [3, 1, 1], decodes=1)
+    assert dense.filled == {"a": 24, "b": 33, "c": 11} and copied == []
+    step([24, 33, 11], [2, 3, 2], decodes=0)  # every row verifies drafts
+    assert dense.filled == {"a": 26, "b": 36, "c": 13} and copied == []

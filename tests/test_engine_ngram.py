@@ -179,8 +179,8 @@ def test_a_sequence_with_nothing_to_copy_looks_up_less_and_less_often(monkeypatc
 
 
 def test_a_rows_drafts_go_in_only_when_they_are_worth_their_row_too():
-    """Where a row verifying drafts costs several decode rows (a CPU gathers its context), a row carries drafts
-    only when those it is expected to keep pay for the row as well as for their tokens."""
+    """Where a row verifying drafts costs more than a decode row (a CPU: its drafts' own attention), a row
+    carries drafts only when those it is expected to keep pay for the row as well as for their tokens."""
     drafter = Drafter(None, set(), None)
     seq = sequence(list(range(10, 30)) * 2)
     assert len(drafter.propose(seq, 8, Prices(3.0, 0.0))) == 1  # kept half the time: worth 1.5 tokens, costs 1

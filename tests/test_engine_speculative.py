@@ -100,8 +100,17 @@ def test_greedy_output_with_drafts_is_the_output_without(tiny_models, preset, pr
     tight = dict(kv_cache_memory=48 * kv_block_bytes(path), **TIGHT) if pressure else {}
     plain = run(make_engine(path, speculative="off", **tight), greedy_requests())
     engine = make_engine(path, **tight)
-    drafted = run(engine, greedy_requests(), {k: c.token_ids for k, c in plain.items()}, check=check_blocks)
+    dense_verify_steps = []
+
+    def check(engine) -> None:
+        check_blocks(engine)
+        dense = engine.executor.dense
+        dense_verify_steps.append(dense is not None and bool(dense.drafts))
+
+    drafted = run(engine, greedy_requests(), {k: c.token_ids for k, c in plain.items()}, check=check)
     assert outcome(drafted) == outcome(plain)
+    if preset == "tiny":  # one full-attention pool on CPU: rows verifying drafts read dense rows as decodes do
+        assert any(dense_verify_steps)
     stats = engine.stats()
     assert 0 < stats.draft_tokens_accepted < stats.draft_tokens and stats.draft_rows > 0
     assert stats.draft_accepted_length == stats.draft_tokens_accepted / stats.draft_rows

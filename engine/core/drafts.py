@@ -19,7 +19,7 @@ second; the j-th other draft of a kind while its chance of being reached and acc
 only while the tokens they are expected to yield are worth their tokens and their row together. On a small
 step almost every match is worth it, while a large batch, whose step time a few more tokens per row raises in
 proportion, proposes nothing, as vLLM turns drafting off past a batch size; on a device where a row verifying
-drafts costs several decode rows (a CPU), only rows likely to keep several drafts carry them.
+drafts costs more than a decode row (a CPU), only rows likely to keep several drafts carry them.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A step's time is close to linear in a fixed part, prefill tokens, decode rows, the K/V those rows read
 (rows times the longest context: batched decode attention pads to it) and the rows that verify drafts (each
-runs beside the decodes as a short extend, which on a CPU gathers its whole context instead of reading the
-decodes' dense rows: there a row with drafts costs about what three decode rows do, on a GPU next to nothing). The coefficients differ by orders of
-magnitude between machines and models, so none is configured: they are fitted online by least squares over
+attends on its own beside the batched decodes: on a CPU, where attention is most of a step, its drafts' own
+attention call costs what a decode row or so does; on a GPU next to nothing). The coefficients differ by
+orders of magnitude between machines and models, so none is configured: they are fitted online by least squares over
 recent steps (older ones decay by `forgetting`, so the fit follows a machine whose speed drifts), pulled
 weakly towards a prior until the steps have varied enough. The squares are of relative errors: the decisions
 that matter are about small steps, which the many large bulk steps would otherwise outweigh.

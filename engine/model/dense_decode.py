@@ -5,8 +5,11 @@ copies about as many bytes per step as the weights of Qwen3-0.6B hold. Here each
 a row of a dense `[rows, length, kv_heads, head_dim]` tensor per full-attention layer: its new K/V is written
 into the row, and attention reads `[:batch, :longest]` as a strided view. A row is filled from the pool when
 its sequence starts decoding (after a prefill, or again after a pre-emption) and the last row moves into the
-hole when one stops. Rows are keyed by request id, and a plan's `released` requests lose theirs. The pool
-stays the source of truth. The copy is bounded by `max_bytes`; a step that would need more runs paged.
+hole when one stops. A row verifying drafts writes its token and its drafts into its row and attends like a
+decode with a query each (what was rejected is written over next step): as an extend it would gather its
+whole context from the pool and cost what several decode rows do. Rows are keyed by request id, and a plan's
+`released` requests lose theirs. The pool stays the source of truth. The copy is bounded by `max_bytes`; a
+step that would need more runs paged.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from engine.core.kv_cache import GROWTH, KVCache
 from engine.step import StepPlan
-from kernels.torch_ops import decode_attention, gather_blocks
+from kernels.torch_ops import decode_attention, gather_blocks, queries_attention
 
 LENGTH_ALIGN = 64
 
@@ -35,9 +38,14 @@ class DenseDecodeKV:
         self.data = torch.zeros(2, num_layers, 0, 0, heads, dim, dtype=cache.dtype, device=cache.device)
         self.order: list[str] = []  # order[i]: the request that owns row i
         self.filled: dict[str, int] = {}  # request -> tokens of K/V its row holds
+        # this step's: per new token, its row and position; per row, the keys its first token sees; per row
+        # verifying drafts, its row, its tokens, its length and what each of its tokens sees; and where some
+        # rows verify drafts and others not, each row's first token
         self.rows = torch.arange(0)
         self.positions = torch.arange(0)
         self.mask = torch.ones(0, 1, 1, 0, dtype=torch.bool)
+        self.firsts: torch.Tensor | None = None
+        self.drafts: list[tuple[int, int, int, int, torch.Tensor]] = []
 
     @property
     def nbytes(self) -> int:
@@ -49,38 +57,51 @@ class DenseDecodeKV:
             if request_id in self.filled:
                 self._drop(request_id)
 
-    def sync(self, plan: StepPlan) -> np.ndarray | None:
-        """Rows for the plan's decodes (of its rows, the rest prefilling, to decode soon); returns those decodes'
-        plan rows in row order (the order the step must use), or None when they do not fit in `max_bytes`
-        (the copy is then dropped and the step runs paged).
+    def sync(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray | None:
+        """Rows for the plan's `rows`: its decodes, and its rows verifying drafts (a decode's token and its
+        drafts, `1 + k` queries). Returns those plan rows in row order (the order the step must use), or None
+        when they do not fit in `max_bytes` (the copy is then dropped and the step runs paged).
 
         A request still decoding but left out of this step (the scheduler keeps a step short) keeps its row
         for the steps it rejoins; this step's rows are moved to the front, a swap of two rows each, so that
         attention reads them as one view."""
-        d = plan.num_decodes
-        starts = plan.starts[:d].tolist()
-        live = {request_id: i for i, request_id in enumerate(plan.request_ids[:d])}  # request -> its plan row
-        for request_id in [r for r in self.order if r in live and self.filled[r] > starts[live[r]]]:
-            self._drop(request_id)  # its row holds K/V its sequence no longer has
-        longest = max(starts) + 1
-        final = int(plan.token_limits[:d].max())
-        new = [i for i, request_id in enumerate(plan.request_ids[:d]) if request_id not in self.filled]
+        starts = plan.starts[rows]
+        live = {plan.request_ids[i]: i for i in rows.tolist()}  # request -> its plan row
+        for request_id in self.order:
+            if request_id in live and self.filled[request_id] > plan.starts[live[request_id]]:
+                # the drafts its last step verified were rejected: the tokens before its start stand, and
+                # those after it will be written again
+                self.filled[request_id] = int(plan.starts[live[request_id]])
+        longest = int((starts + plan.counts[rows]).max())
+        final = int(plan.token_limits[rows].max())
+        new = [i for i in rows.tolist() if plan.request_ids[i] not in self.filled]
         if not self._fit(len(self.order) + len(new), longest, len(plan.request_ids), final):
             self.order, self.filled = [], {}
             return None
-        # K/V that moved on without its row (a row that verified drafts ran as an extend, a single-token
-        # prefill chunk): copy only the tokens it missed, not the whole context again
-        self._catch_up(plan, [(r, live[r]) for r in self.order if r in live and self.filled[r] < starts[live[r]]])
+        # K/V that moved on without its row (a step that ran paged, a single-token prefill chunk): copy only
+        # the tokens it missed, not the whole context again
+        self._catch_up(plan, [(r, live[r]) for r in self.order if r in live and self.filled[r] < plan.starts[live[r]]])
         self._fill(plan, new)
         self._to_front(live)
-        rows = [live[request_id] for request_id in self.order[:d]]
-        lens = torch.tensor([starts[i] + 1 for i in rows])
-        self.rows = torch.arange(d)
-        self.positions = lens - 1
-        self.mask = (torch.arange(longest) < lens[:, None])[:, None, None, :]
-        for request_id, length in zip(self.order[:d], lens.tolist(), strict=True):
-            self.filled[request_id] = length  # what the row holds once this step has run
-        return np.array(rows, np.intp)
+        ordered = np.array([live[request_id] for request_id in self.order[:len(rows)]], np.intp)
+        starts, counts = plan.starts[ordered], plan.counts[ordered]
+        ends = starts + counts
+        firsts = np.cumsum(counts) - counts  # each row's first new token
+        self.rows = torch.from_numpy(np.repeat(np.arange(len(ordered)), counts))
+        self.positions = torch.from_numpy(np.repeat(starts - firsts, counts) + np.arange(int(counts.sum())))
+        self.mask = (torch.arange(int(starts.max()) + 1) <= torch.from_numpy(starts)[:, None])[:, None, None, :]
+        # a row verifying drafts attends on its own, to its row's view, each query up to its own position:
+        # padding every row to the most queries any has would compute several times the attention the step needs
+        self.drafts = []
+        for row in np.flatnonzero(counts > 1).tolist():
+            start, end = int(starts[row]), int(ends[row])
+            seen = torch.arange(end) <= torch.arange(start, end)[:, None]
+            self.drafts.append((row, int(firsts[row]), int(firsts[row] + counts[row]), end, seen[None, None]))
+        # the batched call serves the single-token rows (and, overwritten after, the others' first tokens)
+        self.firsts = torch.from_numpy(firsts) if self.drafts and len(self.drafts) < len(counts) else None
+        for request_id, end in zip(self.order[:len(rows)], ends.tolist(), strict=True):
+            self.filled[request_id] = end  # what the row holds once this step has run
+        return ordered
 
     def _to_front(self, live: dict[str, int]) -> None:
         """Swap rows so that the first `len(live)` rows are those of `live`."""
@@ -95,14 +116,21 @@ class DenseDecodeKV:
             self.order[a], self.order[b] = self.order[b], self.order[a]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode attention for pool layer `layer`: `q`, `k`, `v` are the new tokens, one per row."""
+        """Attention for pool layer `layer`: `q`, `k`, `v` are the new tokens of the rows `sync` ordered."""
         keys, values = self.data[0, layer], self.data[1, layer]
         keys.index_put_((self.rows, self.positions), k)
         values.index_put_((self.rows, self.positions), v)
-        longest = self.mask.shape[-1]
-        batch = q.shape[0]
-        return decode_attention(q, keys[:batch, :longest].transpose(1, 2), values[:batch, :longest].transpose(1, 2),
-                                self.mask, scale)
+        batch, longest = self.mask.shape[0], self.mask.shape[3]
+        view = keys[:batch, :longest].transpose(1, 2), values[:batch, :longest].transpose(1, 2)
+        if not self.drafts:  # one token a row
+            return decode_attention(q, *view, self.mask, scale)
+        out = torch.empty_like(q)
+        if self.firsts is not None:
+            out[self.firsts] = decode_attention(q[self.firsts], *view, self.mask, scale)
+        for row, first, end, length, mask in self.drafts:
+            view = keys[row:row + 1, :length].transpose(1, 2), values[row:row + 1, :length].transpose(1, 2)
+            out[first:end] = queries_attention(q[None, first:end], *view, mask, scale)[0]
+        return out
 
     def _drop(self, request_id: str) -> None:
         row = self.order.index(request_id)

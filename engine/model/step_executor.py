@@ -22,11 +22,12 @@ from kernels.dispatch import Ops
 @dataclass
 class PackedStep:
     """A plan's rows as tensors on the host, in the order the kernels take them: single-token rows first (in
-    the dense rows' order when those serve them), then prefill chunks."""
+    the dense rows' order, with the rows verifying drafts, when those serve them), then prefill chunks."""
 
     request_ids: list[str]
     packed_at: np.ndarray | None  # per plan row, its row here; None: the plan's own order
-    num_decodes: int
+    num_decodes: int  # the leading rows attended as decodes: one token each, or through dense rows also the
+    # rows verifying drafts
     input_ids: torch.Tensor
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -83,22 +84,28 @@ class StepExecutor:
         return self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)])
 
     def pack(self, plan: StepPlan) -> PackedStep:
-        """The step's inputs on the host. Where dense rows serve the decodes, those come in the rows' order."""
+        """The step's inputs on the host. Where dense rows serve the decodes (and the rows verifying drafts),
+        those come first, in the rows' order."""
         d, rows = plan.num_decodes, len(plan.request_ids)
         if self.dense is not None:
             self.dense.release(plan.released)
-        dense_order = self.dense.sync(plan) if self.dense is not None and d else None
-        request_ids, starts, input_ids, tables, packed_at = (plan.request_ids, plan.starts, plan.input_ids,
-                                                             plan.block_tables, None)
-        if dense_order is not None and (dense_order != np.arange(d)).any():
-            order = np.concatenate([dense_order, np.arange(d, rows)])
+        leading = np.arange(d)
+        if self.dense is not None and plan.drafts is not None:
+            leading = np.concatenate([leading, d + np.flatnonzero(plan.drafts[d:])])
+        dense_order = self.dense.sync(plan, leading) if self.dense is not None and len(leading) else None
+        request_ids, starts, counts, input_ids, tables, packed_at = (plan.request_ids, plan.starts, plan.counts,
+                                                                     plan.input_ids, plan.block_tables, None)
+        if dense_order is not None and (dense_order != np.arange(len(dense_order))).any():
+            order = np.concatenate([dense_order, np.setdiff1d(np.arange(rows), dense_order, assume_unique=True)])
             request_ids = [request_ids[i] for i in order]
-            starts, tables = starts[order], [t[order] for t in tables]
-            input_ids = np.concatenate([input_ids[dense_order], input_ids[d:]])  # a decode's one token each
+            starts, counts, tables = starts[order], counts[order], [t[order] for t in tables]
+            # each packed token's place in the plan's `input_ids`: its row's first there plus its offset
+            firsts = np.cumsum(plan.counts) - plan.counts
+            offsets = np.arange(len(input_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+            input_ids = input_ids[np.repeat(firsts[order], counts) + offsets]
             packed_at = np.empty(rows, np.intp)
             packed_at[order] = np.arange(rows)
-        counts = plan.counts  # the same in either order: the reordered rows are all single tokens
-        if d == rows:  # decodes only: one token per row, at the row's context length
+        if len(input_ids) == rows:  # one token per row, at the row's context length
             row, positions = np.arange(rows), starts
         else:
             row = np.repeat(np.arange(rows), counts)
@@ -110,26 +117,28 @@ class StepExecutor:
         np.cumsum(counts, out=cu_seqlens[1:])
         block, offset = positions // self.block_size, positions % self.block_size
         slots = [torch.from_numpy(t[row, block].astype(np.int64) * self.block_size + offset) for t in tables]
-        return PackedStep(request_ids, packed_at, d, torch.from_numpy(input_ids), torch.from_numpy(positions),
-                          torch.from_numpy(cu_seqlens), torch.from_numpy(seq_lens),
+        leading_rows = d if dense_order is None else len(dense_order)
+        return PackedStep(request_ids, packed_at, leading_rows, torch.from_numpy(input_ids),
+                          torch.from_numpy(positions), torch.from_numpy(cu_seqlens), torch.from_numpy(seq_lens),
                           [torch.from_numpy(t) for t in tables], slots, dense=dense_order is not None)
 
     @torch.inference_mode()
     def forward(self, step: PackedStep) -> torch.Tensor:
         """Final hidden states of every packed token."""
-        rows = len(step.request_ids)
-        if self.graphs is not None and step.num_decodes == rows and self.graphs.fits(rows):
+        rows, tokens = len(step.request_ids), len(step.input_ids)
+        if self.graphs is not None and tokens == rows and self.graphs.fits(rows):
             return self.graphs.run(step.input_ids, step.positions, step.slots, step.seq_lens, step.tables)
         d, pools = step.num_decodes, len(step.tables)
+        split = int(step.cu_seqlens[d])  # the leading rows' tokens
         input_ids, positions, cu_seqlens, seq_lens, *rest = upload(
             [step.input_ids, step.positions, step.cu_seqlens, step.seq_lens, *step.tables, *step.slots], self.device)
         tables, slots = rest[:pools], rest[pools:]
         parts = []
         if d:
-            parts.append(BatchPart(0, d, cu_seqlens[:d + 1], seq_lens[:d], [t[:d] for t in tables],
+            parts.append(BatchPart(0, split, cu_seqlens[:d + 1], seq_lens[:d], [t[:d] for t in tables],
                                    self.dense if step.dense else None))
         if d < rows:
-            parts.append(BatchPart(d, len(step.input_ids), cu_seqlens[d:] - d, seq_lens[d:], [t[d:] for t in tables]))
+            parts.append(BatchPart(split, tokens, cu_seqlens[d:] - split, seq_lens[d:], [t[d:] for t in tables]))
         attn = AttentionBatch(self.ops, self.caches, self.layer_slots, slots, parts)
         if self.pieces is not None and self.pieces.fits(len(input_ids)):
             return self.pieces.run(input_ids, positions, attn)
