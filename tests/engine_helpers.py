@@ -142,12 +142,13 @@ class FakeCost:
     """A fixed step-cost model (seconds): the planner's decisions depend on it, not on this machine's speed."""
 
     def __init__(self, fixed: float = 0.004, per_token: float = 1e-4, per_row: float = 5e-4,
-                 per_context: float = 0.0) -> None:
+                 per_context: float = 0.0, per_draft_row: float = 0.0) -> None:
         self.fixed, self.per_token, self.per_row, self.per_context = fixed, per_token, per_row, per_context
+        self.per_draft_row = per_draft_row
 
     def predict(self, work) -> float:
         return (self.fixed + self.per_token * work.prefill_tokens + self.per_row * work.decode_rows
-                + self.per_context * work.decode_rows * work.decode_longest)
+                + self.per_context * work.decode_rows * work.decode_longest + self.per_draft_row * work.draft_rows)
 
     def observe(self, work, seconds: float) -> None:
         pass
@@ -159,7 +160,7 @@ class FakeCost:
     @property
     def coefficients(self) -> dict[str, float]:
         return {"step_fixed_s": self.fixed, "step_per_token_s": self.per_token, "step_per_row_s": self.per_row,
-                "step_per_context_s": self.per_context}
+                "step_per_context_s": self.per_context, "step_per_draft_row_s": self.per_draft_row}
 
 
 def json_grammar(schema: dict) -> GrammarSpec:

@@ -169,10 +169,14 @@ def test_a_sequence_with_nothing_to_copy_looks_up_less_and_less_often(monkeypatc
     lookups = []
     propose = NgramIndex.propose
     monkeypatch.setattr(NgramIndex, "propose", lambda self, *a: lookups.append(1) or propose(self, *a))
+    weighed = []
+    expected = Drafter._expected
+    monkeypatch.setattr(Drafter, "_expected", lambda self, *a: weighed.append(1) or expected(self, *a))
     for token in range(200, 300):  # a hundred steps of output that repeats nothing
         assert drafter.propose(seq, 8, price(100.0)) == []
         seq.token_ids.append(token)
     assert len(lookups) < 20  # waits of 1, 2, ... 8 steps between lookups after each miss
+    assert len(weighed) == len(lookups)  # a step it waits costs no pricing either
     seq.token_ids += seq.token_ids[-6:]  # now it repeats itself: drafts again within the longest wait
     found = [drafter.propose(seq, 8, price(100.0)) for _ in range(9)]
     assert any(found)

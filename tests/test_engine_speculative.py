@@ -392,6 +392,36 @@ def test_drafts_go_to_small_steps_and_not_to_large_batches(tiny_model, grammar):
     assert drafted(1, per_token) > 0 and drafted(48, per_token) == 0
 
 
+def test_drafts_fill_the_time_limits_room_with_their_tokens_and_their_rows_cost(tiny_model):
+    """The time limit leaves room for 13 tokens of compute; a row carrying drafts costs 2 tokens' time besides
+    its drafts. Offered as many drafts as it can carry, the first row takes 8 (the most a row carries), which
+    with its row's cost leaves 3; the second takes those 3, and the third none."""
+    from engine.core.scheduler import Planning
+
+    engine = make_engine(tiny_model)
+    for i, ids in enumerate(prompts(3, 5, 20, seed=2)):
+        engine.add_request(Request(str(i), ids, SamplingParams(24)))
+    while any(seq.num_uncomputed != 1 for seq in engine._seqs.values()):
+        engine.step()
+    scheduler = engine.scheduler
+    scheduler.cost = FakeCost(fixed=0.004, per_token=1e-3, per_row=5e-4, per_draft_row=2e-3)
+    offered = []
+
+    class Generous:  # a drafter that proposes every draft it is allowed, whatever they are worth
+        def propose(self, seq, cap, price):
+            offered.append((cap, round(price.row, 6)))
+            return [7] * cap
+
+    scheduler.drafter = Generous()
+    planning = Planning(tokens_left=1000)
+    seqs = list(engine._seqs.values())
+    planning.add_decodes(seqs)
+    scheduler._draft(planning, scheduler.cost.predict(planning.work) + 13e-3)
+    assert offered == [(8, 2.0), (3, 2.0)]  # the third row is not even asked
+    assert [planning.scheduled[seq] - 1 for seq in seqs] == [8, 3, 0]
+    assert (planning.drafts, planning.draft_rows) == (11, 2)
+
+
 # --- the sampled distribution --------------------------------------------------------------------------------------
 
 CHAIN = [10, 11, 12, 13, 14, 15]  # a model whose next token depends only on the token before it, among these

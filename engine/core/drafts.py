@@ -83,6 +83,11 @@ class Drafter:
             self._start(seq)
         drafts, certain = [], 0
         constrained = seq.matcher is not None and seq.constrained and self.grammar is not None
+        if not constrained and seq.draft_wait > 0:
+            # its lookups keep finding nothing and no grammar forces anything: nothing to weigh this step
+            seq.draft_wait -= 1
+            seq.certain = seq.forced = 0
+            return []
         if constrained:
             drafts, certain = self.grammar.forced(seq.matcher, cap)
             drafts = drafts[:certain + seq.forced_record.worth(value)]
