@@ -105,8 +105,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // kv_heads
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    single = torch.nonzero(cu_seqlens_q.diff() == 1).flatten()
+    if len(single) > 1:  # decodes beside longer rows (rows verifying drafts): one batched call for them
+        at = cu_seqlens_q[single].long()
+        out[at] = _decode(q[at], k_cache, v_cache, seq_lens[single], block_tables[single], scale, window, sinks,
+                          stride)
     for b, length in enumerate(lens):
         n = cu[b + 1] - cu[b]
+        if n == 1 and len(single) > 1:
+            continue
         table = block_tables[b, : -(-length // block_size)]
         # [kv_heads, group, L, D] views: K/V broadcast over their query heads, which keeps SDPA on its fused
         # kernel (its own GQA option falls back to materialising the scores on CPU)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import attention
+from kernels import attention, torch_ops
 from kernels.attention_ref import paged_attention_ref, store_kv_ref, visible
 from kernels.sparse import AttentionPolicy
 from tests.test_kernels_support import assert_close, interpret_kernels
@@ -112,6 +112,30 @@ EXTEND = [
 def test_matches_reference(shape):
     case = make_case(*shape)
     assert_close(case.run(attention.paged_attention), case.run(paged_attention_ref))
+
+
+def torch_ops_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, sinks, stride,
+                        k_scale=None, v_scale=None):
+    return torch_ops.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, sinks,
+                                     stride)
+
+
+# decodes beside rows verifying drafts, as a CPU step with drafts has them on a pool without dense rows
+MIXED = [
+    ([1, 5, 1, 1, 3], [40, 77, 18, 99, 30], 8, 2, 32, 16, DENSE),
+    ([1, 4, 1], [100, 41, 60], 8, 2, 16, 16, AttentionPolicy.sliding(24)),
+    ([6, 1, 1], [90, 60, 33], 4, 1, 16, 8, AttentionPolicy.local_strided(12, 10)),
+]
+
+
+@pytest.mark.usefixtures("poisoned_allocations")
+@pytest.mark.parametrize("shape", DECODE + EXTEND + MIXED, ids=lambda s: f"new{s[0]}-len{s[1]}-{s[6]}")
+def test_cpu_ops_match_reference(shape):
+    """The CPU ops gather whole blocks and mask what they must not see, so slots nobody wrote hold stale finite
+    bytes here (as a pool reused by other sequences has them), not NaN."""
+    case = make_case(*shape)
+    case.k_cache, case.v_cache = case.k_cache.nan_to_num(7.0), case.v_cache.nan_to_num(-7.0)
+    assert_close(case.run(torch_ops_attention), case.run(paged_attention_ref))
 
 
 @pytest.mark.usefixtures("poisoned_allocations")
