@@ -155,7 +155,6 @@ def test_a_group_whose_worker_dies_is_run_again_without_doubles(service_env, dat
             while client.get_batch(batch.id).status == "validating":
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-            stack.start_worker()
             deaths = supervise(stack, database, 24, timeout=300)
     assert deaths == 3  # the crashing line, a suspect after two, is condemned running alone
     ids = batch_job_ids(database)
