@@ -120,6 +120,22 @@ def test_greedy_output_with_drafts_is_the_output_without(tiny_models, preset, pr
         assert stats.preemptions > 0
 
 
+def test_drafts_verify_the_same_whether_a_step_reads_dense_rows_or_runs_paged(tiny_model):
+    """A dense-row budget too small for the step's rows while many decode: steps with drafts run paged (the
+    rows verifying drafts as extends), then, once enough rows have finished, read dense rows copied from the
+    pool, whose drafts' K/V the paged steps wrote; the output is the output without drafts throughout."""
+    plain = run(make_engine(tiny_model, speculative="off"), greedy_requests())
+    engine = make_engine(tiny_model)
+    dense = engine.executor.dense
+    dense.max_bytes = 6 * 320 * dense.bytes_per_token  # six rows of 320 tokens
+    synced, sync = [], dense.sync
+    dense.sync = lambda plan, rows: synced.append((plan.drafts is not None, out := sync(plan, rows))) or out
+    drafted = run(engine, greedy_requests(), {k: c.token_ids for k, c in plain.items()}, check=check_blocks)
+    assert outcome(drafted) == outcome(plain)
+    with_drafts = [out is not None for has_drafts, out in synced if has_drafts]
+    assert False in with_drafts and True in with_drafts[with_drafts.index(False):]  # paged, then dense
+
+
 def test_rejected_drafts_never_reach_the_prefix_cache_and_cached_prefixes_serve_the_same_tokens(tiny_model):
     """Every draft wrong half the time, rows long enough to fill blocks with them; then the same prompts again,
     served from the cache the first run left (without drafts, so the blocks alone decide the tokens)."""

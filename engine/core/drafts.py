@@ -83,16 +83,17 @@ class Drafter:
             self._start(seq)
         drafts, certain = [], 0
         constrained = seq.matcher is not None and seq.constrained and self.grammar is not None
-        if not constrained and seq.draft_wait > 0:
-            # its lookups keep finding nothing and no grammar forces anything: nothing to weigh this step
+        waiting = seq.draft_wait > 0  # its lookups keep finding nothing: none this step
+        if waiting:
             seq.draft_wait -= 1
+        if waiting and not constrained:  # and no grammar forces anything: nothing to weigh either
             seq.certain = seq.forced = 0
             return []
         if constrained:
             drafts, certain = self.grammar.forced(seq.matcher, cap)
             drafts = drafts[:certain + seq.forced_record.worth(value)]
         seq.certain, seq.forced = certain, len(drafts) - certain
-        room = min(cap - len(drafts), seq.copied_record.worth(value))
+        room = 0 if waiting else min(cap - len(drafts), seq.copied_record.worth(value))
         kept = self._expected(seq, len(drafts) + room)
         if max(value * kept[k] - k for k in range(len(drafts), len(drafts) + room + 1)) < price.row:
             # no row of its drafts could pay for itself whatever a lookup found: skip the lookup, or a sequence
@@ -130,12 +131,10 @@ class Drafter:
 
     def _copied(self, seq: Sequence, drafts: list[int], k: int) -> list[int]:
         """Up to `k` n-gram drafts after `drafts`. A lookup that finds nothing makes the sequence's next ones
-        wait a step longer each time (up to `MAX_WAIT`): output with nothing to copy costs a lookup every few
-        steps, not one a step, and one that starts copying is caught within a few tokens."""
+        wait a step longer each time (up to `MAX_WAIT`, `seq.draft_wait`, counted down by `propose`): output with
+        nothing to copy costs a lookup every few steps, not one a step, and one that starts copying is caught
+        within a few tokens."""
         if k <= 0:
-            return []
-        if seq.draft_wait > 0:
-            seq.draft_wait -= 1
             return []
         found = seq.ngram.propose(seq.token_ids, drafts, k)
         seq.draft_misses = 0 if found else min(seq.draft_misses + 1, MAX_WAIT)

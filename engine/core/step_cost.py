@@ -4,9 +4,9 @@ A step's time is close to linear in a fixed part, prefill tokens, decode rows, t
 (rows times the longest context: batched decode attention pads to it) and the rows that verify drafts (each
 attends on its own beside the batched decodes: on a CPU, where attention is most of a step, its drafts' own
 attention call costs what a decode row or so does; on a GPU next to nothing). The coefficients differ by
-orders of magnitude between machines and models, so none is configured: they are fitted online by least squares over
-recent steps (older ones decay by `forgetting`, so the fit follows a machine whose speed drifts), pulled
-weakly towards a prior until the steps have varied enough. The squares are of relative errors: the decisions
+orders of magnitude between machines and models, so none is configured: they are fitted online by least
+squares over recent steps (older ones decay by `forgetting`, so the fit follows a machine whose speed
+drifts), pulled weakly towards a prior until the steps have varied enough. The squares are of relative errors: the decisions
 that matter are about small steps, which the many large bulk steps would otherwise outweigh.
 """
 

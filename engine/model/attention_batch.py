@@ -5,7 +5,8 @@ laid out decodes first, then prefill chunks; each run goes to the backend in its
 backend's batched single-query path instead of the general one. On CPU the plain-PyTorch ops of
 `kernels.torch_ops` stand in for the references (except attention over fp8 caches, which only the references
 dequantize), and decodes may read `DenseDecodeKV` rows; where they do, rows verifying drafts join the decodes'
-run (a pool without dense rows attends to that run's single tokens in one batched call, its others row by row). Each layer attends with its own `AttentionPolicy`.
+run (a pool without dense rows attends to that run's single tokens in one batched call, its others row by
+row). Each layer attends with its own `AttentionPolicy`.
 """
 
 from __future__ import annotations

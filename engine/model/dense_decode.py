@@ -21,6 +21,7 @@ import torch
 
 from engine.core.kv_cache import GROWTH, KVCache
 from engine.step import StepPlan
+from kernels.attention_ref import visible
 from kernels.torch_ops import decode_attention, gather_blocks, queries_attention
 
 LENGTH_ALIGN = 64
@@ -89,13 +90,13 @@ class DenseDecodeKV:
         firsts = np.cumsum(counts) - counts  # each row's first new token
         self.rows = torch.from_numpy(np.repeat(np.arange(len(ordered)), counts))
         self.positions = torch.from_numpy(np.repeat(starts - firsts, counts) + np.arange(int(counts.sum())))
-        self.mask = (torch.arange(int(starts.max()) + 1) <= torch.from_numpy(starts)[:, None])[:, None, None, :]
+        self.mask = visible(torch.from_numpy(starts), torch.arange(int(starts.max()) + 1), window=0, sinks=0)[:, None, None]
         # a row verifying drafts attends on its own, to its row's view, each query up to its own position:
         # padding every row to the most queries any has would compute several times the attention the step needs
         self.drafts = []
         for row in np.flatnonzero(counts > 1).tolist():
             start, end = int(starts[row]), int(ends[row])
-            seen = torch.arange(end) <= torch.arange(start, end)[:, None]
+            seen = visible(torch.arange(start, end), torch.arange(end), window=0, sinks=0)
             self.drafts.append((row, int(firsts[row]), int(firsts[row] + counts[row]), end, seen[None, None]))
         # the batched call serves the single-token rows (and, overwritten after, the others' first tokens)
         self.firsts = torch.from_numpy(firsts) if self.drafts and len(self.drafts) < len(counts) else None
