@@ -136,7 +136,7 @@ def compare(path: Path, requests: list[Request], batch: int, repeat: int, device
             "tokens": sum(len(t) for t in outputs["off"].values()), "identical": outputs["off"] == outputs["ngram"]}
 
 
-def run(repeat: int = 2, threads: int = 1, device: str = "cpu", dtype: str = "auto", counts: tuple[int, int] = (8, 32),
+def run(repeat: int = 3, threads: int = 1, device: str = "cpu", dtype: str = "auto", counts: tuple[int, int] = (8, 32),
         workloads: tuple[str, ...] = tuple(WORKLOADS), seed: int = 0) -> dict:
     torch.set_num_threads(threads)
     result: dict = {"device": device, "threads": threads, "repeat": repeat}
@@ -156,7 +156,7 @@ def run(repeat: int = 2, threads: int = 1, device: str = "cpu", dtype: str = "au
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    parser.add_argument("--repeat", type=int, default=2, help="runs of every group on each side")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of every group on each side")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ import torch
 from engine.core.kv_cache import GROWTH, KVCache
 from engine.step import StepPlan
 from kernels.attention_ref import visible
-from kernels.torch_ops import decode_attention, gather_blocks, queries_attention
+from kernels.torch_ops import additive, decode_attention, gather_blocks, queries_attention
 
 LENGTH_ALIGN = 64
 
@@ -44,7 +44,7 @@ class DenseDecodeKV:
         # rows verify drafts and others not, each row's first token
         self.rows = torch.arange(0)
         self.positions = torch.arange(0)
-        self.mask = torch.ones(0, 1, 1, 0, dtype=torch.bool)
+        self.mask = torch.zeros(0, 1, 1, 0)
         self.firsts: torch.Tensor | None = None
         self.drafts: list[tuple[int, int, int, int, torch.Tensor]] = []
 
@@ -90,14 +90,16 @@ class DenseDecodeKV:
         firsts = np.cumsum(counts) - counts  # each row's first new token
         self.rows = torch.from_numpy(np.repeat(np.arange(len(ordered)), counts))
         self.positions = torch.from_numpy(np.repeat(starts - firsts, counts) + np.arange(int(counts.sum())))
-        self.mask = visible(torch.from_numpy(starts), torch.arange(int(starts.max()) + 1), window=0, sinks=0)[:, None, None]
+        seen = visible(torch.from_numpy(starts), torch.arange(int(starts.max()) + 1), window=0, sinks=0)
+        self.mask = additive(seen[:, None, None], self.data.dtype)
         # a row verifying drafts attends on its own, to its row's view, each query up to its own position:
         # padding every row to the most queries any has would compute several times the attention the step needs
         self.drafts = []
         for row in np.flatnonzero(counts > 1).tolist():
             start, end = int(starts[row]), int(ends[row])
             seen = visible(torch.arange(start, end), torch.arange(end), window=0, sinks=0)
-            self.drafts.append((row, int(firsts[row]), int(firsts[row] + counts[row]), end, seen[None, None]))
+            self.drafts.append((row, int(firsts[row]), int(firsts[row] + counts[row]), end,
+                                additive(seen[None, None], self.data.dtype)))
         # the batched call serves the single-token rows (and, overwritten after, the others' first tokens)
         self.firsts = torch.from_numpy(firsts) if self.drafts and len(self.drafts) < len(counts) else None
         for request_id, end in zip(self.order[:len(rows)], ends.tolist(), strict=True):
