@@ -14,10 +14,12 @@ IDLE_SINCE = "convoq_idle_since"
 
 
 def make_db_engine(url: str, pool_size: int = 16, ping_idle_s: float | None = 2.0,
-                   pool_class: type[QueuePool] = QueuePool) -> Engine:
+                   pool_class: type[QueuePool] = QueuePool, idle_in_transaction_s: float | None = None) -> Engine:
     """`ping_idle_s`: a pooled connection idle longer than this is pinged as it is checked out, and replaced if
     the server dropped it (`_ping_when_idle`); None: never (callers that retry on a dropped connection).
     `pool_class`: a QueuePool of the caller's (the API counts its waits for a connection); not for SQLite.
+    `idle_in_transaction_s`: PostgreSQL ends a session that sits this long inside a transaction
+    (`idle_in_transaction_session_timeout`), and the locks it holds with it; None: never.
 
     A statement's parameters are left out of its errors (`hide_parameters`): they hold tenants' prompts and
     results, and an error's text goes to logs and to a failed job's `error_detail`."""
@@ -32,8 +34,10 @@ def make_db_engine(url: str, pool_size: int = 16, ping_idle_s: float | None = 2.
             conn.execute("PRAGMA synchronous=NORMAL")
 
         return engine
+    options = {} if idle_in_transaction_s is None else {
+        "options": f"-c idle_in_transaction_session_timeout={max(1, round(idle_in_transaction_s * 1000))}"}
     engine = create_engine(url, pool_size=pool_size, max_overflow=pool_size, poolclass=pool_class,
-                           hide_parameters=True)
+                           hide_parameters=True, connect_args=options)
     if ping_idle_s is not None:
         _ping_when_idle(engine, ping_idle_s)
     return engine

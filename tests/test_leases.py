@@ -15,7 +15,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy import insert
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from bench.audit import audit, messages_by_job
 from bench.faults import lose_replies_of
@@ -28,6 +28,7 @@ from jobs.tables import Job, job_row, utcnow
 from worker import reconciler, results
 from worker.claims import claim, claim_many, mark_alone
 from worker.crashes import attribute, hand_back_expired
+from worker.database import transient
 from worker.heartbeat import beat, hand_back
 from worker.leases import Leases
 from worker.outcome import Ending, Outcome, RunEnd
@@ -373,6 +374,61 @@ def test_a_sweep_longer_than_a_lease_never_holds_the_heartbeat_back(db, settings
     finally:
         worker.stop()
     assert row(engine, job_id)[:3] == ("running", 1, 0)
+
+
+def freeze_inside_a_heartbeat(engine, job_id: str) -> sa.Connection:
+    """A connection of `engine` left inside a transaction that holds w1's row and its job's row, as a worker
+    frozen between its heartbeat's statements leaves them."""
+    conn = engine.connect()
+    conn.begin()
+    conn.execute(sa.text("UPDATE workers SET heartbeat_at = heartbeat_at WHERE name = 'w1'"))
+    conn.execute(sa.text("UPDATE jobs SET lease_expires_at = lease_expires_at WHERE id = :i"), {"i": uuid.UUID(job_id)})
+    return conn
+
+
+def test_a_worker_frozen_inside_its_heartbeat_stops_no_sweep_and_loses_its_locks(db, database, settings):
+    """A worker frozen between the statements of its heartbeat (SIGSTOP, a paused VM) holds its `workers` row
+    and its jobs' rows locked. The sweep skips what it cannot lock instead of waiting on it, and the server ends
+    the frozen transaction after `idle_in_transaction_s` (a worker's `FROZEN_TRANSACTION_S`), so a later sweep
+    hands its job back and marks it stopped."""
+    from store.connections import make_db_engine
+
+    engine, sessions = db
+    job_id = new_job(sessions)
+    claimed = claim(sessions, job_id, "w1", 3)
+    beat(sessions, "w1", {claimed.job_id: claimed.lease}, 30, 15)
+    with engine.begin() as conn:  # w1 then went silent: past its lease, and no longer alive
+        conn.execute(sa.text("UPDATE workers SET heartbeat_at = now() - interval '1 hour' WHERE name = 'w1'"))
+    expire_leases(engine, job_id)
+    sweeper = Sweeper(sessions, create_celery(settings), settings)
+
+    def stopped() -> bool:
+        with engine.connect() as conn:
+            return conn.scalar(sa.text("SELECT stopped_at IS NOT NULL FROM workers WHERE name = 'w1'"))
+
+    frozen = freeze_inside_a_heartbeat(engine, job_id)  # a session with no timeout: frozen for good
+    try:
+        sweep = threading.Thread(target=sweeper.sweep, kwargs={"force": True})
+        sweep.start()
+        sweep.join(15)
+        assert not sweep.is_alive()  # it did not wait on the locked rows
+    finally:
+        frozen.close()  # rolls back: the thread ends either way
+        sweep.join(15)
+    assert row(engine, job_id)[0] == "running" and not stopped()  # both left to a later sweep
+
+    timed = make_db_engine(database, idle_in_transaction_s=0.5)
+    frozen = freeze_inside_a_heartbeat(timed, job_id)
+    try:
+        time.sleep(2)
+        with pytest.raises(DBAPIError) as ended:  # the server ended the session, and its locks with it
+            frozen.execute(sa.text("SELECT 1"))
+        assert transient(ended.value)  # what a worker's writes retry (`worker.database.retrying`)
+        assert sweeper.sweep(force=True)["handed_back"] == 1
+        assert row(engine, job_id)[:3] == ("queued", 0, 1) and stopped()
+    finally:
+        frozen.close()
+        timed.dispose()
 
 
 def test_the_sweep_lock_lasts_the_whole_sweep_and_a_sweeper_that_lost_it_stops(db, settings, monkeypatch):

@@ -39,6 +39,11 @@ from worker.solo import Solo
 from worker.usage import cpu_seconds
 
 log = logging.getLogger(__name__)
+# A worker frozen between the statements of a transaction (SIGSTOP, a paused VM) holds that transaction's locks:
+# its `workers` row and its jobs' rows, after a heartbeat's first statement. The server ends such a session after
+# this long, as it ends the sweep's lock (`worker.sweep.LOCK_IDLE_S`), so the sweep hands the frozen worker's jobs
+# back. A working worker never sits that long inside a transaction, and its writes retry a dropped connection.
+FROZEN_TRANSACTION_S = 60.0
 
 
 @dataclass
@@ -71,7 +76,8 @@ class WorkerContext:
         with ExitStack() as built:
             # every write here retries on a dropped connection (`database.retrying`), so no ping per checkout
             db = make_db_engine(settings.database_url.get_secret_value(),
-                                pool_size=min(settings.worker_concurrency, 32), ping_idle_s=None)
+                                pool_size=min(settings.worker_concurrency, 32), ping_idle_s=None,
+                                idle_in_transaction_s=FROZEN_TRANSACTION_S)
             built.callback(db.dispose)
             sessions = make_sessions(db)
             shutdown = Shutdown(settings.shutdown_grace_s)  # before the engine, whose death in a shutdown is no crash

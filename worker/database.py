@@ -26,14 +26,15 @@ def retrying(action: Callable[[], T], what: str, deadline_s: float = 600.0) -> T
         try:
             return action()
         except (OperationalError, DBAPIError) as exc:
-            if time.monotonic() - start > deadline_s or not _transient(exc):
+            if time.monotonic() - start > deadline_s or not transient(exc):
                 raise
             log.warning("%s: database unavailable (%s); retrying in %.1fs", what, type(exc).__name__, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
 
-def _transient(exc: DBAPIError) -> bool:
+def transient(exc: DBAPIError) -> bool:
+    """Whether `exc` is a lost connection (the server went away, or ended the session), which a retry can mend."""
     return isinstance(exc, OperationalError) or exc.connection_invalidated
 
 

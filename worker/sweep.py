@@ -148,7 +148,12 @@ class Sweeper:
             verdicts = hand_back_expired(sessions, s.max_crashes, hold) if hand_back else Counter()
             expired = expire_queued(sessions, hold)
             with sessions.begin() as session:
-                session.execute(update(Worker.__table__).where(Worker.stopped_at.is_(None), ~alive(s.dead_after_s))
+                # a row locked by its worker's own transaction is left to a later sweep: that worker froze inside
+                # its heartbeat (the server ends that transaction after `FROZEN_TRANSACTION_S`), and waiting on it
+                # would stop this sweep, and every sweep after it, for as long as it stays frozen
+                gone = (select(Worker.name).where(Worker.stopped_at.is_(None), ~alive(s.dead_after_s))
+                        .with_for_update(skip_locked=True))
+                session.execute(update(Worker.__table__).where(Worker.name.in_(gone.scalar_subquery()))
                                 .values(stopped_at=db_now()))
                 fold(session)  # the status counts' deltas since the last sweep, into one row per status
             for batch_id in {b for _, b in expired if b is not None}:
