@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 from cli.gpus import gpu_list, placements
 from tests.test_metrics import two_free_ports
+from tests.waits import until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,15 +57,6 @@ def children(pid: int) -> dict[int, str]:
     return found
 
 
-def wait_for(condition, timeout: float = 180.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout} s")
-
-
 def serving(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
@@ -80,23 +72,24 @@ def test_one_worker_per_gpu_each_pinned_restarted_when_it_dies_and_stopped_toget
         supervisor = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--gpus", "3,5",
                                        "--concurrency", "4"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: serving(port) and serving(port + 1))
+        until(lambda: serving(port) and serving(port + 1), 180, every=0.5)
         workers = children(supervisor.pid)
         assert sorted(workers.values()) == ["3", "5"]  # each pinned to its GPU
         db = sa.create_engine(service_env["CONVOQ_DATABASE_URL"])
         with db.connect() as conn:
-            rows = wait_for(lambda: conn.execute(sa.text("SELECT pid FROM workers WHERE stopped_at IS NULL")).all()
-                            if len(conn.execute(sa.text("SELECT pid FROM workers")).all()) == 2 else None)
+            rows = until(lambda: conn.execute(sa.text("SELECT pid FROM workers WHERE stopped_at IS NULL")).all()
+                         if len(conn.execute(sa.text("SELECT pid FROM workers")).all()) == 2 else None, 180, every=0.5)
         db.dispose()
         assert sorted(r.pid for r in rows) == sorted(workers)  # each its own worker, named after its pid
         # its own Celery node name, which a worker may log after its row is written
-        assert wait_for(lambda: all(f"convoq-{pid}@" in (tmp_path / "supervisor.log").read_text(errors="replace")
-                                    for pid in workers), timeout=60)
+        assert until(lambda: all(f"convoq-{pid}@" in (tmp_path / "supervisor.log").read_text(errors="replace")
+                                 for pid in workers), 60, every=0.5)
 
         # the worker on GPU 5 dies: the supervisor starts another on GPU 5
         dead = next(pid for pid, gpu in workers.items() if gpu == "5")
         os.kill(dead, signal.SIGKILL)
-        again = wait_for(lambda: {p: g for p, g in children(supervisor.pid).items() if p not in workers} or None)
+        again = until(lambda: {p: g for p, g in children(supervisor.pid).items() if p not in workers} or None, 180,
+                      every=0.5)
         assert list(again.values()) == ["5"]
 
         supervisor.send_signal(signal.SIGTERM)  # a deploy: every worker leaves as it would alone, then it does
