@@ -249,10 +249,12 @@ def _run_step(parts: EngineParts, step: Step, rank: int) -> bool:
     return True
 
 
-def _exit_with(parent: int) -> None:
-    """Exit this process once `parent` (rank 0's process) is gone: nothing would send it another step."""
+def _exit_with(parent: int, rank: int) -> None:
+    """Exit this process once `parent` (rank 0's process) is gone: nothing would send it another step. It may
+    notice before the broken connection does (or while this rank still builds), so it says why too."""
     while os.getppid() == parent:
         time.sleep(WATCH_EVERY_S)
+    log.info("rank 0's process %d is gone; rank %d ends", parent, rank)
     os._exit(0)
 
 
@@ -268,7 +270,7 @@ def main() -> None:
     for meant_for_the_worker in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
         signal.signal(meant_for_the_worker, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s: %(levelname)s/rank-{args.rank}] %(message)s")
-    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with, args=(os.getppid(), args.rank), daemon=True).start()
     follow(pickle.loads(base64.b64decode(args.config)), args.rank, args.world, args.address)
 
 

@@ -190,6 +190,30 @@ LLMEngine(EngineConfig(model={str(tiny_model)!r}, tensor_parallel=2))
     assert "rank 1 ends" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+# A stand-in for rank 0's process: it starts a rank's watch on itself, waits until that is running, and exits.
+PARENT_THAT_EXITS = '''
+import subprocess, sys
+watch = """
+import logging, os
+from engine.tensor_parallel import _exit_with
+logging.basicConfig(level=logging.INFO)
+print("watching", flush=True)
+_exit_with(os.getppid(), 1)
+"""
+child = subprocess.Popen([sys.executable, "-c", watch], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline() == "watching\\n"
+'''
+
+
+def test_a_rank_that_sees_rank_0s_process_gone_before_its_connection_breaks_says_why_it_ends():
+    """A rank's watch on its parent can end it before a collective fails (or while it still builds): it says so
+    too, rather than vanishing without a word."""
+    out = subprocess.run([sys.executable, "-c", PARENT_THAT_EXITS], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 1 ends" in out.stderr, out.stderr[-2000:]
+
+
 def run_script(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
                           cwd=Path(__file__).resolve().parent.parent, env=env)
