@@ -89,8 +89,10 @@ def _gpu_configs() -> list[triton.Config]:
 
 
 _tuned_kernel = triton.autotune(configs=_gpu_configs(), key=["M_BUCKET", "N", "K"])(_swiglu_kernel)
-# The interpreter runs on CPU where timing configs means nothing: one small fixed tile.
-_INTERPRETER_TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
+# The interpreter runs on CPU where timing configs means nothing: one fixed tile. It steps through programs and
+# their K loops one by one, so its time goes with their count, not a tile's size: 32 keeps a tiny model's MLP
+# (hidden 256) a few programs, and the kernel tests' shapes still span several tiles, ragged, in M, N and K.
+_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
