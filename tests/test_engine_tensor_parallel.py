@@ -208,8 +208,7 @@ assert child.stdout.readline() == "watching\\n"
 def test_a_rank_that_sees_rank_0s_process_gone_before_its_connection_breaks_says_why_it_ends():
     """A rank's watch on its parent can end it before a collective fails (or while it still builds): it says so
     too, rather than vanishing without a word."""
-    out = subprocess.run([sys.executable, "-c", PARENT_THAT_EXITS], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
+    out = run_script(PARENT_THAT_EXITS)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rank 1 ends" in out.stderr, out.stderr[-2000:]
 

@@ -389,9 +389,9 @@ def freeze_inside_a_heartbeat(engine, job_id: str) -> sa.Connection:
 def test_a_transaction_a_frozen_worker_left_open_stops_no_sweep_and_is_ended(db, database, settings):
     """A worker frozen between the statements of its heartbeat (SIGSTOP, a paused VM) holds its `workers` row
     and its jobs' rows locked; here a connection left inside such a transaction stands in for it (a real
-    SIGSTOP lands inside one only by chance: `test_faults`' frozen worker). The sweep skips what it cannot lock instead of waiting on it, and the server ends
-    the frozen transaction after `idle_in_transaction_s` (a worker's `FROZEN_TRANSACTION_S`), so a later sweep
-    hands its job back and marks it stopped."""
+    SIGSTOP lands inside one only by chance: `test_faults`' frozen worker). The sweep skips what it cannot lock
+    instead of waiting on it, and the server ends the frozen transaction after `idle_in_transaction_s` (a
+    worker's `FROZEN_TRANSACTION_S`), so a later sweep hands its job back and marks it stopped."""
     from store.connections import make_db_engine
 
     engine, sessions = db

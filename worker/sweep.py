@@ -149,8 +149,8 @@ class Sweeper:
             expired = expire_queued(sessions, hold)
             with sessions.begin() as session:
                 # a row locked by its worker's own transaction is left to a later sweep: that worker froze inside
-                # its heartbeat (the server ends that transaction: `worker.context.FROZEN_TRANSACTION_S`), and waiting on it
-                # would stop this sweep, and every sweep after it, for as long as it stays frozen
+                # its heartbeat (the server ends that transaction: `worker.context.FROZEN_TRANSACTION_S`), and
+                # waiting on it would stop this sweep, and every sweep after it, for as long as it stays frozen
                 gone = (select(Worker.name).where(Worker.stopped_at.is_(None), ~alive(s.dead_after_s))
                         .with_for_update(skip_locked=True))
                 session.execute(update(Worker.__table__).where(Worker.name.in_(gone.scalar_subquery()))
